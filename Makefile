@@ -1,0 +1,67 @@
+# Every target sets up .venv on first use; `make test` is all CI needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+JOBS ?= 2
+WORKDIR ?= workdir/tiny
+CONFIG ?= configs/tiny.py
+
+.PHONY: help venv test test-slow lint format ding train decode bench clean
+
+help:
+	@echo "make train      train configs/tiny.py on the embedded 'ding' corpus into $(WORKDIR)"
+	@echo "make decode     translate the ding test set with the model in $(WORKDIR)"
+	@echo "make test       the fast test suite (CPU, offline)"
+	@echo "make test-slow  the slow tests"
+	@echo "make lint       ruff check + ruff format --check"
+	@echo "make bench      CPU benchmarks (JSON + table)"
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m slow
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# The Ding dictionary (Debian/Ubuntu package trans-de-en) is the default corpus.
+ding:
+	@test -f /usr/share/trans/de-en || { \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "Installing the Ding dictionary (apt-get install trans-de-en)..."; \
+	    (apt-get install -y -qq trans-de-en || (apt-get update -qq && apt-get install -y -qq trans-de-en)) >/dev/null; \
+	  elif command -v sudo >/dev/null; then \
+	    sudo apt-get install -y -qq trans-de-en; \
+	  else \
+	    echo "The default corpus needs /usr/share/trans/de-en: run 'apt-get install trans-de-en'," ; \
+	    echo "or train on your own data with --config.dataset=tsv:FILE.tsv"; exit 1; \
+	  fi; }
+
+train: $(STAMP) ding
+	$(PY) train.py --config=$(CONFIG) --workdir=$(WORKDIR)
+
+decode: $(STAMP) ding
+	$(PY) decode.py --workdir=$(WORKDIR)
+
+bench: $(STAMP)
+	$(PY) bench/input_pipeline.py
+	$(PY) bench/train.py --configs=tiny
+	$(PY) bench/decode.py --configs=tiny
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
