@@ -1,0 +1,115 @@
+"""TransformerConfig: every size and switch of the model, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# Special token ids, shared with the tokenizer (data/tokenizer.py).
+PAD_ID = 0
+EOS_ID = 1
+BOS_ID = 2
+UNK_ID = 3
+
+ACTIVATIONS = ("relu", "gelu")
+NORMS = ("post", "pre")
+ATTENTION_IMPLS = ("xla", "jax", "cudnn")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyperparameters of the encoder-decoder Transformer (Vaswani et al., 2017).
+
+    Defaults are Transformer-base (paper Table 3, row "base").
+    """
+
+    vocab_size: int  # V: shared source/target vocabulary (paper: ~37000 BPE)
+    d_model: int = 512  # D: width of every residual stream
+    num_heads: int = 8  # N: attention heads; head dim H = D / N
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    d_ff: int = 2048  # F: inner width of the position-wise feed-forward
+    dropout_rate: float = 0.1  # P_drop on sub-layer outputs and embeddings + PE
+    attention_dropout_rate: float = 0.0  # on attention weights; the paper uses none
+    activation: str = "relu"  # feed-forward nonlinearity: 'relu' (paper) or 'gelu'
+    norm: str = "post"  # 'post': LayerNorm(x + Sublayer(x)) (paper); 'pre': x + Sublayer(LN(x))
+    layer_norm_epsilon: float = 1e-6
+    share_embeddings: bool = True  # one embedding table for source and target
+    tie_output: bool = True  # logits = x @ embedding^T (paper section 3.4)
+    max_len: int = 1024  # longest position the sinusoid table covers
+    dtype: str = "float32"  # computation dtype; params, softmax, LayerNorm, loss stay float32
+    param_dtype: str = "float32"
+    attention_impl: str = "xla"  # 'xla' einsum, 'jax' = jax.nn.dot_product_attention, 'cudnn'
+    remat: bool = False  # recompute each layer's activations in the backward pass
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size",
+            "d_model",
+            "num_heads",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "d_ff",
+            "max_len",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"TransformerConfig.d_model ({self.d_model}) must be divisible by "
+                f"num_heads ({self.num_heads})"
+            )
+        if self.vocab_size <= UNK_ID:
+            raise ValueError(
+                f"TransformerConfig.vocab_size must exceed the {UNK_ID + 1} special ids, "
+                f"got {self.vocab_size}"
+            )
+        for name in ("dropout_rate", "attention_dropout_rate"):
+            rate = getattr(self, name)
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"TransformerConfig.{name} must be in [0, 1), got {rate!r}")
+        if not self.layer_norm_epsilon > 0:
+            raise ValueError(
+                f"TransformerConfig.layer_norm_epsilon must be > 0, got {self.layer_norm_epsilon}"
+            )
+        choices = {
+            "activation": ACTIVATIONS,
+            "norm": NORMS,
+            "attention_impl": ATTENTION_IMPLS,
+            "dtype": DTYPES,
+            "param_dtype": DTYPES,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(
+                    f"TransformerConfig.{name} must be one of {allowed}, got {value!r}"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
+        """Build from a mapping (e.g. `config.model` plus `vocab_size`); unknown keys are errors."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(
+                f"Unknown TransformerConfig field(s) {unknown}; known fields: {sorted(names)}"
+            )
+        return cls(**d)
