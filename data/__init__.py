@@ -1,9 +1,9 @@
 """Input pipeline: corpora, SentencePiece tokenizer and grain batching.
 
-    corpus = load_split(config, "train")
-    tokenizer = get_tokenizer(config, workdir, corpus)
-    batches = train_iterator(config, tokenizer, corpus, batch_multiple=n_local_devices)
-    global_batch = to_global_batch(next(batches), mesh)
+corpus = load_split(config, "train")
+tokenizer = get_tokenizer(config, workdir, corpus)
+batches = train_iterator(config, tokenizer, corpus, batch_multiple=n_local_devices)
+global_batch = to_global_batch(next(batches), mesh)
 """
 
 from data.corpora import DataError, ParallelCorpus, load_split

@@ -141,7 +141,7 @@ def parse_ding_line(line: str) -> list[tuple[str, str, bool]]:
     if len(de_subs) != len(en_subs):
         return []
     pairs = []
-    for d, e in zip(de_subs, en_subs):
+    for d, e in zip(de_subs, en_subs, strict=True):
         d_alts = [a for a in (clean_ding_text(x) for x in d.split(";")) if a]
         e_alts = [a for a in (clean_ding_text(x) for x in e.split(";")) if a]
         if len(d_alts) != 1 or len(e_alts) != 1:

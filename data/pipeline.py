@@ -161,10 +161,12 @@ def plan_bucketed(
     order = rng.permutation(n) if rng is not None else np.argsort(lengths, kind="stable")
     member_bucket = bucket_of[order]
     per_bucket = [order[member_bucket == k] for k in range(len(rows))]
-    counts = np.array([math.ceil(len(m) / r) for m, r in zip(per_bucket, rows)], np.int64)
+    counts = np.array(
+        [math.ceil(len(m) / r) for m, r in zip(per_bucket, rows, strict=True)], np.int64
+    )
     counts = _global_max(counts, process_count)
     plan = []
-    for k, (members, r) in enumerate(zip(per_bucket, rows)):
+    for k, (members, r) in enumerate(zip(per_bucket, rows, strict=True)):
         for j in range(int(counts[k])):
             plan.append((k, members[j * r : (j + 1) * r]))
     return plan
@@ -395,7 +397,7 @@ class TrainIterator:
         """The fixed set of [B, L] batch shapes this iterator produces."""
         if self.packing:
             return [(self.rows[0], self.max_length)]
-        return [(r, int(b)) for r, b in zip(self.rows, self.buckets)]
+        return [(r, int(b)) for r, b in zip(self.rows, self.buckets, strict=True)]
 
     def __iter__(self) -> TrainIterator:
         return self
