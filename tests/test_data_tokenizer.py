@@ -1,0 +1,99 @@
+"""SentencePiece tokenizer: special ids, round trips, deterministic training, reuse."""
+
+import os
+
+import pytest
+from ml_collections import ConfigDict
+
+from data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, DataError, Tokenizer, get_tokenizer
+from data.corpora import ParallelCorpus
+
+GERMAN = [
+    "Grüße aus Köln, die Straße ist groß.",
+    "Über den Fluss fährt eine Fähre.",
+    "Die Bäume im Süden blühen früh.",
+    "Wir müssen schnell nach Hause gehen.",
+    "Das Mädchen isst gern süße Äpfel.",
+]
+ENGLISH = [
+    "Greetings from Cologne, the street is big.",
+    "A ferry crosses the river.",
+    "The trees in the south blossom early.",
+    "We must go home quickly.",
+    "The girl likes to eat sweet apples.",
+]
+
+
+def corpus(repeat: int = 40) -> ParallelCorpus:
+    # Numbered variants so that the text has enough distinct pieces.
+    src = [f"{s} {i}" for i in range(repeat) for s in GERMAN]
+    tgt = [f"{t} {i}" for i in range(repeat) for t in ENGLISH]
+    return ParallelCorpus(src, tgt)
+
+
+def config(**kw) -> ConfigDict:
+    c = ConfigDict(
+        dict(vocab_size=320, tokenizer_type="unigram", tokenizer_sample_size=1000, seed=0)
+    )
+    c.update(kw)
+    return c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return get_tokenizer(config(), str(tmp_path_factory.mktemp("wd")), corpus())
+
+
+def test_special_ids(tokenizer):
+    assert (PAD_ID, EOS_ID, BOS_ID, UNK_ID) == (0, 1, 2, 3)
+    assert tokenizer.id_to_piece(EOS_ID) == "</s>"
+    assert tokenizer.id_to_piece(BOS_ID) == "<s>"
+    assert tokenizer.id_to_piece(UNK_ID) == "<unk>"
+    assert tokenizer.vocab_size == 320
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Grüße aus Köln, die Straße ist groß.",
+        "ÄÖÜ äöü ß ẞ",
+        "Das Wetter ist schön 😀🎉",
+        "Unbekannt: 漢字 ☃ Ω ∮ — «guillemets»",
+        "",
+    ],
+)
+def test_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert EOS_ID not in ids and BOS_ID not in ids
+    assert tokenizer.decode(ids) == text
+    # Characters never seen in training still round-trip (byte fallback, not <unk>).
+    assert UNK_ID not in ids
+
+
+def test_decode_stops_at_eos_and_skips_pad_bos(tokenizer):
+    ids = tokenizer.encode("Die Bäume")
+    tail = tokenizer.encode("blühen")
+    assert tokenizer.decode([BOS_ID, *ids, EOS_ID, *tail]) == "Die Bäume"
+    assert tokenizer.decode([*ids, PAD_ID, PAD_ID]) == "Die Bäume"
+    assert tokenizer.encode_batch(["Die Bäume", "blühen"]) == [ids, tail]
+
+
+def test_training_deterministic_saved_and_reused(tmp_path):
+    a = get_tokenizer(config(), str(tmp_path / "a"), corpus())
+    b = get_tokenizer(config(), str(tmp_path / "b"), corpus())
+    with open(a.path, "rb") as fa, open(b.path, "rb") as fb:
+        assert fa.read() == fb.read()
+    assert a.path == os.path.join(str(tmp_path / "a"), "tokenizer.model")
+    assert not [f for f in os.listdir(tmp_path / "a") if f.endswith(".tmp")]
+    # Second call loads: an empty corpus would make training impossible.
+    again = get_tokenizer(config(), str(tmp_path / "a"), ParallelCorpus([], []))
+    assert again.encode("Fähre") == a.encode("Fähre")
+    with pytest.raises(DataError, match="vocab_size"):
+        get_tokenizer(config(vocab_size=330), str(tmp_path / "a"), corpus())
+
+
+def test_bpe_option(tmp_path):
+    tok = get_tokenizer(config(tokenizer_type="bpe"), str(tmp_path), corpus())
+    assert tok.decode(tok.encode("Grüße 😀")) == "Grüße 😀"
+    with pytest.raises(DataError, match="tokenizer_type"):
+        get_tokenizer(config(tokenizer_type="wordpiece"), str(tmp_path / "x"), corpus())
