@@ -1,0 +1,243 @@
+"""Transformer behaviour: causality, padding invariance, cache == full pass, sizes, configs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import BOS_ID, Transformer, TransformerConfig, shift_right
+from model.sharding import partition_specs
+
+SMALL = dict(
+    vocab_size=40,
+    d_model=32,
+    num_heads=4,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    d_ff=64,
+    dropout_rate=0.0,
+    max_len=64,
+)
+
+
+def make(**overrides) -> Transformer:
+    return Transformer(TransformerConfig(**{**SMALL, **overrides}), rngs=nnx.Rngs(0))
+
+
+def random_tokens(seed, shape, low=4, high=40):
+    return jnp.asarray(np.random.default_rng(seed).integers(low, high, size=shape), jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make()
+
+
+def test_forward_shapes_and_dtype(model):
+    src, tgt = random_tokens(0, (3, 7)), random_tokens(1, (3, 5))
+    logits = model(src, tgt)
+    assert logits.shape == (3, 5, 40)
+    assert logits.dtype == jnp.float32
+    assert model.encode(src).shape == (3, 7, 32)
+    np.testing.assert_allclose(model.decode(tgt, model.encode(src), src), logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_causality(norm):
+    m = make(norm=norm)
+    src, tgt = random_tokens(0, (2, 6)), random_tokens(1, (2, 8))
+    base = m(src, tgt)
+    for t in (0, 3, 7):
+        changed = tgt.at[:, t].set((tgt[:, t] + 1 - 4) % 36 + 4)
+        out = m(src, changed)
+        np.testing.assert_allclose(out[:, :t], base[:, :t], atol=1e-5)
+        assert not np.allclose(out[:, t:], base[:, t:], atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_padding_invariance(norm):
+    m = make(norm=norm)
+    src, tgt = random_tokens(2, (2, 6)), random_tokens(3, (2, 5))
+    base = m(src, tgt)
+    src_padded = jnp.pad(src, ((0, 0), (0, 5)))
+    tgt_padded = jnp.pad(tgt, ((0, 0), (0, 4)))
+    out = m(src_padded, tgt_padded)
+    np.testing.assert_allclose(out[:, :5], base, atol=1e-5)
+    # Padding in the middle of the batch: row 1 shorter than row 0.
+    src_short = src.at[1, 4:].set(0)
+    one = m(src_short[1:2, :4], tgt[1:2])
+    both = m(src_short, tgt)
+    np.testing.assert_allclose(both[1:2], one, atol=1e-5)
+
+
+def test_padding_contents_do_not_leak(model):
+    # Whatever sits in padded *embedding* positions must not matter: change the
+    # ids after the first pad to other pads (still 0) vs. a different length.
+    src = jnp.array([[5, 6, 7, 1, 0, 0, 0]])
+    tgt = jnp.array([[BOS_ID, 9, 10]])
+    a = model(src, tgt)
+    b = model(src[:, :4], tgt)
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"norm": "pre"}, {"tie_output": False, "share_embeddings": False}, {"activation": "gelu"}],
+)
+def test_cached_decoding_equals_full_forward(overrides):
+    m = make(**overrides)
+    src = random_tokens(4, (3, 6)).at[2, 3:].set(0)
+    tgt = jnp.concatenate([jnp.full((3, 1), BOS_ID), random_tokens(5, (3, 6))], axis=1)
+    full = m(src, tgt)
+    cache = m.init_cache(src, max_decode_len=10)
+    step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
+    for t in range(tgt.shape[1]):
+        logits, cache = step(m, tgt[:, t], cache)
+        np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
+    assert int(cache.index) == tgt.shape[1]
+
+
+def test_packed_rows_equal_separate_rows():
+    m = make()
+    s1, s2 = random_tokens(6, (1, 4)), random_tokens(7, (1, 3))
+    t1, t2 = random_tokens(8, (1, 3)), random_tokens(9, (1, 5))
+    t1, t2 = t1.at[:, 0].set(BOS_ID), t2.at[:, 0].set(BOS_ID)
+    src = jnp.concatenate([s1, s2, jnp.zeros((1, 2), jnp.int32)], axis=1)
+    tgt = jnp.concatenate([t1, t2], axis=1)
+    packed = m(
+        src,
+        tgt,
+        src_segments=jnp.array([[1, 1, 1, 1, 2, 2, 2, 0, 0]]),
+        tgt_segments=jnp.array([[1, 1, 1, 2, 2, 2, 2, 2]]),
+        src_positions=jnp.array([[0, 1, 2, 3, 0, 1, 2, 0, 0]]),
+        tgt_positions=jnp.array([[0, 1, 2, 0, 1, 2, 3, 4]]),
+    )
+    np.testing.assert_allclose(packed[:, :3], m(s1, t1), atol=1e-5)
+    np.testing.assert_allclose(packed[:, 3:], m(s2, t2), atol=1e-5)
+
+
+def test_dropout_only_when_not_deterministic():
+    m = make(dropout_rate=0.3, attention_dropout_rate=0.2)
+    src, tgt = random_tokens(0, (2, 5)), random_tokens(1, (2, 4))
+    np.testing.assert_array_equal(m(src, tgt), m(src, tgt))
+    a = m(src, tgt, deterministic=False)
+    b = m(src, tgt, deterministic=False)
+    assert not np.allclose(a, b)
+
+
+def test_remat_gives_same_gradients():
+    src, tgt = random_tokens(0, (2, 5)), random_tokens(1, (2, 4))
+    loss = lambda m: m(src, tgt).mean()
+    g1 = nnx.state(nnx.grad(loss)(make()), nnx.Param)
+    g2 = nnx.state(nnx.grad(loss)(make(remat=True)), nnx.Param)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_attention_implementations_agree_in_model():
+    src = random_tokens(0, (2, 5)).at[1, 3:].set(0)
+    tgt = random_tokens(1, (2, 4))
+    np.testing.assert_allclose(make()(src, tgt), make(attention_impl="jax")(src, tgt), atol=1e-5)
+
+
+def test_bfloat16_computation_keeps_float32_params_and_logits():
+    m = make(dtype="bfloat16")
+    src, tgt = random_tokens(0, (2, 5)), random_tokens(1, (2, 4))
+    logits = m(src, tgt)
+    assert logits.dtype == jnp.float32
+    for p in jax.tree.leaves(nnx.state(m, nnx.Param)):
+        assert p.dtype == jnp.float32
+    np.testing.assert_allclose(logits, make()(src, tgt), atol=0.15)
+
+
+def test_tied_embeddings_share_one_table():
+    tied = make()
+    assert tied.tgt_embed is tied.src_embed and tied.unembed is None
+    untied = make(share_embeddings=False, tie_output=False)
+    assert untied.tgt_embed is not untied.src_embed and untied.unembed is not None
+
+
+def test_cross_attention_weights_are_distributions(model):
+    src = random_tokens(0, (2, 6)).at[1, 4:].set(0)
+    tgt = random_tokens(1, (2, 3))
+    w = np.asarray(model.cross_attention_weights(src, tgt))
+    assert w.shape == (2, 2, 4, 3, 6)  # [L, B, N, T, S]
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(w[:, 1, :, :, 4:], 0.0)  # never on source padding
+
+
+def test_shift_right():
+    tgt = jnp.array([[5, 6, 7, 1], [8, 1, 0, 0]])
+    np.testing.assert_array_equal(shift_right(tgt), [[BOS_ID, 5, 6, 7], [BOS_ID, 8, 1, 0]])
+
+
+def count_params(cfg: TransformerConfig) -> int:
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+@pytest.mark.parametrize(
+    "sizes,paper",
+    [
+        (dict(), 65e6),
+        (dict(d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3), 213e6),
+    ],
+)
+def test_parameter_counts_match_paper(sizes, paper):
+    n = count_params(TransformerConfig(vocab_size=37000, **sizes))
+    assert abs(n - paper) / paper < 0.04, n
+
+
+def test_every_param_has_logical_axes():
+    m = nnx.eval_shape(lambda: make())
+    params = nnx.state(m, nnx.Param)
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for p in leaves:
+        axes = p.logical_axes
+        assert len(axes) == len(p.shape), (axes, p.shape)
+    rules = [("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")]
+    specs = jax.tree.leaves(partition_specs(params, rules))
+    assert jax.sharding.PartitionSpec("fsdp", "tensor", None) in specs  # q/k/v [D, N, H]
+    assert jax.sharding.PartitionSpec("tensor", "fsdp") in specs  # embedding [V, D]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("d_model", 30),  # not divisible by 4 heads
+        ("num_heads", 0),
+        ("d_ff", -1),
+        ("vocab_size", 3),
+        ("num_encoder_layers", 0),
+        ("dropout_rate", 1.0),
+        ("attention_dropout_rate", -0.1),
+        ("activation", "tanh"),
+        ("norm", "sandwich"),
+        ("dtype", "int8"),
+        ("attention_impl", "flash"),
+        ("max_len", 0),
+    ],
+)
+def test_invalid_configs_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        TransformerConfig(**{**SMALL, field: value})
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="d_modle"):
+        TransformerConfig.from_dict({**SMALL, "d_modle": 3})
+    assert TransformerConfig.from_dict(SMALL) == TransformerConfig(**SMALL)
+
+
+def test_config_is_frozen():
+    cfg = TransformerConfig(**SMALL)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.d_model = 64  # type: ignore[misc]
+
+
+def test_decode_cache_rejects_too_long(model):
+    with pytest.raises(ValueError, match="max_len"):
+        model.init_cache(random_tokens(0, (1, 3)), max_decode_len=65)
