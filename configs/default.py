@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.max_len = 1024  # longest position the sinusoid table covers
     c.model.dtype = "float32"  # computation dtype ('bfloat16' on accelerators)
     c.model.param_dtype = "float32"
-    c.model.attention_impl = "xla"  # 'xla' (einsum), 'jax' or 'cudnn'
+    c.model.attention_impl = "auto"  # cuDNN flash attention on GPU (bf16), else einsum
     c.model.remat = False  # rematerialize layers in the backward pass
 
     # --- Optimization (paper section 5.3) --------------------------------

@@ -1,15 +1,48 @@
 """Scaled dot-product attention and its masks (paper section 3.2), as pure functions.
 
 Layout: q [B, T, N, H], k and v [B, S, N, H]. Masks are boolean and broadcast
-to [B, N, T, S]; True means "may attend".
+to [B, N, T, S]; True means "may attend". A `Mask` carries the same mask in the
+compact form fused kernels want (sequence lengths + causal flag) beside the dense one.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from model.config import PAD_ID
+
+
+@struct.dataclass
+class Mask:
+    """A dense mask plus, for right-padded unpacked rows, its compact equivalent.
+
+    dense: [B, 1, T, S] bool, always present (the 'xla' path and fallbacks use it).
+    q_lengths, kv_lengths: [B] int32 real-token counts, or None (e.g. packed rows).
+      Only valid when every row's real tokens come first, as our batches do.
+    causal: whether key position <= query position is also required.
+    XLA drops whichever form an implementation leaves unused.
+    """
+
+    dense: jax.Array
+    q_lengths: jax.Array | None = None
+    kv_lengths: jax.Array | None = None
+    causal: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def has_lengths(self) -> bool:
+        return self.q_lengths is not None and self.kv_lengths is not None
+
+
+def resolve_impl(impl: str, dtype, head_dim: int, has_lengths: bool) -> str:
+    """'auto' -> 'cudnn' on GPUs where cuDNN flash attention applies, else 'xla'."""
+    if impl != "auto":
+        return impl
+    fast_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    ok_head = head_dim <= 128 and head_dim % 8 == 0
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and fast_dtype and ok_head and has_lengths else "xla"
 
 
 def padding_mask(q_tokens: jax.Array, k_tokens: jax.Array, pad_id: int = PAD_ID) -> jax.Array:
@@ -35,6 +68,8 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None = None)
 
     Rows whose mask is all False get all-zero weights (not NaN, not uniform).
     """
+    if isinstance(mask, Mask):
+        mask = mask.dense
     scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
     q = q * scale.astype(q.dtype)
     logits = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32)
@@ -49,7 +84,7 @@ def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    mask: jax.Array | None = None,
+    mask: jax.Array | Mask | None = None,
     *,
     impl: str = "xla",
     dropout_rate: float = 0.0,
@@ -59,15 +94,22 @@ def dot_product_attention(
 
     Args:
       q: [B, T, N, H]; k, v: [B, S, N, H].
-      mask: boolean, broadcastable to [B, N, T, S]; True = may attend.
+      mask: boolean, broadcastable to [B, N, T, S]; True = may attend. Or a
+        `Mask`, whose sequence lengths let cuDNN skip padding without a dense mask.
       impl: 'xla' (einsum + float32 softmax, supports attention dropout),
-        'jax' (`jax.nn.dot_product_attention`, XLA on CPU/TPU) or 'cudnn'
-        (`jax.nn.dot_product_attention(implementation='cudnn')`, GPU only).
+        'jax' (`jax.nn.dot_product_attention`, XLA on CPU/TPU), 'cudnn'
+        (`jax.nn.dot_product_attention(implementation='cudnn')`, GPU, bf16/fp16)
+        or 'auto' (cuDNN where it applies, else 'xla').
       dropout_rate, dropout_rng: dropout on the attention weights ('xla' only).
 
     Returns:
       [B, T, N, H] in v's dtype. Query rows with no allowed key give zeros.
     """
+    structured = mask if isinstance(mask, Mask) else None
+    if structured is not None:
+        mask = structured.dense
+    has_lengths = structured is not None and structured.has_lengths
+    impl = resolve_impl(impl, q.dtype, q.shape[-1], has_lengths)
     if impl == "xla" or (dropout_rate > 0.0 and dropout_rng is not None):
         weights = attention_weights(q, k, mask)  # [B, N, T, S] float32
         if dropout_rate > 0.0 and dropout_rng is not None:
@@ -75,8 +117,19 @@ def dot_product_attention(
             weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
         return jnp.einsum("BNTS,BSNH->BTNH", weights.astype(v.dtype), v)
     if impl not in ("jax", "cudnn"):
-        raise ValueError(f"attention impl must be 'xla', 'jax' or 'cudnn', got {impl!r}")
+        raise ValueError(f"attention impl must be 'auto', 'xla', 'jax' or 'cudnn', got {impl!r}")
     implementation = "cudnn" if impl == "cudnn" else None
+    if impl == "cudnn" and has_lengths:
+        # Flash attention skips padded keys (and future keys) by length: no dense mask.
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=structured.causal,
+            query_seq_lengths=structured.q_lengths.astype(jnp.int32),
+            key_value_seq_lengths=structured.kv_lengths.astype(jnp.int32),
+            implementation="cudnn",
+        )
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
     if mask is None:
         return out

@@ -15,7 +15,7 @@ UNK_ID = 3
 
 ACTIVATIONS = ("relu", "gelu")
 NORMS = ("post", "pre")
-ATTENTION_IMPLS = ("xla", "jax", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "jax", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -42,7 +42,9 @@ class TransformerConfig:
     max_len: int = 1024  # longest position the sinusoid table covers
     dtype: str = "float32"  # computation dtype; params, softmax, LayerNorm, loss stay float32
     param_dtype: str = "float32"
-    attention_impl: str = "xla"  # 'xla' einsum, 'jax' = jax.nn.dot_product_attention, 'cudnn'
+    # 'auto' (cuDNN flash attention on GPUs in bf16/fp16, else 'xla'), 'xla' (einsum),
+    # 'jax' (jax.nn.dot_product_attention) or 'cudnn' (force cuDNN; GPU only).
+    attention_impl: str = "auto"
     remat: bool = False  # recompute each layer's activations in the backward pass
 
     def __post_init__(self) -> None:

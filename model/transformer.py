@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from model.attention import causal_mask, padding_mask, segment_mask
+from model.attention import Mask, causal_mask, padding_mask, segment_mask
 from model.config import BOS_ID, PAD_ID, TransformerConfig
 from model.layers import DecoderLayer, Embed, EncoderLayer, LayerNorm, Unembed
 from model.positional import sinusoidal_positions
@@ -49,25 +49,31 @@ class DecodeCache:
         return self.self_k[0].shape[1]
 
 
-def _source_mask(src: jax.Array, src_segments: jax.Array | None) -> jax.Array:
+def _lengths(tokens: jax.Array) -> jax.Array:
+    return (tokens != PAD_ID).sum(axis=-1).astype(jnp.int32)  # [B]
+
+
+def _source_mask(src: jax.Array, src_segments: jax.Array | None) -> Mask:
     if src_segments is None:
-        return padding_mask(src, src)
-    return segment_mask(src_segments, src_segments)
+        n = _lengths(src)
+        return Mask(padding_mask(src, src), q_lengths=n, kv_lengths=n)
+    return Mask(segment_mask(src_segments, src_segments))
 
 
 def _cross_mask(
     tgt: jax.Array, src: jax.Array, tgt_segments: jax.Array | None, src_segments: jax.Array | None
-) -> jax.Array:
+) -> Mask:
     if tgt_segments is None or src_segments is None:
-        return padding_mask(tgt, src)
-    return segment_mask(tgt_segments, src_segments)
+        return Mask(padding_mask(tgt, src), q_lengths=_lengths(tgt), kv_lengths=_lengths(src))
+    return Mask(segment_mask(tgt_segments, src_segments))
 
 
-def _target_mask(tgt: jax.Array, tgt_segments: jax.Array | None) -> jax.Array:
-    mask = causal_mask(tgt)
-    if tgt_segments is not None:
-        mask = mask & segment_mask(tgt_segments, tgt_segments)
-    return mask
+def _target_mask(tgt: jax.Array, tgt_segments: jax.Array | None) -> Mask:
+    if tgt_segments is None:
+        n = _lengths(tgt)
+        return Mask(causal_mask(tgt), q_lengths=n, kv_lengths=n, causal=True)
+    dense = causal_mask(tgt) & segment_mask(tgt_segments, tgt_segments)
+    return Mask(dense, causal=True)
 
 
 class Transformer(nnx.Module):
