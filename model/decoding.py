@@ -294,8 +294,12 @@ def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size):
             self_v=tuple(jnp.take(x, rows, axis=0) for x in cache.self_v),
         )
 
-        # Finished: merge the candidates that ended with the K kept so far.
-        new_scores = jnp.where(is_eos, top_logp / length_penalty(t + 1, alpha), NEG_INF)
+        # Finished: an EOS candidate counts only if it ranks among the K best (as in
+        # fairseq), so beam size 1 with alpha 0 is exactly greedy search. Merge the
+        # new ones with the K kept so far.
+        in_beam = jnp.arange(2 * k) < k  # [2K]
+        new_scores = top_logp / length_penalty(t + 1, alpha)  # [B, 2K]
+        new_scores = jnp.where(is_eos & in_beam, new_scores, NEG_INF)
         all_scores = jnp.concatenate([s.fin_scores, new_scores], axis=1)  # [B, 3K]
         all_seqs = jnp.concatenate([s.fin_seqs, top_seqs], axis=1)  # [B, 3K, L]
         fin_scores, fin_pos = jax.lax.top_k(all_scores, k)  # [B, K]

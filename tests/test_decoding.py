@@ -1,0 +1,233 @@
+"""Search properties on tiny random models: cached == full forward, beam 1 == greedy, etc."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, decoding
+
+TINY = dict(
+    vocab_size=12,
+    d_model=32,
+    num_heads=2,
+    num_encoder_layers=1,
+    num_decoder_layers=2,
+    d_ff=64,
+    dropout_rate=0.0,
+    max_len=32,
+)
+
+
+def make(seed=0, **overrides) -> Transformer:
+    return Transformer(TransformerConfig(**{**TINY, **overrides}), rngs=nnx.Rngs(seed))
+
+
+def ragged_src(seed, lengths, width=None, vocab=12):
+    """[B, S] sources of the given lengths (ids 4..V-1, EOS-terminated as in training)."""
+    rng = np.random.default_rng(seed)
+    width = width or max(lengths)
+    src = np.zeros((len(lengths), width), np.int32)
+    for i, n in enumerate(lengths):
+        src[i, : n - 1] = rng.integers(4, vocab, size=n - 1)
+        src[i, n - 1] = EOS_ID
+    return jnp.asarray(src)
+
+
+@pytest.fixture(scope="module")
+def model():
+    # A sharp output distribution makes EOS likely early and ties impossible.
+    return make()
+
+
+_forward = jax.jit(lambda graphdef, state, src, tgt_in: nnx.merge(graphdef, state)(src, tgt_in))
+
+
+def full_logp(model, src_row, prefix, width=32):
+    """log P(next | prefix) from a full forward pass: src [S], prefix list -> [V] float64.
+
+    The decoder input is padded to a fixed width so that one compiled program
+    serves every prefix; causality keeps the padding from mattering.
+    """
+    tgt_in = np.zeros((1, width), np.int32)
+    tgt_in[0, : len(prefix) + 1] = [BOS_ID, *prefix]
+    logits = _forward(*nnx.split(model), src_row[None], jnp.asarray(tgt_in))[0, len(prefix)]
+    logp = np.asarray(jax.nn.log_softmax(logits), np.float64)
+    logp[[PAD_ID, BOS_ID]] = -np.inf  # searches never emit these
+    return logp
+
+
+def reference_greedy(model, src_row, limit):
+    out = []
+    for t in range(limit):
+        logp = full_logp(model, src_row, out)
+        tok = EOS_ID if t == limit - 1 else int(np.argmax(logp))
+        out.append(tok)
+        if tok == EOS_ID:
+            break
+    return out
+
+
+def reference_beam(model, src_row, k, alpha, limit):
+    """Textbook beam search over full forward passes (same stopping rule, no cache)."""
+    lp = lambda n: ((5 + n) / 6) ** alpha
+    live, finished = [((), 0.0)], []
+    for t in range(limit):
+        cands = []
+        for seq, score in live:
+            logp = full_logp(model, src_row, list(seq))
+            toks = [EOS_ID] if t == limit - 1 else range(len(logp))
+            cands += [((*seq, tok), score + logp[tok]) for tok in toks]
+        cands.sort(key=lambda c: -c[1])
+        cands = cands[: 2 * k]
+        finished += [(s, lpv / lp(t + 1)) for s, lpv in cands[:k] if s[-1] == EOS_ID]
+        finished = sorted(finished, key=lambda c: -c[1])[:k]
+        live = [c for c in cands if c[0][-1] != EOS_ID][:k]
+        if not live:
+            break
+        best_live = max(sc for _, sc in live) / lp(limit)
+        if len(finished) == k and finished[-1][1] >= best_live:
+            break
+    return finished
+
+
+def as_list(row):
+    row = [int(t) for t in np.asarray(row)]
+    return row[: row.index(EOS_ID) + 1] if EOS_ID in row else row
+
+
+def test_greedy_cached_equals_full_forward(model):
+    src = ragged_src(0, [5, 3, 7])
+    tokens = decoding.greedy_search(model, src, max_decode_len=9)
+    assert tokens.shape == (3, 9) and tokens.dtype == jnp.int32
+    for b in range(3):
+        assert as_list(tokens[b]) == reference_greedy(model, src[b], 9)
+
+
+def test_beam_cached_equals_full_forward(model):
+    src = ragged_src(1, [4, 6])
+    k, alpha, limit = 3, 0.6, 7
+    tokens, scores = decoding.beam_search(
+        model, src, beam_size=k, alpha=alpha, max_decode_len=limit
+    )
+    assert tokens.shape == (2, k, limit) and scores.shape == (2, k)
+    for b in range(2):
+        ref = reference_beam(model, src[b], k, alpha, limit)
+        assert [as_list(tokens[b, i]) for i in range(k)] == [list(s) for s, _ in ref]
+        np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
+
+
+def test_beam_scores_are_length_normalized_log_probs(model):
+    src = ragged_src(2, [6, 3, 5])
+    alpha = 0.6
+    tokens, scores = decoding.beam_search(model, src, beam_size=4, alpha=alpha)
+    assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6), "best first"
+    flat = tokens.reshape(12, -1)  # [B, K, L] -> [B*K, L]
+    logp = sequence_logp(model, jnp.repeat(src, 4, axis=0), flat)  # [B*K]
+    lengths = []
+    for row in np.asarray(flat):
+        seq = as_list(row)
+        assert seq[-1] == EOS_ID and EOS_ID not in seq[:-1]
+        assert np.all(row[len(seq) :] == PAD_ID)
+        lengths.append(len(seq))
+    expected = np.asarray(logp) / ((5 + np.array(lengths)) / 6) ** alpha
+    np.testing.assert_allclose(scores.reshape(12), expected, atol=1e-4)
+
+
+def test_beam_size_one_equals_greedy():
+    for seed in range(3):
+        model = make(seed)
+        src = ragged_src(seed, [5, 2, 8, 4])
+        greedy = decoding.greedy_search(model, src)
+        beam, _ = decoding.beam_search(model, src, beam_size=1, alpha=0.0)
+        np.testing.assert_array_equal(beam[:, 0], greedy)
+        np.testing.assert_array_equal(decoding.translate(model, src, beam_size=1), greedy)
+
+
+def sequence_logp(model, src, tokens):
+    """Sum of log P of each row's tokens up to and including EOS: [B, L] -> [B]."""
+    tgt_in = jnp.concatenate([jnp.full((src.shape[0], 1), BOS_ID), tokens[:, :-1]], axis=1)
+    logp = jax.nn.log_softmax(model(src, tgt_in), axis=-1)  # [B, L, V]
+    picked = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]  # [B, L]
+    # Positions up to and including the first EOS count.
+    after = jnp.cumsum(tokens == EOS_ID, axis=1) - (tokens == EOS_ID)
+    return jnp.sum(jnp.where(after == 0, picked, 0.0), axis=1)
+
+
+def test_beam_alpha0_never_worse_than_greedy():
+    for seed in range(4):
+        model = make(seed + 10)
+        src = ragged_src(seed, [6, 3, 8, 5, 2, 7])
+        greedy = decoding.greedy_search(model, src)
+        beam, scores = decoding.beam_search(model, src, beam_size=4, alpha=0.0)
+        greedy_lp = sequence_logp(model, src, greedy)
+        beam_lp = sequence_logp(model, src, beam[:, 0])
+        np.testing.assert_allclose(beam_lp, scores[:, 0], atol=1e-4)
+        assert np.all(np.asarray(beam_lp) >= np.asarray(greedy_lp) - 1e-4)
+
+
+def test_default_length_limit_is_source_length_plus_50():
+    model = make(max_len=128)
+    src = ragged_src(3, [3, 9], width=10)
+    tokens = decoding.greedy_search(model, src)
+    assert tokens.shape == (2, 60)  # S + 50 columns
+    # A model that never predicts EOS on its own is stopped at n + 50 (EOS included).
+    never_eos = make(max_len=128)
+    emb = never_eos.src_embed.embedding
+    emb[...] = emb[...].at[EOS_ID].set(-10 * jnp.abs(emb[...]).max())
+    tokens = np.asarray(decoding.greedy_search(never_eos, src))
+    lengths = [as_list(r).index(EOS_ID) + 1 for r in tokens]
+    assert lengths == [53, 59]
+    assert tokens[0, 53:].max() == 0
+
+
+def test_padding_and_batch_composition_do_not_change_results(model):
+    src = ragged_src(4, [5, 3, 6])
+    alone = [decoding.translate(model, src[i : i + 1, :6]) for i in range(3)]
+    wide = decoding.translate(model, jnp.pad(src, ((0, 1), (0, 4))))  # extra row, wider
+    for i in range(3):
+        row = as_list(wide[i])
+        assert row == as_list(alone[i][0])
+
+
+def test_sampling_respects_top_k_and_is_reproducible(model):
+    src = ragged_src(5, [5, 4, 6, 3])
+    key = jax.random.key(1)
+    a = decoding.sample(model, src, key, temperature=0.7, top_k=2)
+    b = decoding.sample(model, src, key, temperature=0.7, top_k=2)
+    np.testing.assert_array_equal(a, b)
+    # top_k=1 is greedy whatever the temperature.
+    np.testing.assert_array_equal(
+        decoding.sample(model, src, key, temperature=3.0, top_k=1),
+        decoding.greedy_search(model, src),
+    )
+    for row in np.asarray(a):
+        seq = as_list(row)
+        assert seq[-1] == EOS_ID
+        assert np.all(row[len(seq) :] == PAD_ID)
+
+
+def test_repeated_calls_do_not_retrace(model):
+    src = ragged_src(6, [4, 4])
+    decoding.translate(model, src)
+    before = decoding._beam_search._cache_size()
+    decoding.translate(model, ragged_src(7, [3, 4]))
+    decoding.translate(model, ragged_src(8, [4, 2]), alpha=0.3)
+    assert decoding._beam_search._cache_size() == before
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(beam_size=0), dict(alpha=-1.0), dict(max_decode_len=0), dict(max_decode_len=99)],
+)
+def test_bad_arguments_raise_value_error(model, kwargs):
+    with pytest.raises(ValueError):
+        decoding.beam_search(model, ragged_src(0, [3]), **kwargs)
+
+
+def test_length_penalty_matches_gnmt():
+    assert float(decoding.length_penalty(7, 0.6)) == pytest.approx(math.pow(12 / 6, 0.6))
+    assert float(decoding.length_penalty(7, 0.0)) == 1.0
