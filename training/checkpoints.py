@@ -1,0 +1,233 @@
+"""Orbax checkpoints in WORKDIR/checkpoints, and loading a trained model back.
+
+A checkpoint step directory holds three items:
+    params  the model parameters (restored alone by `restore_model`)
+    train   step, optimizer state and dropout RNG streams
+    data    the input iterator's position (JSON)
+`config.json` and `tokenizer.model` sit beside `checkpoints/` in the workdir.
+
+Orbax writes each step to a temporary directory and renames it only once
+complete, so a save cut short (SIGKILL, power loss) is never picked up.
+Restoring takes abstract arrays that carry the *current* shardings, so a
+checkpoint written on one mesh restores onto another (8 devices -> 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from model import Transformer, TransformerConfig
+from training import steps
+from training.errors import TrainingError
+
+CHECKPOINT_DIR = "checkpoints"
+CONFIG_FILE = "config.json"
+
+
+# --- Config beside the checkpoints ---------------------------------------------
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Write WORKDIR/config.json (atomically: a reader never sees half a file)."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, CONFIG_FILE)
+    with open(path + ".tmp", "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(path + ".tmp", path)
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+    """Read WORKDIR/config.json back into a ConfigDict (tuples come back as lists)."""
+    if not os.path.isdir(workdir):
+        raise TrainingError(f"workdir {workdir!r} does not exist; train a model into it first")
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise TrainingError(
+            f"{path} is missing; is {workdir!r} a training workdir? Train with "
+            f"`python train.py --config=configs/tiny.py --workdir={workdir}`"
+        )
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
+    """config.model + config.vocab_size -> TransformerConfig."""
+    return steps.model_config(config)
+
+
+# --- Storage form -----------------------------------------------------------------
+# Orbax stores plain arrays: nnx Variables are unwrapped to their values, and
+# typed PRNG keys to their raw uint32 data.
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _storable(tree: Any) -> Any:
+    def f(x):
+        x = x.get_value() if _is_var(x) else x
+        return jax.random.key_data(x) if _is_key(x) else x
+
+    return jax.tree.map(f, tree, is_leaf=_is_var)
+
+
+def _abstract_storable(abstract: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) in storage form."""
+
+    def f(x):
+        x = x.get_value() if _is_var(x) else x
+        if _is_key(x):
+            shape = jax.eval_shape(jax.random.key_data, x).shape
+            return jax.ShapeDtypeStruct(shape, jnp.uint32, sharding=x.sharding)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+    return jax.tree.map(f, abstract, is_leaf=_is_var)
+
+
+def _from_storable(stored: Any, abstract: Any) -> Any:
+    """Put restored plain arrays back into `abstract`'s structure (Variables, typed keys)."""
+    abstract_leaves, treedef = jax.tree.flatten(abstract)
+    leaves = [
+        jax.random.wrap_key_data(x) if _is_key(a) else x
+        for x, a in zip(jax.tree.leaves(stored), abstract_leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# --- The manager -----------------------------------------------------------------
+
+
+class Checkpoints:
+    """`ocp.CheckpointManager` over WORKDIR/checkpoints with our three items."""
+
+    def __init__(self, workdir: str, *, max_to_keep: int | None = 5, create: bool = True):
+        self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            create=create,
+            enable_async_checkpointing=True,
+        )
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("params", "train", "data")
+        )
+
+    def all_steps(self) -> list[int]:
+        """Complete checkpoints only, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, state: steps.TrainState, data_state: dict[str, Any]) -> None:
+        """Start an asynchronous save of `state` at `state.step`; returns once arrays are copied."""
+        stored = _storable(state)
+        train = {"step": stored.step, "opt_state": stored.opt_state, "rngs": stored.rngs}
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(stored.params),
+            train=ocp.args.StandardSave(train),
+            data=ocp.args.JsonSave(data_state),
+        )
+        self.manager.save(int(jax.device_get(state.step)), args=args, force=True)
+
+    def restore(
+        self, step: int, abstract_state: steps.TrainState
+    ) -> tuple[steps.TrainState, dict[str, Any]]:
+        """(TrainState placed as `abstract_state`'s shardings say, data iterator state)."""
+        target = _abstract_storable(abstract_state)
+        train = {"step": target.step, "opt_state": target.opt_state, "rngs": target.rngs}
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(target.params),
+                train=ocp.args.StandardRestore(train),
+                data=ocp.args.JsonRestore(),
+            ),
+        )
+        t = out["train"]
+        stored = steps.TrainState(t["step"], out["params"], t["opt_state"], t["rngs"])
+        return _from_storable(stored, abstract_state), out["data"]
+
+    def restore_params(self, step: int, abstract_params: nnx.State) -> nnx.State:
+        """Only the `params` item (no optimizer state is read)."""
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(_abstract_storable(abstract_params))
+            ),
+        )
+        return _from_storable(out["params"], abstract_params)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+# --- Loading a trained model -------------------------------------------------------
+
+
+def average_params(params: Sequence[nnx.State]) -> nnx.State:
+    """The element-wise mean of several parameter sets (paper 6.1: the last 5 or 20)."""
+    n = len(params)
+    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]) / n, *params)
+
+
+def restore_model(
+    workdir: str, *, step: int | None = None, average_last: int = 1
+) -> tuple[Transformer, ml_collections.ConfigDict, int]:
+    """The trained model of WORKDIR, its config, and the checkpoint step it was loaded from.
+
+    Args:
+      workdir: a training workdir (config.json + checkpoints/).
+      step: the checkpoint to load; None = the newest complete one.
+      average_last: average the parameters of this many checkpoints ending at
+        `step` (paper section 6.1); 1 = no averaging.
+    Raises:
+      TrainingError: no workdir, no config.json, no checkpoint, unknown step.
+    """
+    config = load_config(workdir)
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
+    available = Checkpoints(workdir, create=False).all_steps() if os.path.isdir(directory) else []
+    if not available:
+        raise TrainingError(f"no complete checkpoint in {directory}; train the model first")
+    if step is None:
+        step = available[-1]
+    if step not in available:
+        raise TrainingError(f"no checkpoint for step {step} in {directory}; have {available}")
+    if average_last < 1:
+        raise TrainingError(f"average_last must be >= 1, got {average_last}")
+    chosen = [s for s in available if s <= step][-average_last:]
+
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    try:
+        abstract_model = nnx.eval_shape(lambda: steps.build_model(config))
+    except ValueError as e:  # a hand-edited config.json
+        raise TrainingError(f"{workdir}/{CONFIG_FILE}: {e}") from e
+    graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
+    abstract_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
+    )
+    manager = Checkpoints(workdir, create=False)
+    try:
+        restored = [manager.restore_params(s, abstract_params) for s in chosen]
+    finally:
+        manager.close()
+    params = restored[0] if len(restored) == 1 else average_params(restored)
+    # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
+    rngs = jax.jit(lambda: nnx.split(steps.build_model(config), nnx.Param, ...)[2])()
+    return nnx.merge(graphdef, params, rngs), config, step
