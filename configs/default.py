@@ -83,7 +83,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_every_steps = 5000
     c.checkpoint_every_steps = 5000
     c.max_checkpoints_to_keep = 5
-    c.eval_max_examples = 0  # 0 = the whole dev set
+    c.eval_max_examples = 0  # dev pairs decoded for BLEU at periodic evals; 0 = the whole dev set
+    # Dev pairs decoded for the final BLEU at the end of training; 0 = the whole dev set.
+    c.final_eval_max_examples = 0
     c.eval_beam_size = 4
     c.eval_alpha = 0.6
     c.num_examples_to_print = 5
