@@ -3,6 +3,7 @@
     tokens = translate(model, src)                          # [B, S] -> [B, L], beam 4, alpha 0.6
     tokens, scores = beam_search(model, src, beam_size=4)   # [B, K, L], [B, K], best first
     tokens = greedy_search(model, src)                      # [B, L]
+    outputs = translate_ids(model, list_of_id_lists)        # any lengths, static shapes
 
 Every search encodes the source once (`Transformer.init_cache` also projects the
 cross-attention keys/values of every layer once) and then feeds one token per
@@ -25,10 +26,12 @@ and scores are comparable.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from model.config import BOS_ID, EOS_ID, PAD_ID
@@ -375,3 +378,115 @@ def translate(
         model, src, beam_size=beam_size, alpha=alpha, max_decode_len=max_decode_len
     )
     return tokens[:, 0]  # [B, K, L] -> [B, L]
+
+
+# --- many sources of different lengths: static shapes ---------------------------
+
+# Padded source widths. A file of any size compiles at most one program per
+# (width, batch rows) pair actually used: a handful, not one per batch.
+LENGTH_BUCKETS = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+MIN_BATCH_ROWS = 8
+
+
+def bucket_width(n: int, max_len: int) -> int:
+    """The padded width for a source of n tokens: the smallest bucket >= n, at most max_len."""
+    for width in LENGTH_BUCKETS:
+        if width >= n:
+            return min(width, max_len)
+    return max_len
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def plan_batches(
+    lengths: Sequence[int], *, batch_tokens: int, max_len: int
+) -> list[tuple[np.ndarray, int, int]]:
+    """Group sources into batches of static shape; longest first.
+
+    Args:
+      lengths: tokens per source (EOS included); all in [1, max_len].
+      batch_tokens: budget of padded source tokens per batch (rows * width).
+      max_len: the model's longest position.
+    Returns:
+      (indices into `lengths`, width S, rows B) per batch, with len(indices) <= B.
+      Full batches have B = the largest power of two with B * S <= batch_tokens;
+      a bucket's last batch is padded up to a power of two (at least 8), so each
+      bucket compiles at most a few batch sizes.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    widths = np.array([bucket_width(int(n), max_len) for n in lengths], np.int64)
+    # Stable sort by decreasing length keeps equal-length sources in input order.
+    order = np.argsort(-lengths, kind="stable")
+    batches = []
+    for width in sorted(set(widths.tolist()), reverse=True):
+        idx = order[widths[order] == width]
+        full = _pow2_floor(batch_tokens // width)
+        for start in range(0, len(idx), full):
+            chunk = idx[start : start + full]
+            rows = min(full, max(MIN_BATCH_ROWS, 1 << (len(chunk) - 1).bit_length()))
+            batches.append((chunk, width, rows))
+    return batches
+
+
+def translate_ids(
+    model: Transformer,
+    sources: Sequence[Sequence[int]],
+    *,
+    beam_size: int = DEFAULT_BEAM_SIZE,
+    alpha: float = DEFAULT_ALPHA,
+    batch_tokens: int = 4096,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[list[int]]:
+    """Translate token-id sources of any lengths, in batches of static shape.
+
+    Args:
+      sources: id lists as the model was trained on (EOS-terminated), each at most
+        `config.max_len` long; an empty list gives an empty translation without
+        running the model.
+      batch_tokens: padded source tokens per batch (beam search holds K times as many).
+      progress: called after each batch with (sentences, output tokens) it finished.
+    Returns:
+      output ids per source, in input order, without BOS/EOS/padding.
+    """
+    max_len = model.config.max_len
+    too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} source(s) exceed max_len {max_len} (first: #{too_long[0]})"
+        )
+    if batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    nonempty = [i for i, s in enumerate(sources) if len(s)]
+    lengths = [len(sources[i]) for i in nonempty]
+    results: list[list[int]] = [[] for _ in sources]
+
+    def finish(pending):
+        tokens, chunk = pending
+        tokens = np.asarray(tokens)  # waits for the device
+        count = 0
+        for row, j in zip(tokens, chunk, strict=False):
+            row = row.tolist()
+            row = row[: row.index(EOS_ID)] if EOS_ID in row else row
+            results[nonempty[j]] = [t for t in row if t != PAD_ID]
+            count += len(row) + 1
+        if progress is not None:
+            progress(len(chunk), count)
+
+    pending = None
+    for chunk, width, rows in plan_batches(lengths, batch_tokens=batch_tokens, max_len=max_len):
+        # Filler rows hold a lone EOS: a valid, cheap source whose output is dropped.
+        src = np.zeros((rows, width), np.int32)  # [B, S]
+        src[len(chunk) :, 0] = EOS_ID
+        for r, j in enumerate(chunk):
+            ids = sources[nonempty[j]]
+            src[r, : len(ids)] = ids
+        tokens = translate(model, src, beam_size=beam_size, alpha=alpha)
+        # Dispatch is asynchronous: the next batch is queued before this one is read.
+        if pending is not None:
+            finish(pending)
+        pending = (tokens, chunk)
+    if pending is not None:
+        finish(pending)
+    return results

@@ -1,0 +1,212 @@
+"""decode.py end to end on a workdir trained in-test (German digit words -> English).
+
+The fixture trains a SentencePiece tokenizer and a small Transformer for a few
+hundred Adam steps on a synthetic word-for-word task, then saves them as
+train.py would (config.json, checkpoints/, tokenizer.model).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from configs import tiny
+from data import EOS_ID, Tokenizer
+from data.tokenizer import train_tokenizer
+from model import decoding, shift_right
+from training import checkpoints, steps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DE = ["null", "eins", "zwei", "drei", "vier", "fünf", "sechs", "sieben", "acht", "neun"]
+EN = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def digit_pairs(rng, n, max_words=6):
+    """n (German, English) sentences of 1..max_words digit words."""
+    out = []
+    for _ in range(n):
+        d = rng.integers(0, 10, size=rng.integers(1, max_words + 1))
+        out.append((" ".join(DE[i] for i in d), " ".join(EN[i] for i in d)))
+    return out
+
+
+def pad(rows, width):
+    a = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        a[i, : len(r)] = r
+    return a
+
+
+def train_digits(model, tok, num_steps=350, batch=64, width=24, seed=0):
+    """A plain Adam loop on random digit sentences (teacher forcing, no label smoothing)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = optax.adam(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 30, num_steps, 3e-4))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, src, tgt):
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p, rest)(src, shift_right(tgt))
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, tgt)
+            w = tgt != 0
+            return jnp.sum(ce * w) / jnp.sum(w)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    for _ in range(num_steps):
+        pairs = digit_pairs(rng, batch)
+        src = pad([[*tok.encode(s), EOS_ID] for s, _ in pairs], width)
+        tgt = pad([[*tok.encode(t), EOS_ID] for _, t in pairs], width)
+        params, opt_state, loss = step(params, opt_state, src, tgt)
+    nnx.update(model, params)
+    return float(loss)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    wd = str(tmp_path_factory.mktemp("workdir"))
+    texts = [s for pair in digit_pairs(np.random.default_rng(1), 400) for s in pair]
+    proto = train_tokenizer(texts, 320)  # room for every word as one piece
+    with open(os.path.join(wd, "tokenizer.model"), "wb") as f:
+        f.write(proto)
+    tok = Tokenizer.load(os.path.join(wd, "tokenizer.model"))
+
+    config = tiny.get_config()
+    config.vocab_size = tok.vocab_size
+    config.max_length = 24
+    config.model.update(
+        d_model=64, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=128
+    )
+    config.model.update(dropout_rate=0.0, max_len=64)
+    checkpoints.save_config(config, wd)
+    model = steps.build_model(config)
+    loss = train_digits(model, tok)
+    assert loss < 0.05, f"the digit task did not train (loss {loss})"
+
+    _, params, rngs = nnx.split(model, nnx.Param, ...)
+    state = steps.TrainState(jnp.asarray(350, jnp.int32), params, optax.sgd(1.0).init(params), rngs)
+    manager = checkpoints.Checkpoints(wd)
+    manager.save(state, {})
+    manager.wait()
+    manager.close()
+    return wd
+
+
+def run_decode(*args, stdin=None):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "decode.py"), *args],
+        input=stdin,
+        capture_output=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_trained_model_translates_synthetic_task_exactly(workdir):
+    model, _, step = checkpoints.restore_model(workdir)
+    assert step == 350
+    tok = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))
+    pairs = digit_pairs(np.random.default_rng(123), 40)
+    src = pad([[*tok.encode(s), EOS_ID] for s, _ in pairs], 24)
+    for beam_size in (1, 4):
+        out = np.asarray(decoding.translate(model, src, beam_size=beam_size))
+        assert [tok.decode(r.tolist()) for r in out] == [t for _, t in pairs]
+
+
+def test_cli_translates_in_order_with_bad_lines(workdir, tmp_path):
+    rng = np.random.default_rng(7)
+    pairs = digit_pairs(rng, 30)  # shuffled lengths
+    lines = [s.encode() for s, _ in pairs]
+    expected = [t for _, t in pairs]
+    # Bad lines: empty, whitespace-only, invalid UTF-8, a vertical tab (not a line
+    # break here), CRLF, and one far longer than the model's max_len.
+    bad = {
+        3: (b"", ""),
+        5: (b"   \t ", ""),
+        9: (b"eins \xff\xfe zwei", None),
+        12: (b"drei\x0bvier", None),
+        15: ("fünf".encode(), "five"),
+        20: (b"sechs\r", "six"),
+        25: (b" ".join([b"sieben"] * 200), None),
+    }
+    for i, (line, want) in sorted(bad.items()):
+        lines.insert(i, line)
+        expected.insert(i, want)
+    src = tmp_path / "in.de"
+    src.write_bytes(b"\n".join(lines))  # no newline at the end of the last line
+    out = tmp_path / "out.en"
+    out.write_text("old content\n")
+    r = run_decode(f"--workdir={workdir}", f"--input={src}", f"--output={out}", "--batch_tokens=64")
+    assert r.returncode == 0, r.stderr.decode()
+    got = out.read_text().split("\n")
+    assert got[-1] == "" and len(got) - 1 == len(lines)
+    for i, want in enumerate(expected):
+        if want is not None:
+            assert got[i] == want, (i, lines[i])
+    err = r.stderr.decode()
+    assert "1 line(s) had invalid UTF-8" in err
+    assert "1 line(s) over 64 tokens truncated" in err
+    assert "sentences/s" in err and "tokens/s" in err
+
+
+def test_cli_stdin_stdout_reference_and_plots(workdir, tmp_path):
+    pairs = digit_pairs(np.random.default_rng(3), 6)
+    ref = tmp_path / "ref.en"
+    ref.write_text("".join(t + "\n" for _, t in pairs))
+    plots = tmp_path / "plots"
+    r = run_decode(
+        f"--workdir={workdir}",
+        "--beam_size=1",
+        f"--reference={ref}",
+        f"--plot_attention={plots}",
+        "--num_plots=2",
+        stdin="".join(s + "\n" for s, _ in pairs).encode(),
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode().splitlines() == [t for _, t in pairs]
+    err = r.stderr.decode()
+    assert "BLEU = 100.00" in err and "nrefs:1" in err and "chrF = 100.00" in err
+    pngs = sorted(os.listdir(plots))
+    assert pngs == ["attention_000.png", "attention_001.png"]
+    for name in pngs:
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workdir=/nonexistent/wd"], "does not exist"),
+        (["--checkpoint_step=7"], "no checkpoint for step 7"),
+        (["--input=/nonexistent/in.txt"], "--input /nonexistent/in.txt does not exist"),
+    ],
+)
+def test_cli_user_errors_give_one_clear_line(workdir, args, message):
+    if not any(a.startswith("--workdir") for a in args):
+        args = [f"--workdir={workdir}", *args]
+    r = run_decode(*args, stdin=b"eins\n")
+    err = r.stderr.decode()
+    assert r.returncode == 1
+    assert message in err and "Traceback" not in err
+    assert r.stdout == b""
+
+
+def test_cli_missing_tokenizer(workdir, tmp_path):
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    os.symlink(os.path.join(workdir, "checkpoints"), wd / "checkpoints")
+    os.symlink(os.path.join(workdir, "config.json"), wd / "config.json")
+    r = run_decode(f"--workdir={wd}", stdin=b"eins\n")
+    assert r.returncode == 1
+    assert "tokenizer.model is missing" in r.stderr.decode()
+    assert "Traceback" not in r.stderr.decode()
