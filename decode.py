@@ -4,6 +4,7 @@
         [--beam_size=4] [--alpha=0.6] [--average_last=5] [--reference=test.ref.en] \
         [--plot_attention=pictures/]
     echo "Das Haus ist alt." | python decode.py --workdir=workdir/tiny
+    python decode.py --workdir=workdir/tiny --split=test --output=test.hyp   # + BLEU, chrF
 
 Bad input never shifts lines: empty or whitespace-only lines give empty lines,
 undecodable bytes are replaced (and counted), lines longer than the model's
@@ -32,6 +33,11 @@ flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / ((5 +
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
 flags.DEFINE_string("reference", None, "Reference translations: print sacreBLEU BLEU and chrF.")
+flags.DEFINE_enum(
+    "split", None, ["train", "dev", "test"],
+    "Translate this split of the workdir's dataset (config.dataset) instead of --input, "
+    "and score it against its targets.",
+)  # fmt: skip
 flags.DEFINE_string("plot_attention", None, "Write cross-attention heatmaps (PNG) into this dir.")
 flags.DEFINE_integer("num_plots", 4, "How many sentences --plot_attention draws.")
 flags.DEFINE_integer("batch_tokens", 4096, "Padded source tokens per batch (x beam in memory).")
@@ -148,10 +154,13 @@ def run() -> None:
         raise UsageError("--workdir is required (the directory train.py wrote)")
     if FLAGS.beam_size < 1 or FLAGS.alpha < 0 or FLAGS.batch_tokens < 1:
         raise UsageError("need --beam_size >= 1, --alpha >= 0 and --batch_tokens >= 1")
-    if FLAGS.input != "-" and not os.path.isfile(FLAGS.input):
-        raise UsageError(f"--input {FLAGS.input} does not exist")
-    lines, bad_utf8 = read_lines(FLAGS.input)
-    refs = None
+    if FLAGS.split and (FLAGS.input != "-" or FLAGS.reference):
+        raise UsageError("--split replaces --input and --reference; give one or the other")
+    lines, bad_utf8, refs = [], 0, None
+    if not FLAGS.split:
+        if FLAGS.input != "-" and not os.path.isfile(FLAGS.input):
+            raise UsageError(f"--input {FLAGS.input} does not exist")
+        lines, bad_utf8 = read_lines(FLAGS.input)
     if FLAGS.reference:
         refs, _ = read_lines(FLAGS.reference)
         if len(refs) != len(lines):
@@ -160,7 +169,7 @@ def run() -> None:
 
     from tqdm import tqdm
 
-    from data import DataError, Tokenizer
+    from data import DataError, Tokenizer, load_split
     from model.decoding import translate_ids
     from training import TrainingError, restore_model
 
@@ -168,9 +177,13 @@ def run() -> None:
         raise UsageError(f"{tokenizer_path} is missing; was {FLAGS.workdir} made by train.py?")
     try:
         tokenizer = Tokenizer.load(tokenizer_path) if os.path.isdir(FLAGS.workdir) else None
-        model, _, step = restore_model(
+        model, config, step = restore_model(
             FLAGS.workdir, step=FLAGS.checkpoint_step, average_last=FLAGS.average_last
         )
+        if FLAGS.split:
+            corpus = load_split(config, FLAGS.split)
+            pairs = [corpus[i] for i in range(len(corpus))]
+            lines, refs = [src for src, _ in pairs], [tgt for _, tgt in pairs]
     except (TrainingError, DataError) as e:
         raise UsageError(str(e)) from e
     max_len = model.config.max_len

@@ -81,6 +81,10 @@ def workdir(tmp_path_factory):
     tok = Tokenizer.load(os.path.join(wd, "tokenizer.model"))
 
     config = tiny.get_config()
+    tsv = os.path.join(wd, "digits.tsv")
+    with open(tsv, "w") as f:
+        f.writelines(f"{s}\t{t}\n" for s, t in digit_pairs(np.random.default_rng(2), 200))
+    config.dataset = f"tsv:{tsv}"
     config.vocab_size = tok.vocab_size
     config.max_length = 24
     config.model.update(
@@ -210,3 +214,23 @@ def test_cli_missing_tokenizer(workdir, tmp_path):
     assert r.returncode == 1
     assert "tokenizer.model is missing" in r.stderr.decode()
     assert "Traceback" not in r.stderr.decode()
+
+
+def test_cli_split_scores_the_held_out_set_and_splits_long_lines(workdir, tmp_path):
+    out = tmp_path / "test.hyp"
+    r = run_decode(f"--workdir={workdir}", "--split=test", f"--output={out}")
+    assert r.returncode == 0, r.stderr.decode()
+    assert "BLEU = 100.00" in r.stdout.decode()
+    assert len(out.read_text().splitlines()) == 10  # 5% of the 200 TSV pairs
+
+    # Segments of at most 6 words (+ EOS), the lengths the model was trained on.
+    long = " ".join(["eins zwei drei"] * 6)
+    r = run_decode(
+        f"--workdir={workdir}",
+        "--long_lines=split",
+        "--max_length=7",
+        stdin=f"{long}\nvier\n".encode(),
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.decode() == " ".join(["one two three"] * 6) + "\nfour\n"
+    assert "1 line(s) over 7 tokens split" in r.stderr.decode()
