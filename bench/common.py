@@ -24,27 +24,6 @@ def set_gpu_flags() -> None:
     os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
-# Dense bf16 peak FLOP/s per chip from the vendors' datasheets.
-DATASHEET_PEAK = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-}
-
-
-def datasheet_peak(device_kind: str) -> float | None:
-    for name, peak in DATASHEET_PEAK.items():
-        if name.lower() in device_kind.lower():
-            return peak
-    return None
-
-
 def device_info() -> dict[str, Any]:
     import jax
 
