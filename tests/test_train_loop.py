@@ -1,0 +1,217 @@
+"""End-to-end training runs on a small TSV corpus: outputs, resume after SIGKILL,
+SIGTERM checkpointing, restore_model with averaging, and clean CLI errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from tests.conftest import small_train_config
+from training import TrainingError, checkpoints, restore_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 300 pseudo-words, so that the tokenizer finds enough pieces for a 300-entry vocabulary.
+_rng = np.random.default_rng(42)
+WORDS = [
+    "".join(_rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=_rng.integers(3, 7)))
+    for _ in range(300)
+]
+
+# Runs train_and_evaluate in a child process; the train step sends `SIG` to the
+# process itself once the state reaches step `AT` (a deterministic "preemption").
+CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from tests.conftest import small_train_config
+    from training import loop, steps
+
+    overrides, workdir, sig = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    at = int(sys.argv[4])
+    make = steps.make_train_step
+
+    def make_killing(*args, **kwargs):
+        train_step = make(*args, **kwargs)
+
+        def step(state, batch):
+            state, metrics = train_step(state, batch)
+            if int(state.step) == at:
+                os.kill(os.getpid(), getattr(signal, sig))
+            return state, metrics
+
+        return step
+
+    if at > 0:
+        steps.make_train_step = make_killing
+    summary = loop.train_and_evaluate(small_train_config(**overrides), workdir)
+    print("SUMMARY " + json.dumps({"step": summary["step"], "preempted": summary["preempted"]}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def corpus_tsv(tmp_path_factory):
+    """Reversal pairs: 'a b c' -> 'c b a' over a small word list."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
+    with open(path, "w") as f:
+        for _ in range(1500):
+            words = list(rng.choice(WORDS, size=rng.integers(2, 6)))
+            f.write(" ".join(words) + "\t" + " ".join(words[::-1]) + "\n")
+    return str(path)
+
+
+def _child(overrides, workdir, sig="SIGKILL", at=0):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(overrides), str(workdir), sig, str(at)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _metrics(workdir):
+    """{step: row} of the train rows in metrics.jsonl (the last row wins for a step)."""
+    rows = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if "train_loss" in row:
+                rows[row["step"]] = row
+    return rows
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus_tsv, tmp_path_factory):
+    """A 30-step run (checkpoints at 10, 20, 30) trained in this process."""
+    from training import train_and_evaluate
+
+    workdir = str(tmp_path_factory.mktemp("full"))
+    summary = train_and_evaluate(small_train_config(dataset=f"tsv:{corpus_tsv}"), workdir)
+    return workdir, summary
+
+
+def test_run_writes_the_workdir_files(uninterrupted):
+    workdir, summary = uninterrupted
+    files = os.listdir(workdir)
+    for name in ("checkpoints", "tokenizer.model", "config.json", "metrics.jsonl"):
+        assert name in files
+    assert any(f.startswith("events.out.tfevents") for f in files)
+    assert checkpoints.Checkpoints(workdir).all_steps() == [10, 20, 30]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    train_rows = [r for r in rows if "train_loss" in r]
+    assert [r["step"] for r in train_rows] == [5, 10, 15, 20, 25, 30]
+    for key in (
+        "train_accuracy",
+        "train_perplexity",
+        "grad_norm",
+        "learning_rate",
+        "tokens_per_sec",
+    ):
+        assert key in train_rows[0]
+    assert train_rows[-1]["train_loss"] < train_rows[0]["train_loss"]
+    final = rows[-1]
+    assert final["step"] == 30 and {"eval_loss", "eval_bleu", "eval_chrf"} <= set(final)
+    assert summary["step"] == 30 and not summary["preempted"]
+    assert summary["tokens_seen"] > 0 and summary["best_eval_bleu"] is not None
+
+
+def test_resume_after_sigkill_continues_the_same_trajectory(uninterrupted, corpus_tsv, tmp_path):
+    full, _ = uninterrupted
+    overrides = {"dataset": f"tsv:{corpus_tsv}"}
+    killed = _child(overrides, tmp_path, "SIGKILL", at=17)  # between checkpoints 10 and 20
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert checkpoints.Checkpoints(str(tmp_path)).all_steps() == [10]
+    resumed = _child(overrides, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 10" in resumed.stderr
+    want, got = _metrics(full), _metrics(str(tmp_path))
+    assert sorted(got) == sorted(want) == [5, 10, 15, 20, 25, 30]
+    for step in (15, 20, 25, 30):  # after the resume point
+        assert got[step]["train_loss"] == pytest.approx(want[step]["train_loss"], rel=1e-6)
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5)
+
+
+def test_sigterm_saves_a_checkpoint_at_the_current_step(corpus_tsv, tmp_path):
+    proc = _child({"dataset": f"tsv:{corpus_tsv}"}, tmp_path, "SIGTERM", at=13)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SIGTERM: saved a checkpoint at step 13" in proc.stderr
+    assert '"preempted": true' in proc.stdout
+    assert checkpoints.Checkpoints(str(tmp_path)).all_steps() == [10, 13]
+
+
+def test_restore_model_loads_and_averages_checkpoints(uninterrupted):
+    workdir, _ = uninterrupted
+    model, config, step = restore_model(workdir)
+    assert step == 30 and config.model.d_model == 32
+    src = np.array([[5, 6, 7, 1]], np.int32)
+    tgt_in = np.array([[2, 7, 6, 5]], np.int32)
+    assert model(src, tgt_in).shape == (1, 4, config.vocab_size)
+
+    def embedding(m):
+        return np.asarray(m.src_embed.embedding[...])
+
+    averaged, _, step = restore_model(workdir, step=30, average_last=2)
+    at20, _, _ = restore_model(workdir, step=20)
+    np.testing.assert_allclose(
+        embedding(averaged), (embedding(model) + embedding(at20)) / 2, rtol=1e-6, atol=1e-7
+    )
+    with pytest.raises(TrainingError, match="step 7"):
+        restore_model(workdir, step=7)
+    with pytest.raises(TrainingError, match="does not exist"):
+        restore_model(os.path.join(workdir, "nope"))
+
+
+def test_restore_model_without_checkpoints(tmp_path):
+    checkpoints.save_config(small_train_config(), str(tmp_path))
+    with pytest.raises(TrainingError, match="no complete checkpoint"):
+        restore_model(str(tmp_path))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TrainingError, match=r"config\.json is missing"):
+        restore_model(str(empty))
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--config.num_train_steps=0", "num_train_steps must be > 0"),
+        ("--config.dataset=nope:x", "nope"),
+        ("--config.model.num_heads=3", "num_heads"),
+        ("--config.no_such_field=1", "no_such_field"),
+    ],
+)
+def test_cli_user_errors_are_one_clear_line(tmp_path, flag, message):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config=configs/tiny.py", f"--workdir={tmp_path}", flag],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert message in proc.stderr
+
+
+def test_params_are_float32_and_born_sharded():
+    from training import optim, steps
+    from training.mesh import axis_rules, make_mesh, state_shardings
+
+    cfg = small_train_config()
+    cfg.model.dtype = "bfloat16"
+    mesh = make_mesh(cfg)
+    tx = optim.make_optimizer(cfg)
+    _, abstract = steps.abstract_train_state(cfg, tx)
+    state = steps.init_train_state(cfg, tx, state_shardings(mesh, abstract, axis_rules(cfg)))
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("float32")}
