@@ -56,7 +56,7 @@ train: $(STAMP) ding
 	$(PY) train.py --config=$(CONFIG) --workdir=$(WORKDIR)
 
 decode: $(STAMP) ding
-	$(PY) decode.py --workdir=$(WORKDIR)
+	$(PY) decode.py --workdir=$(WORKDIR) --split=test --output=$(WORKDIR)/test.hyp
 
 bench: $(STAMP)
 	$(PY) bench/input_pipeline.py
