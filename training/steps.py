@@ -97,12 +97,16 @@ def loss_sums(
     """
     vocab = logits.shape[-1]
     weights = (targets != 0).astype(jnp.float32)  # [B, T]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, T, V]
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    logits = logits.astype(jnp.float32)
+    # Reductions over V only: log p_v = logits_v - lse is never materialized as a
+    # second [B, T, V] array (XLA fuses each reduction into one pass over logits).
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    sum_logp = logits.sum(-1) - vocab * lse  # [B, T]: sum_v log p_v
     on, off = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
     # -sum_v q_v log p_v with q = off everywhere except `on` at the target.
-    smoothed = (on - off) * nll - off * logp.sum(-1)  # [B, T]
-    correct = (jnp.argmax(logp, axis=-1) == targets).astype(jnp.float32)
+    smoothed = (on - off) * nll - off * sum_logp  # [B, T]
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return {
         "loss": (smoothed * weights).sum(),
         "nll": (nll * weights).sum(),
