@@ -3,6 +3,10 @@
 Any config field can be overridden, e.g. `--config.num_train_steps=500`.
 Re-running the same command resumes from the newest checkpoint in the workdir.
 User errors (bad flags or config values, missing data) print one line and exit 1.
+
+On a cluster, run the same command on every host: JAX's distributed runtime
+starts by itself where it detects one (TPU VMs, SLURM, Open MPI), or from
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
 """
 
 import sys
@@ -13,6 +17,19 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer.")
 flags.mark_flags_as_required(["config", "workdir"])
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-process: HOST:PORT of process 0 (jax.distributed)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: process count.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
+_DISTRIBUTED = flags.DEFINE_enum(
+    "distributed",
+    "auto",
+    ["auto", "on", "off"],
+    "jax.distributed.initialize: 'auto' = when the flags above are given or a cluster is "
+    "detected (TPU VM, SLURM with >1 task, Open MPI, JAX_COORDINATOR_ADDRESS); 'on' = always "
+    "(JAX reads the cluster's settings); 'off' = never.",
+)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -33,7 +50,15 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     # Imported here so that `--help` and flag errors are fast and JAX-free.
     from data import DataError
-    from training import TrainingError, train_and_evaluate
+    from training import TrainingError, distributed, train_and_evaluate
+
+    try:
+        distributed.initialize(
+            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, mode=_DISTRIBUTED.value
+        )
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
     config = _CONFIG.value
     try:

@@ -91,6 +91,22 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_examples_to_print = 5
     c.seed = 0
 
+    # --- Reliability ----------------------------------------------------------
+    # A step with a NaN/Inf loss or gradient never changes params or optimizer
+    # state; then 'skip' counts it (metrics: nonfinite_steps) and trains on,
+    # 'stop' ends the run with an error (the last good checkpoint stays).
+    c.nonfinite_policy = "skip"
+    # 'skip' only: stop anyway after this many non-finite steps in a row (0 = never).
+    c.max_consecutive_nonfinite = 100
+    # Train from scratch even though checkpoints/ holds steps that cannot be
+    # restored (damaged). Off: such a workdir is an error, never silently overwritten.
+    c.allow_fresh_start = False
+    # Input shards (each read by one process, or all by one process): 0 = one
+    # per process. Fixing it (e.g. to the process count of a multi-host run)
+    # gives the same batches on any number of processes, so a run can resume
+    # exactly on fewer machines. Multi-process runs need 0 or the process count.
+    c.data_shards = 0
+
     # --- Parallelism ----------------------------------------------------------
     # Mesh axis sizes; -1 means "all remaining devices".
     c.mesh_data = -1

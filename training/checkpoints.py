@@ -3,19 +3,30 @@
 A checkpoint step directory holds three items:
     params  the model parameters (restored alone by `restore_model`)
     train   step, optimizer state and dropout RNG streams
-    data    the input iterator's position (JSON)
+    data    the input position of every data shard, and run totals (JSON)
 `config.json` and `tokenizer.model` sit beside `checkpoints/` in the workdir.
+
+Every process calls `save` and `restore`: Orbax writes and reads each process's
+shards of the arrays cooperatively (process 0 writes the JSON item and
+finalizes the step).
 
 Orbax writes each step to a temporary directory and renames it only once
 complete, so a save cut short (SIGKILL, power loss) is never picked up.
-Restoring takes abstract arrays that carry the *current* shardings, so a
-checkpoint written on one mesh restores onto another (8 devices -> 1).
+A step directory damaged later (a truncated or deleted file) fails to restore;
+`restore_latest` then moves it to `checkpoints_damaged/` with a warning and
+falls back to the previous step. Restoring takes abstract arrays that carry
+the *current* shardings, so a checkpoint written on one mesh restores onto
+another (8 devices -> 1, 2 processes -> 1).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,10 +37,11 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from model import Transformer, TransformerConfig
-from training import steps
+from training import distributed, steps
 from training.errors import TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
+DAMAGED_DIR = "checkpoints_damaged"
 CONFIG_FILE = "config.json"
 
 
@@ -133,7 +145,12 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, state: steps.TrainState, data_state: dict[str, Any]) -> None:
-        """Start an asynchronous save of `state` at `state.step`; returns once arrays are copied."""
+        """Start an asynchronous save of `state` at `state.step`; returns once arrays are copied.
+
+        Raises TrainingError if this save, or the previous one still in flight,
+        cannot be written (disk full, workdir not writable); earlier complete
+        checkpoints are never touched by a failed save.
+        """
         stored = _storable(state)
         train = {"step": stored.step, "opt_state": stored.opt_state, "rngs": stored.rngs}
         args = ocp.args.Composite(
@@ -141,7 +158,12 @@ class Checkpoints:
             train=ocp.args.StandardSave(train),
             data=ocp.args.JsonSave(data_state),
         )
-        self.manager.save(int(jax.device_get(state.step)), args=args, force=True)
+        step = int(jax.device_get(state.step))
+        with self._write_errors(step):
+            self.manager.save(step, args=args, force=True)
+
+    def _write_errors(self, step: int):
+        return _WriteErrors(self, step)
 
     def restore(
         self, step: int, abstract_state: steps.TrainState
@@ -172,10 +194,115 @@ class Checkpoints:
         return _from_storable(out["params"], abstract_params)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the save in flight is on disk (TrainingError if it could not be written)."""
+        with self._write_errors(-1):
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+
+    def restore_latest(
+        self, abstract_state: steps.TrainState, *, quarantine: bool = True
+    ) -> tuple[int, steps.TrainState, dict[str, Any]] | None:
+        """(step, state, data) of the newest checkpoint that restores; None if there is none.
+
+        A step that fails to restore (truncated or deleted files) is reported on
+        stderr and, with `quarantine`, moved to WORKDIR/checkpoints_damaged/ so
+        that it is neither retried nor overwritten; the previous step is tried next.
+        Raises TrainingError if checkpoints exist but none of them restores.
+        """
+        tried: list[str] = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, data_state = self.restore(step, abstract_state)
+                ok = True
+            except Exception as e:  # any failure means "not usable"
+                ok, reason = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            # Every process must agree (one of them may hold the damaged shard).
+            oks = distributed.allgather_json(ok)
+            if all(oks):
+                if tried:
+                    _warn(f"resuming from step {step}, the newest usable checkpoint")
+                return step, state, data_state
+            if ok:
+                reason = "another process could not read its part"
+            path = os.path.join(self.directory, str(step))
+            tried.append(f"step {step} ({reason})")
+            _warn(f"checkpoint {path} is damaged and is skipped: {reason}")
+            if quarantine:
+                self._quarantine(step)
+        if tried:
+            raise TrainingError(
+                f"no usable checkpoint in {self.directory}: "
+                + "; ".join(tried)
+                + ". Restore the directory from a backup, or start from scratch with "
+                "--config.allow_fresh_start=True (damaged steps were moved to "
+                f"{os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)})"
+            )
+        return None
+
+    def _quarantine(self, step: int) -> None:
+        """Move step `step` out of checkpoints/ (process 0), then reload the step list."""
+        if jax.process_index() == 0:
+            src = os.path.join(self.directory, str(step))
+            dest_dir = os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)
+            os.makedirs(dest_dir, exist_ok=True)
+            dest = os.path.join(dest_dir, f"{step}.{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(src, dest)
+            _warn(f"moved the damaged step to {dest}")
+        distributed.sync(f"quarantine-{step}")
+        self.manager.reload()
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _warn(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(f"[train] WARNING: {msg}", file=sys.stderr, flush=True)
+
+
+class _WriteErrors:
+    """Turn an OSError of a checkpoint write (also one raised in Orbax's background
+    thread and re-raised later) into a TrainingError that says what to do."""
+
+    def __init__(self, manager: Checkpoints, step: int):
+        self.manager, self.step = manager, step
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            return False
+        os_error = _find_os_error(exc)
+        if os_error is None:
+            return False
+        what = f"checkpoint step {self.step}" if self.step >= 0 else "a checkpoint"
+        if os_error.errno == errno.ENOSPC:
+            fix = "free disk space (or use a --workdir on a larger disk)"
+        elif os_error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+            fix = "make the workdir writable (or use another --workdir)"
+        else:
+            fix = "fix the storage problem"
+        try:
+            done = sorted(self.manager.manager.all_steps())
+        except Exception:
+            done = []
+        have = f"the newest complete checkpoint is step {done[-1]}" if done else "none is complete"
+        raise TrainingError(
+            f"could not write {what} to {self.manager.directory}: {os_error}. Earlier "
+            f"checkpoints are intact ({have}); {fix}, then re-run the same command to resume"
+        ) from exc
+
+
+def _find_os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError in `exc`'s cause/context chain (Orbax wraps background errors)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 # --- Loading a trained model -------------------------------------------------------

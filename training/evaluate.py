@@ -64,18 +64,45 @@ def translate_corpus(
     beam_size: int,
     alpha: float,
 ) -> list[str]:
-    """Detokenized translations of every source in `corpus`, in corpus order."""
+    """Detokenized translations of every source in `corpus`, in corpus order.
+
+    With several processes, each decodes its shard of `corpus` (rows spread
+    over the batch axes of the mesh) and the token ids are gathered, so every
+    process returns the translations of the whole corpus.
+    """
     hyps = [""] * len(corpus)
-    replicated = NamedSharding(mesh, PartitionSpec())
     # Beam search holds K hypotheses per source: keep the batch's tokens near batch_tokens.
     budget = max(int(config.batch_tokens) // max(beam_size, 1), 256)
-    for batch, index in eval_batches(config, tokenizer, corpus, batch_tokens=budget):
-        src = jax.device_put(batch["src"], replicated)
-        tokens = np.asarray(translate(model, src, beam_size=beam_size, alpha=alpha))
-        for row, i in zip(tokens, index, strict=True):
-            if i >= 0:
-                hyps[i] = tokenizer.decode(row.tolist())
+    if jax.process_count() == 1:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        for batch, index in eval_batches(config, tokenizer, corpus, batch_tokens=budget):
+            src = jax.device_put(batch["src"], replicated)
+            tokens = np.asarray(translate(model, src, beam_size=beam_size, alpha=alpha))
+            _put(hyps, tokenizer, tokens, index)
+        return hyps
+    from jax.experimental import multihost_utils
+
+    multiple = max(batch_divisor(mesh) // jax.process_count(), 1)
+    for batch, index in eval_batches(
+        config, tokenizer, corpus, batch_tokens=budget, batch_multiple=multiple
+    ):
+        src = shard_batch({"src": batch["src"]}, mesh)["src"]  # [B, S] over the processes
+        tokens = translate(model, src, beam_size=beam_size, alpha=alpha)
+        # Every process gets every row, and the corpus indices of every row.
+        tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
+        index = np.asarray(
+            multihost_utils.process_allgather(
+                shard_batch({"i": index.astype(np.int32)}, mesh)["i"], tiled=True
+            )
+        )
+        _put(hyps, tokenizer, tokens, index)
     return hyps
+
+
+def _put(hyps: list[str], tokenizer: Tokenizer, tokens: np.ndarray, index: np.ndarray) -> None:
+    for row, i in zip(tokens, index, strict=True):
+        if i >= 0:
+            hyps[i] = tokenizer.decode(row.tolist())
 
 
 def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:

@@ -6,12 +6,19 @@ Sections: setup -> data -> mesh, model and optimizer (born sharded, or restored)
 
 Re-running with the same workdir resumes from the newest complete checkpoint:
 params, optimizer state, step, dropout RNG streams and the data position all
-come back, so the run continues exactly as if it had never stopped.
+come back, so the run continues exactly as if it had never stopped. A damaged
+checkpoint is skipped (with a warning) for the one before it; a workdir whose
+checkpoints are all unusable is an error, not a silent fresh start.
+
+Multi-process: every process runs this function (same config, same workdir on
+shared storage); each reads its data shard, all take part in each compiled
+step and checkpoint, and only process 0 writes logs, metrics and config.json.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import signal
@@ -28,9 +35,21 @@ from flax import nnx
 
 import data
 from training import checkpoints as ckpt
-from training import evaluate, metrics, optim, steps
+from training import distributed, evaluate, metrics, optim, steps
 from training.errors import TrainingError
-from training.mesh import axis_rules, batch_divisor, make_mesh, shard_batch, state_shardings
+from training.input import ShardedInput, num_shards
+from training.mesh import (
+    AXES,
+    BATCH_AXES,
+    axis_rules,
+    batch_divisor,
+    make_mesh,
+    mesh_shape,
+    shard_batch,
+    state_shardings,
+)
+
+NONFINITE_POLICIES = ("skip", "stop")
 
 
 def _log(msg: str) -> None:
@@ -41,8 +60,32 @@ def _log(msg: str) -> None:
 # --- Setup --------------------------------------------------------------------------
 
 
+def _unknown_keys(config: Any, reference: Any, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """(dotted key, close matches) for every key of `config` that `reference` lacks."""
+    out = []
+    for key in config:
+        name = f"{prefix}{key}"
+        if key not in reference:
+            out.append((name, difflib.get_close_matches(key, list(reference.keys()), n=1)))
+        elif isinstance(config[key], ml_collections.ConfigDict) and isinstance(
+            reference[key], ml_collections.ConfigDict
+        ):
+            out += _unknown_keys(config[key], reference[key], name + ".")
+    return out
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Raise TrainingError naming the first bad field (before anything slow happens)."""
+    """Raise TrainingError naming the first bad field (before anything slow happens).
+
+    Also checks what depends on the machine: the mesh against the device count,
+    and the batch against the batch axes of the mesh.
+    """
+    from configs import default  # the reference list of fields
+
+    unknown = _unknown_keys(config, default.get_config())
+    if unknown:
+        hints = [f"config.{k}" + (f" (did you mean {m[0]!r}?)" if m else "") for k, m in unknown]
+        raise TrainingError(f"unknown config field(s): {', '.join(hints)}")
     positive = ("num_train_steps", "batch_tokens", "log_every_steps", "max_length", "vocab_size")
     for name in positive:
         if not int(config[name]) > 0:
@@ -57,6 +100,71 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
         raise TrainingError(f"bad model config: {e}") from e
     optim.make_optimizer(config)  # raises for unknown optimizer/schedule names
+    policy = config.get("nonfinite_policy", "skip")
+    if policy not in NONFINITE_POLICIES:
+        raise TrainingError(
+            f"config.nonfinite_policy must be one of {NONFINITE_POLICIES}, got {policy!r}"
+        )
+    sizes = [config[f"mesh_{a}"] for a in AXES]
+    shape = dict(zip(AXES, mesh_shape(sizes, jax.device_count()), strict=True))
+    num_shards(config)  # data_shards against the process count
+    # The longest bucket must hold one row per batch-axis device (times grad_accum_steps).
+    rows_multiple = shape["data"] * shape["fsdp"] * int(config.grad_accum_steps)
+    need = rows_multiple * int(config.max_length)
+    if int(config.batch_tokens) < need:
+        raise TrainingError(
+            f"config.batch_tokens={config.batch_tokens} cannot fill the batch axes: the mesh "
+            f"has {rows_multiple // int(config.grad_accum_steps)} devices along "
+            f"{BATCH_AXES} (mesh {shape}) and grad_accum_steps={config.grad_accum_steps}, so a "
+            f"batch needs at least {rows_multiple} rows of up to max_length={config.max_length} "
+            f"tokens: set --config.batch_tokens={need} or more, lower max_length, or put "
+            "devices on the 'tensor' axis"
+        )
+
+
+def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """The model in WORKDIR's checkpoints must be the one `config` describes.
+
+    Compares the model fields (and vocab_size) of WORKDIR/config.json, written
+    by the run that made the checkpoints, with `config`; TrainingError lists
+    the differences. A workdir without config.json is not checked.
+    """
+    path = os.path.join(workdir, ckpt.CONFIG_FILE)
+    if not os.path.isfile(path):
+        return
+    try:
+        saved = ckpt.load_config(workdir)
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"{path} cannot be read ({e}); fix or delete it") from e
+    old = {f"model.{k}": v for k, v in saved.get("model", {}).items()}
+    old["vocab_size"] = saved.get("vocab_size")
+    new = {f"model.{k}": v for k, v in config.model.items()}
+    new["vocab_size"] = config.vocab_size
+    differ = [
+        f"{k}: checkpoint {old.get(k)!r}, config {new.get(k)!r}"
+        for k in sorted(set(old) | set(new))
+        if k in old and k in new and old[k] != new[k]
+    ]
+    if differ:
+        raise TrainingError(
+            f"the checkpoints in {workdir} were trained with another model config ("
+            + "; ".join(differ)
+            + "). Use the same model settings to resume, or a fresh --workdir for a new model"
+        )
+
+
+def _check_writable(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write-test-{jax.process_index()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise TrainingError(
+            f"workdir {workdir!r} is not writable ({e}); pick another --workdir or fix its "
+            "permissions/free space"
+        ) from e
 
 
 class StopSignal:
@@ -80,6 +188,14 @@ class StopSignal:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _step_dirs(workdir: str) -> list[str]:
+    """Finalized checkpoint step directories (Orbax names them by the step number)."""
+    directory = os.path.join(workdir, ckpt.CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return []
+    return [d for d in os.listdir(directory) if d.isdigit()]
 
 
 def _trim_metrics(workdir: str, last_step: int) -> None:
@@ -157,14 +273,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     t_start = time.time()
     validate_config(config)
     is_main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
+    _check_writable(workdir)
+    had_checkpoints = bool(_step_dirs(workdir))
+    if had_checkpoints:
+        check_resume_compatible(config, workdir)
 
     # --- Data ------------------------------------------------------------------------
     train_corpus = data.load_split(config, "train")
     dev = data.load_split(config, "dev")
-    tokenizer = data.get_tokenizer(config, workdir, train_corpus)
-    if is_main:
-        ckpt.save_config(config, workdir)
+    if is_main:  # process 0 trains the tokenizer; the others then load it
+        tokenizer = data.get_tokenizer(config, workdir, train_corpus)
+    distributed.sync("tokenizer")
+    if not is_main:
+        tokenizer = data.get_tokenizer(config, workdir, train_corpus)
 
     # --- Mesh, model, optimizer --------------------------------------------------------
     mesh = make_mesh(config)
@@ -177,19 +298,41 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     num_params = sum(x.size for x in jax.tree.leaves(abstract.params))
     _log(f"mesh {dict(mesh.shape)}, {num_params / 1e6:.2f}M params, {jax.devices()[0].platform}")
 
-    multiple = max(batch_divisor(mesh) // jax.process_count(), 1) * int(config.grad_accum_steps)
-    train_iter = data.train_iterator(config, tokenizer, train_corpus, batch_multiple=multiple)
+    multiple = batch_divisor(mesh) * int(config.grad_accum_steps)  # rows of the global batch
+    train_iter = ShardedInput(config, tokenizer, train_corpus, global_multiple=multiple)
     manager = ckpt.Checkpoints(workdir, max_to_keep=int(config.max_checkpoints_to_keep) or None)
-    latest = manager.latest_step()
-    tokens_seen, train_seconds = 0, 0.0  # totals over all runs into this workdir
-    if latest is None:
+    try:
+        restored = manager.restore_latest(abstract)
+    except TrainingError:
+        if not config.get("allow_fresh_start", False):
+            raise
+        _log("WARNING: no usable checkpoint; config.allow_fresh_start: training from scratch")
+        restored = None
+    if restored is None and had_checkpoints and not config.get("allow_fresh_start", False):
+        raise TrainingError(  # e.g. every step directory deleted between listing and restoring
+            f"{manager.directory} had checkpoints but none is usable; pass "
+            "--config.allow_fresh_start=True to train from scratch over it"
+        )
+    tokens_seen, train_seconds, nonfinite_total = 0, 0.0, 0  # totals over all runs
+    if restored is None:
+        latest = None
         state = steps.init_train_state(config, tx, shardings)
+        _trim_metrics(workdir, 0)  # rows of a run killed before its first checkpoint
     else:
-        state, data_state = manager.restore(latest, abstract)
-        train_iter.set_state(data_state["iterator"])
+        latest, state, data_state = restored
+        saved = data_state.get("iterators") or [data_state["iterator"]]
+        if not train_iter.set_global_state(saved):
+            _log(
+                f"WARNING: the checkpoint has {len(saved)} data shard(s), this run reads "
+                f"{train_iter.num_shards}: the data order differs from an uninterrupted run "
+                f"(set --config.data_shards={len(saved)} to resume it exactly)"
+            )
         tokens_seen, train_seconds = data_state["tokens_seen"], data_state["train_seconds"]
+        nonfinite_total = int(data_state.get("nonfinite_steps", 0))
         _trim_metrics(workdir, latest)
         _log(f"resumed from step {latest} ({manager.directory})")
+    if is_main:
+        ckpt.save_config(config, workdir)
 
     # --- Compiled steps -------------------------------------------------------------
     train_step = steps.make_train_step(graphdef, tx, config, shardings, mesh)
@@ -210,9 +353,53 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     step = start
     last_saved = start if latest is not None else None
 
+    policy = config.get("nonfinite_policy", "skip")
+    max_in_a_row = int(config.get("max_consecutive_nonfinite", 0))
+    nonfinite_run = 0  # consecutive non-finite steps up to the last check
+
     def data_position() -> dict[str, Any]:
-        it = {"iterator": train_iter.get_state(), "tokens_seen": tokens_seen}
-        return {**it, "train_seconds": train_seconds}
+        """The `data` item: every shard's position (a collective) and run totals."""
+        states = train_iter.global_state()
+        return {
+            "iterator": states[0],  # the layout of older checkpoints
+            "iterators": states,
+            "tokens_seen": tokens_seen,
+            "train_seconds": train_seconds,
+            "nonfinite_steps": nonfinite_total,
+        }
+
+    def check_nonfinite(fetched: list[dict[str, Any]], last_step: int) -> None:
+        """Count skipped steps; raise per config.nonfinite_policy."""
+        nonlocal nonfinite_total, nonfinite_run
+        flags = [int(m["nonfinite"]) for m in fetched]
+        nonfinite_total += sum(flags)
+        for f in flags:
+            nonfinite_run = nonfinite_run + 1 if f else 0
+        if not any(flags):
+            return
+        first = last_step - len(flags) + 1 + flags.index(1)
+        good = manager.latest_step() if last_saved is not None else None
+        keep = (
+            f"the newest checkpoint (step {good}) has only finite values"
+            if good is not None
+            else "no checkpoint was written"
+        )
+        if policy == "stop":
+            raise TrainingError(
+                f"non-finite loss or gradients at step {first} (config.nonfinite_policy="
+                f"'stop'); the update was not applied and {keep}. Lower the learning rate, "
+                "check the data, or use --config.nonfinite_policy=skip"
+            )
+        if max_in_a_row and nonfinite_run >= max_in_a_row:
+            raise TrainingError(
+                f"{nonfinite_run} non-finite steps in a row up to step {last_step} "
+                f"(config.max_consecutive_nonfinite={max_in_a_row}): training diverged; "
+                f"{keep}. Lower the learning rate or check the data"
+            )
+        _log(
+            f"WARNING: skipped {sum(flags)} update(s) with non-finite loss/gradients "
+            f"(first at step {first}; {nonfinite_total} in all)"
+        )
 
     with StopSignal() as stop:
         batches: Iterator[dict[str, np.ndarray]] = iter(train_iter)
@@ -232,7 +419,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             if step % log_every == 0 or step == total:
                 fetched = jax.device_get(window)  # waits for the steps in flight
                 elapsed = time.time() - window_start
-                mean = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+                check_nonfinite(fetched, step)
+                finite = [m for m in fetched if not m["nonfinite"]] or fetched
+                mean = {k: float(np.mean([m[k] for m in finite])) for k in finite[0]}
                 row = {
                     "train_loss": mean["loss"],
                     "train_accuracy": mean["accuracy"],
@@ -242,6 +431,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                     "tokens_per_sec": window_tokens / elapsed,
                     "steps_per_sec": len(fetched) / elapsed,
                     "mfu": window_flops / elapsed / (peak * jax.device_count()) if peak else None,
+                    "nonfinite_steps": nonfinite_total,
                 }
                 writer.write(step, row)
                 progress.update(step, row)
@@ -252,6 +442,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 window_start = time.time()
 
             if ckpt_every and step % ckpt_every == 0 and step < total:
+                if policy == "stop" and window:  # never checkpoint past a non-finite step
+                    window = jax.device_get(window)
+                    check_nonfinite(window, step)  # raises, or counts nothing
                 manager.save(state, data_position())
                 last_saved = step
             if eval_every and step % eval_every == 0 and step < total:

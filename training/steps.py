@@ -169,6 +169,10 @@ def make_train_step(
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled `train_step(state, batch) -> (state, metrics)`; `state` is donated.
 
+    A step whose loss or gradients are not finite leaves params and optimizer
+    state unchanged (step and RNG streams still advance) and reports
+    `metrics["nonfinite"] = 1`.
+
     With `grad_accum_steps = k`, the [B, ...] batch is split into k micro-batches
     scanned one after another; gradients of the *summed* loss are added up and
     divided by the token count of the whole batch, so k micro-batches of B/k rows
@@ -207,6 +211,13 @@ def make_train_step(
         metrics = summarize(sums)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["learning_rate"] = schedule(state.step)
+        # A NaN/Inf loss or gradient never reaches the params or the Adam moments:
+        # keep the old ones (a select on device, no host sync); the loop reads the
+        # flag with the other metrics and counts or stops (config.nonfinite_policy).
+        finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        metrics["nonfinite"] = 1 - finite.astype(jnp.int32)
         new_state = TrainState(state.step + 1, params, opt_state, rngs)
         return new_state, metrics
 

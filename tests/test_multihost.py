@@ -1,0 +1,169 @@
+"""Multi-process training on one machine: 2 CPU processes x 2 devices (gloo collectives
+over 127.0.0.1) against 1 process x 4 devices.
+
+With the same data shards (`config.data_shards=2`), the two set-ups see the same
+global batches, so their losses must agree; a checkpoint written cooperatively by
+the 2 processes must restore in (and resume exactly on) a single process.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from training import distributed
+    pid, nproc, port, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    overrides = json.loads(sys.argv[5])
+    if nproc > 1:
+        distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
+    import jax
+    from tests.conftest import small_train_config
+    from training import train_and_evaluate
+
+    assert jax.process_count() == nproc and jax.device_count() == 4, jax.devices()
+    summary = train_and_evaluate(small_train_config(**overrides), workdir)
+    keys = ("step", "eval_loss", "eval_bleu", "eval_examples")
+    print("SUMMARY " + json.dumps({k: summary.get(k) for k in keys}), flush=True)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(nproc: int, workdir, overrides: dict, timeout: float = 300) -> list[dict]:
+    """Run the worker in `nproc` processes with 4 // nproc CPU devices each; their summaries."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // nproc}"
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                str(i),
+                str(nproc),
+                port,
+                str(workdir),
+                json.dumps(overrides),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(nproc)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:  # a hang (or one process failing) must not block the suite
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    summaries = []
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+        line = next(x for x in out.splitlines() if x.startswith("SUMMARY "))
+        summaries.append(json.loads(line[len("SUMMARY ") :]))
+    return summaries
+
+
+def train_losses(workdir) -> dict[int, float]:
+    rows = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if "train_loss" in row:
+                rows[row["step"]] = row["train_loss"]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def overrides(tmp_path_factory):
+    """Short pairs in one length bucket, so every shard plans the same batch shapes."""
+    rng = np.random.default_rng(1)
+    words = [
+        "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(3, 7)))
+        for _ in range(300)
+    ]
+    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
+    with open(path, "w") as f:
+        for _ in range(400):
+            w = list(rng.choice(words, size=rng.integers(2, 4)))
+            f.write(" ".join(w) + "\t" + " ".join(w[::-1]) + "\n")
+    return {
+        "dataset": f"tsv:{path}",
+        "length_buckets": (16,),
+        "long_pairs": "truncate",
+        "data_shards": 2,
+        "num_train_steps": 6,
+        "log_every_steps": 1,
+        "checkpoint_every_steps": 3,
+        "final_eval_max_examples": 6,
+    }
+
+
+def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(overrides, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    s2 = run_processes(2, two, overrides)
+    run_processes(1, one, {**overrides, "num_train_steps": 8})
+
+    # Same global batches => same losses, step by step (float reduction order aside).
+    l2, l1 = train_losses(two), train_losses(one)
+    assert sorted(l2) == [1, 2, 3, 4, 5, 6]
+    assert [l2[s] for s in range(1, 7)] == pytest.approx([l1[s] for s in range(1, 7)], rel=1e-5)
+    # Both processes report the same final eval, over the whole dev subset (not a shard).
+    assert s2[0] == s2[1]
+    assert s2[0]["eval_examples"] == 6 and s2[0]["step"] == 6
+    # Only process 0 writes logs: one row per step, no duplicates.
+    with open(two / "metrics.jsonl") as f:
+        steps = [json.loads(x)["step"] for x in f if "train_loss" in x]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+    # The 2-process checkpoint (one data position per process) resumes on 1 process
+    # exactly where the 1-process run was at step 6.
+    with open(two / "checkpoints" / "6" / "data" / "metadata") as f:
+        data_item = json.load(f)
+    assert len(data_item["iterators"]) == 2
+    resumed = tmp_path / "resumed"
+    shutil.copytree(two, resumed)
+    run_processes(1, resumed, {**overrides, "num_train_steps": 8})
+    lr = train_losses(resumed)
+    assert [lr[7], lr[8]] == pytest.approx([l1[7], l1[8]], rel=1e-5)
+
+    # restore_model (inference) reads the 2-process checkpoint in this process: the
+    # parameters of the 1-process run at the same step.
+    import jax
+    from flax import nnx
+
+    from training import restore_model
+
+    model2, config, step = restore_model(str(two))
+    model1, _, _ = restore_model(str(one), step=6)
+    assert step == 6 and config.data_shards == 2
+    p2, p1 = (
+        jax.tree.leaves(nnx.state(model2, nnx.Param)),
+        jax.tree.leaves(nnx.state(model1, nnx.Param)),
+    )
+    assert len(p2) == len(p1) > 0
+    for a, b in zip(p2, p1, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -1,0 +1,109 @@
+"""This process's training batches, from one or several data shards, and their saved position.
+
+    inputs = ShardedInput(config, tokenizer, corpus, global_multiple=rows_multiple)
+    batch = next(inputs)              # numpy rows of this process
+    state = inputs.get_state()        # [iterator state of each of this process's shards]
+
+The corpus is cut into `num_shards` strided shards (data/pipeline.py); shard s
+holds examples s, s + n, s + 2n, ... and its own batch plan with 1/n of the
+token budget. Normally there is one shard per process. A single process can
+also read several shards and concatenate their rows: with a fixed
+`config.data_shards`, the global batches are the same on 1 or n processes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+import data
+from training import distributed
+from training.errors import TrainingError
+
+
+def num_shards(config: Any) -> int:
+    """config.data_shards, 0 meaning one per process (validated against the process count)."""
+    n = int(config.get("data_shards", 0)) or jax.process_count()
+    pc = jax.process_count()
+    if n < 1 or (pc > 1 and n != pc):
+        raise TrainingError(
+            f"config.data_shards={config.data_shards} with {pc} processes: use 0 (one shard "
+            f"per process) or {pc}; only a single process can read several shards"
+        )
+    return n
+
+
+def _pad_to(x: np.ndarray, rows: int, length: int) -> np.ndarray:
+    return np.pad(x, ((0, rows - x.shape[0]), (0, length - x.shape[1])))
+
+
+class ShardedInput:
+    """Iterator over this process's batches: its data shards' rows, concatenated."""
+
+    def __init__(
+        self, config: Any, tokenizer: data.Tokenizer, corpus: Any, *, global_multiple: int
+    ):
+        """`global_multiple`: the global batch's rows must be a multiple of it."""
+        self.num_shards = num_shards(config)
+        per_process = self.num_shards // jax.process_count()
+        first = jax.process_index() * per_process
+        self.shard_ids = list(range(first, first + per_process))
+        # Shard rows a multiple of m => the global rows (num_shards * m * j) divide evenly.
+        multiple = global_multiple // math.gcd(global_multiple, self.num_shards)
+        self.iterators = [
+            data.train_iterator(
+                config,
+                tokenizer,
+                corpus,
+                batch_multiple=multiple,
+                process_index=s,
+                process_count=self.num_shards,
+            )
+            for s in self.shard_ids
+        ]
+
+    def __iter__(self) -> ShardedInput:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts = [next(it) for it in self.iterators]
+        if len(parts) == 1:
+            return parts[0]
+        # Shards planned without each other may pick different buckets for the same
+        # step: pad to the largest (all-zero rows and columns are padding).
+        rows = max(p["src"].shape[0] for p in parts)
+        length = {k: max(p[k].shape[1] for p in parts) for k in parts[0]}
+        return {
+            k: np.concatenate([_pad_to(p[k], rows, length[k]) for p in parts]) for k in parts[0]
+        }
+
+    def get_state(self) -> list[dict[str, Any]]:
+        """This process's shards' iterator states, in shard order."""
+        return [it.get_state() for it in self.iterators]
+
+    def global_state(self) -> list[dict[str, Any]]:
+        """Every shard's state (one collective across processes; all must call it)."""
+        return [s for states in distributed.allgather_json(self.get_state()) for s in states]
+
+    def set_global_state(self, states: list[dict[str, Any]]) -> bool:
+        """Resume from `global_state()` of an earlier run; True if exactly, False if not.
+
+        The same shard count resumes exactly. Another one (e.g. a 2-process
+        run resumed on 1 process without config.data_shards=2) cannot: every
+        shard then continues at the epoch and position of the first saved one.
+        """
+        if len(states) == self.num_shards:
+            for s, it in zip(self.shard_ids, self.iterators, strict=True):
+                it.set_state(states[s])
+            return True
+        epoch, position = int(states[0]["epoch"]), int(states[0]["position"])
+        for it in self.iterators:
+            it.set_state({"epoch": epoch, "position": 0})
+            it.position = min(position, it.batches_per_epoch)
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return self.iterators[0].stats()
