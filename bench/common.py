@@ -24,6 +24,19 @@ def set_gpu_flags() -> None:
     os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
+def build_train_step(config):
+    """(mesh, graphdef, state, train_step) of `training.steps` for `config`, state born sharded."""
+    from training import mesh as mesh_lib
+    from training import optim, steps
+
+    mesh = mesh_lib.make_mesh(config)
+    tx = optim.make_optimizer(config)
+    graphdef, abstract = steps.abstract_train_state(config, tx)
+    shardings = mesh_lib.state_shardings(mesh, abstract, mesh_lib.axis_rules(config))
+    state = steps.init_train_state(config, tx, shardings)
+    return mesh, graphdef, state, steps.make_train_step(graphdef, tx, config, shardings, mesh)
+
+
 def device_info() -> dict[str, Any]:
     import jax
 

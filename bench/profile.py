@@ -38,19 +38,14 @@ def main(argv=None) -> None:
     from flax import nnx
 
     from training import mesh as mesh_lib
-    from training import metrics, optim, steps
+    from training import metrics, steps
 
     config = importlib.import_module(f"configs.{args.config}").get_config()
     config.batch_tokens = args.batch_tokens or config.batch_tokens
     config.model.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     config.mesh_data, config.mesh_fsdp, config.mesh_tensor = -1, 1, 1
     cfg = steps.model_config(config)
-    mesh = mesh_lib.make_mesh(config)
-    tx = optim.make_optimizer(config)
-    graphdef, abstract = steps.abstract_train_state(config, tx)
-    shardings = mesh_lib.state_shardings(mesh, abstract, mesh_lib.axis_rules(config))
-    state = steps.init_train_state(config, tx, shardings)
-    train_step = steps.make_train_step(graphdef, tx, config, shardings, mesh)
+    mesh, graphdef, state, train_step = common.build_train_step(config)
 
     rows_per = config.batch_tokens // args.length
     b = max(mesh_lib.batch_divisor(mesh), rows_per - rows_per % mesh_lib.batch_divisor(mesh))

@@ -65,7 +65,7 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
 
     from data.pipeline import TrainIterator
     from training import mesh as mesh_lib
-    from training import metrics, optim, steps
+    from training import metrics, steps
 
     config = importlib.import_module(f"configs.{name}").get_config()
     on_cpu = jax.default_backend() == "cpu"
@@ -77,12 +77,7 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
     config.model.attention_impl = args.attention_impl
     config.mesh_data, config.mesh_fsdp, config.mesh_tensor = -1, 1, 1
 
-    mesh = mesh_lib.make_mesh(config)
-    tx = optim.make_optimizer(config)
-    graphdef, abstract = steps.abstract_train_state(config, tx)
-    shardings = mesh_lib.state_shardings(mesh, abstract, mesh_lib.axis_rules(config))
-    state = steps.init_train_state(config, tx, shardings)
-    train_step = steps.make_train_step(graphdef, tx, config, shardings, mesh)
+    mesh, _, state, train_step = common.build_train_step(config)
 
     corpus = synthetic_corpus(args.corpus_pairs, config.vocab_size, config.max_length)
     it = TrainIterator(
