@@ -190,12 +190,13 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def _step_dirs(workdir: str) -> list[str]:
-    """Finalized checkpoint step directories (Orbax names them by the step number)."""
-    directory = os.path.join(workdir, ckpt.CHECKPOINT_DIR)
+def _step_dirs(workdir: str, subdir: str = ckpt.CHECKPOINT_DIR) -> list[str]:
+    """Finalized checkpoint step directories (Orbax names them by the step number;
+    unfinished saves have a `.orbax-checkpoint-tmp` suffix; damaged ones `STEP.TIME`)."""
+    directory = os.path.join(workdir, subdir)
     if not os.path.isdir(directory):
         return []
-    return [d for d in os.listdir(directory) if d.isdigit()]
+    return [d for d in os.listdir(directory) if d.split(".")[0].isdigit() and "tmp" not in d]
 
 
 def _trim_metrics(workdir: str, last_step: int) -> None:
@@ -274,7 +275,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     validate_config(config)
     is_main = jax.process_index() == 0
     _check_writable(workdir)
-    had_checkpoints = bool(_step_dirs(workdir))
+    # Checkpoint steps on disk, or damaged ones moved aside by an earlier run.
+    had_checkpoints = bool(_step_dirs(workdir)) or bool(_step_dirs(workdir, ckpt.DAMAGED_DIR))
     if had_checkpoints:
         check_resume_compatible(config, workdir)
 
@@ -310,8 +312,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         restored = None
     if restored is None and had_checkpoints and not config.get("allow_fresh_start", False):
         raise TrainingError(  # e.g. every step directory deleted between listing and restoring
-            f"{manager.directory} had checkpoints but none is usable; pass "
-            "--config.allow_fresh_start=True to train from scratch over it"
+            f"{workdir} had checkpoints but none is usable (damaged ones are in "
+            f"{os.path.join(workdir, ckpt.DAMAGED_DIR)}); restore them from a backup, or pass "
+            "--config.allow_fresh_start=True to train from scratch in this workdir"
         )
     tokens_seen, train_seconds, nonfinite_total = 0, 0.0, 0  # totals over all runs
     if restored is None:
@@ -368,15 +371,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             "nonfinite_steps": nonfinite_total,
         }
 
-    def check_nonfinite(fetched: list[dict[str, Any]], last_step: int) -> None:
-        """Count skipped steps; raise per config.nonfinite_policy."""
+    def check_nonfinite(fetched: list[dict[str, Any]], last_step: int) -> str | None:
+        """Count skipped steps; the error to raise per config.nonfinite_policy, or None."""
         nonlocal nonfinite_total, nonfinite_run
         flags = [int(m["nonfinite"]) for m in fetched]
         nonfinite_total += sum(flags)
         for f in flags:
             nonfinite_run = nonfinite_run + 1 if f else 0
         if not any(flags):
-            return
+            return None
         first = last_step - len(flags) + 1 + flags.index(1)
         good = manager.latest_step() if last_saved is not None else None
         keep = (
@@ -385,13 +388,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             else "no checkpoint was written"
         )
         if policy == "stop":
-            raise TrainingError(
+            return (
                 f"non-finite loss or gradients at step {first} (config.nonfinite_policy="
                 f"'stop'); the update was not applied and {keep}. Lower the learning rate, "
                 "check the data, or use --config.nonfinite_policy=skip"
             )
         if max_in_a_row and nonfinite_run >= max_in_a_row:
-            raise TrainingError(
+            return (
                 f"{nonfinite_run} non-finite steps in a row up to step {last_step} "
                 f"(config.max_consecutive_nonfinite={max_in_a_row}): training diverged; "
                 f"{keep}. Lower the learning rate or check the data"
@@ -400,72 +403,86 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             f"WARNING: skipped {sum(flags)} update(s) with non-finite loss/gradients "
             f"(first at step {first}; {nonfinite_total} in all)"
         )
+        return None
 
     with StopSignal() as stop:
         batches: Iterator[dict[str, np.ndarray]] = iter(train_iter)
-        while step < total:
-            batch = next(batches)
-            state, step_metrics = train_step(state, shard_batch(batch, mesh))
-            step += 1
-            window.append(step_metrics)
-            n_tgt, n_src = (
-                int(np.count_nonzero(batch["tgt_out"])),
-                int(np.count_nonzero(batch["src"])),
-            )
-            s_len, t_len = batch["src"].shape[1], batch["tgt_out"].shape[1]
-            window_tokens += n_tgt
-            window_flops += metrics.train_flops(model_cfg, n_src, n_tgt, s_len, t_len)
-
-            if step % log_every == 0 or step == total:
-                fetched = jax.device_get(window)  # waits for the steps in flight
-                elapsed = time.time() - window_start
-                check_nonfinite(fetched, step)
-                finite = [m for m in fetched if not m["nonfinite"]] or fetched
-                mean = {k: float(np.mean([m[k] for m in finite])) for k in finite[0]}
-                row = {
-                    "train_loss": mean["loss"],
-                    "train_accuracy": mean["accuracy"],
-                    "train_perplexity": mean["perplexity"],
-                    "grad_norm": mean["grad_norm"],
-                    "learning_rate": float(fetched[-1]["learning_rate"]),
-                    "tokens_per_sec": window_tokens / elapsed,
-                    "steps_per_sec": len(fetched) / elapsed,
-                    "mfu": window_flops / elapsed / (peak * jax.device_count()) if peak else None,
-                    "nonfinite_steps": nonfinite_total,
-                }
-                writer.write(step, row)
-                progress.update(step, row)
-                summary["train_loss"] = row["train_loss"]
-                tokens_seen += window_tokens
-                train_seconds += elapsed
-                window, window_tokens, window_flops = [], 0, 0.0
-                window_start = time.time()
-
-            if ckpt_every and step % ckpt_every == 0 and step < total:
-                if policy == "stop" and window:  # never checkpoint past a non-finite step
-                    window = jax.device_get(window)
-                    check_nonfinite(window, step)  # raises, or counts nothing
-                manager.save(state, data_position())
-                last_saved = step
-            if eval_every and step % eval_every == 0 and step < total:
-                ev, examples = run_eval(
-                    state,
-                    graphdef,
-                    eval_step,
-                    config,
-                    tokenizer,
-                    dev,
-                    mesh,
-                    max_examples=int(config.eval_max_examples),
+        try:
+            while step < total:
+                batch = next(batches)
+                state, step_metrics = train_step(state, shard_batch(batch, mesh))
+                step += 1
+                window.append(step_metrics)
+                n_tgt, n_src = (
+                    int(np.count_nonzero(batch["tgt_out"])),
+                    int(np.count_nonzero(batch["src"])),
                 )
-                writer.write(step, {k: v for k, v in ev.items() if k != "bleu_signature"})
-                progress.write(_format_eval(step, ev, examples))
-                best = summary["best_eval_bleu"]
-                summary["best_eval_bleu"] = max(best or 0.0, ev["eval_bleu"])
-                window_start = time.time()  # evaluation time is not training time
-            if stop.received is not None:
-                summary["preempted"] = True
-                break
+                s_len, t_len = batch["src"].shape[1], batch["tgt_out"].shape[1]
+                window_tokens += n_tgt
+                window_flops += metrics.train_flops(model_cfg, n_src, n_tgt, s_len, t_len)
+
+                if step % log_every == 0 or step == total:
+                    fetched = jax.device_get(window)  # waits for the steps in flight
+                    elapsed = time.time() - window_start
+                    nonfinite_error = check_nonfinite(fetched, step)
+                    finite = [m for m in fetched if not m["nonfinite"]] or fetched
+                    mean = {k: float(np.mean([m[k] for m in finite])) for k in finite[0]}
+                    row = {
+                        "train_loss": mean["loss"],
+                        "train_accuracy": mean["accuracy"],
+                        "train_perplexity": mean["perplexity"],
+                        "grad_norm": mean["grad_norm"],
+                        "learning_rate": float(fetched[-1]["learning_rate"]),
+                        "tokens_per_sec": window_tokens / elapsed,
+                        "steps_per_sec": len(fetched) / elapsed,
+                        "mfu": window_flops / elapsed / (peak * jax.device_count())
+                        if peak
+                        else None,
+                        "nonfinite_steps": nonfinite_total,
+                    }
+                    writer.write(step, row)
+                    progress.update(step, row)
+                    if nonfinite_error:
+                        raise TrainingError(nonfinite_error)
+                    summary["train_loss"] = row["train_loss"]
+                    tokens_seen += window_tokens
+                    train_seconds += elapsed
+                    window, window_tokens, window_flops = [], 0, 0.0
+                    window_start = time.time()
+
+                if ckpt_every and step % ckpt_every == 0 and step < total:
+                    if policy == "stop" and window:  # never checkpoint past a non-finite step
+                        window = jax.device_get(window)
+                        if nonfinite_error := check_nonfinite(window, step):
+                            raise TrainingError(nonfinite_error)  # (else it counted nothing)
+                    manager.save(state, data_position())
+                    last_saved = step
+                if eval_every and step % eval_every == 0 and step < total:
+                    ev, examples = run_eval(
+                        state,
+                        graphdef,
+                        eval_step,
+                        config,
+                        tokenizer,
+                        dev,
+                        mesh,
+                        max_examples=int(config.eval_max_examples),
+                    )
+                    writer.write(step, {k: v for k, v in ev.items() if k != "bleu_signature"})
+                    progress.write(_format_eval(step, ev, examples))
+                    best = summary["best_eval_bleu"]
+                    summary["best_eval_bleu"] = max(best or 0.0, ev["eval_bleu"])
+                    window_start = time.time()  # evaluation time is not training time
+                if stop.received is not None:
+                    summary["preempted"] = True
+                    break
+        except BaseException:
+            # Let the save in flight finish, so the newest checkpoint before the
+            # error (non-finite step, disk full, ...) is complete, then re-raise.
+            with contextlib.suppress(Exception):
+                manager.wait()
+                manager.close()
+            raise
 
         tokens_seen += window_tokens  # a window cut short by a signal
         if last_saved != step:

@@ -1,0 +1,337 @@
+"""Faults a long run must survive, or report clearly: damaged checkpoints, NaN/Inf
+steps, a full disk or unwritable workdir, config mistakes, and a change of device
+count between runs. (SIGKILL at random moments: tests/fault_trials.py, slow.)"""
+
+import errno
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from data import DataError
+from tests.conftest import small_train_config
+from tests.test_train_steps import reverse_batch
+from training import TrainingError, checkpoints, optim, restore_model, steps, train_and_evaluate
+from training.mesh import axis_rules, make_mesh, shard_batch, state_shardings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(7)
+    words = [
+        "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(3, 7)))
+        for _ in range(300)
+    ]
+    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
+    with open(path, "w") as f:
+        for _ in range(600):
+            w = list(rng.choice(words, size=rng.integers(2, 5)))
+            f.write(" ".join(w) + "\t" + " ".join(w[::-1]) + "\n")
+    return f"tsv:{path}"
+
+
+def cfg(corpus, **overrides):
+    base = dict(dataset=corpus, num_train_steps=20, final_eval_max_examples=2)
+    return small_train_config(**{**base, **overrides})
+
+
+def losses(workdir) -> dict[int, float]:
+    rows = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if "train_loss" in row:
+                rows[row["step"]] = row["train_loss"]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def base(corpus, tmp_path_factory):
+    """A finished 20-step run with checkpoints at steps 10 and 20."""
+    workdir = tmp_path_factory.mktemp("base")
+    train_and_evaluate(cfg(corpus), str(workdir))
+    return workdir
+
+
+def copy(base, tmp_path, name="w"):
+    dest = tmp_path / name
+    shutil.copytree(base, dest)
+    return dest
+
+
+def step_files(workdir, step, pattern):
+    return sorted(glob.glob(str(workdir / "checkpoints" / str(step) / pattern), recursive=True))
+
+
+# --- Damaged checkpoints -------------------------------------------------------------
+
+
+def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(base, corpus, tmp_path, capfd):
+    w = copy(base, tmp_path)
+    # Truncate the largest parameter data file of step 20 (the bulk of the weights).
+    data_files = [f for f in step_files(w, 20, "params/**/d/*") if os.path.isfile(f)]
+    biggest = max(data_files, key=os.path.getsize)
+    with open(biggest, "r+b") as f:
+        f.truncate(os.path.getsize(biggest) // 2)
+    summary = train_and_evaluate(cfg(corpus), str(w))
+    err = capfd.readouterr().err
+    assert "checkpoints/20 is damaged and is skipped" in err
+    assert "resumed from step 10" in err
+    assert [d.split(".")[0] for d in os.listdir(w / "checkpoints_damaged")] == ["20"]
+    # Steps 11..20 were redone from step 10 and match the first run exactly.
+    assert summary["step"] == 20
+    assert losses(w)[15] == pytest.approx(losses(base)[15], rel=1e-6)
+    assert losses(w)[20] == pytest.approx(losses(base)[20], rel=1e-6)
+    assert checkpoints.Checkpoints(str(w)).all_steps() == [10, 20]
+
+
+def test_no_usable_checkpoint_is_an_error_unless_a_fresh_start_is_allowed(base, corpus, tmp_path):
+    w = copy(base, tmp_path)
+    for step in (10, 20):  # delete the JSON data item of every checkpoint
+        for f in step_files(w, step, "data/*"):
+            os.remove(f)
+    with pytest.raises(TrainingError, match="no usable checkpoint") as e:
+        train_and_evaluate(cfg(corpus), str(w))
+    assert "allow_fresh_start" in str(e.value)
+    # The damaged steps were moved aside; a second run must still refuse.
+    assert checkpoints.Checkpoints(str(w)).all_steps() == []
+    with pytest.raises(TrainingError, match="had checkpoints but none is usable"):
+        train_and_evaluate(cfg(corpus), str(w))
+    summary = train_and_evaluate(cfg(corpus, allow_fresh_start=True, num_train_steps=2), str(w))
+    assert summary["step"] == 2 and sorted(losses(w)) == [2]
+
+
+# --- NaN / Inf -----------------------------------------------------------------------
+
+
+def _poison_loss(monkeypatch):
+    """loss_sums returns a NaN loss for batches whose first target token is 5."""
+    original = steps.loss_sums
+
+    def poisoned(logits, targets, label_smoothing):
+        sums = original(logits, targets, label_smoothing)
+        bad = targets[0, 0] == 5
+        sums["loss"] = jax.numpy.where(bad, jax.numpy.nan, sums["loss"])
+        return sums
+
+    monkeypatch.setattr(steps, "loss_sums", poisoned)
+
+
+def test_nonfinite_step_leaves_params_and_optimizer_state_unchanged(monkeypatch):
+    _poison_loss(monkeypatch)
+    config = small_train_config(vocab_size=64)
+    mesh = make_mesh(config)
+    tx = optim.make_optimizer(config)
+    graphdef, abstract = steps.abstract_train_state(config, tx)
+    shardings = state_shardings(mesh, abstract, axis_rules(config))
+    state = steps.init_train_state(config, tx, shardings)
+    train_step = steps.make_train_step(graphdef, tx, config, shardings, mesh)
+    rng = np.random.default_rng(0)
+    good, bad = reverse_batch(rng, 8, 10, 64), reverse_batch(rng, 8, 10, 64)
+    good["tgt_out"][0, 0], bad["tgt_out"][0, 0] = 7, 5
+    before = jax.device_get((state.params, state.opt_state))
+    state, m = train_step(state, shard_batch(bad, mesh))
+    after = jax.device_get((state.params, state.opt_state))
+    assert int(m["nonfinite"]) == 1 and int(state.step) == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    state, m = train_step(state, shard_batch(good, mesh))
+    assert int(m["nonfinite"]) == 0 and np.isfinite(float(m["loss"]))
+    moved = jax.tree.leaves(jax.device_get(state.params))
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after[0]), moved, strict=True)
+    )
+
+
+# lr 1e30: the first Adam update makes the weights ~1e29, the next logits overflow.
+DIVERGE = dict(learning_rate=1e30, warmup_steps=1, grad_clip_norm=0.0, num_train_steps=12)
+
+
+def test_nonfinite_stop_policy_stops_and_keeps_the_last_checkpoint(corpus, tmp_path):
+    w = tmp_path / "w"
+    config = cfg(corpus, nonfinite_policy="stop", checkpoint_every_steps=1, **DIVERGE)
+    with pytest.raises(TrainingError, match=r"non-finite loss or gradients at step \d+") as e:
+        train_and_evaluate(config, str(w))
+    assert "nonfinite_policy" in str(e.value)
+    saved = checkpoints.Checkpoints(str(w)).all_steps()
+    assert saved, "the finite steps before the blow-up were checkpointed"
+    model, _, _ = restore_model(str(w))
+    from flax import nnx
+
+    assert all(
+        np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model, nnx.Param))
+    )
+
+
+def test_nonfinite_skip_policy_counts_and_gives_up_on_divergence(corpus, tmp_path):
+    w = tmp_path / "w"
+    config = cfg(corpus, nonfinite_policy="skip", max_consecutive_nonfinite=3, **DIVERGE)
+    with pytest.raises(TrainingError, match="non-finite steps in a row"):
+        train_and_evaluate(config, str(w))
+    with open(w / "metrics.jsonl") as f:
+        rows = [json.loads(x) for x in f]
+    counted = [r["nonfinite_steps"] for r in rows if "nonfinite_steps" in r]
+    assert counted and counted[-1] >= 3
+
+
+# --- Disk full / unwritable -----------------------------------------------------------
+
+
+def test_disk_full_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
+    base, corpus, tmp_path, monkeypatch
+):
+    from orbax.checkpoint._src.path import async_path
+
+    w = copy(base, tmp_path)
+
+    async def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(async_path, "write_text", full)
+    with pytest.raises(TrainingError, match="No space left on device") as e:
+        train_and_evaluate(cfg(corpus, num_train_steps=25, checkpoint_every_steps=5), str(w))
+    msg = str(e.value)
+    assert "free disk space" in msg and "re-run the same command" in msg
+    monkeypatch.undo()
+    assert checkpoints.Checkpoints(str(w)).all_steps() == [10, 20]
+    _, _, step = restore_model(str(w))
+    assert step == 20
+
+
+def test_unwritable_workdir_fails_before_training(corpus, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(TrainingError, match="not writable"):
+        train_and_evaluate(cfg(corpus), str(blocker / "workdir"))
+
+
+# --- Config mistakes, found before compiling ----------------------------------------------
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a config mistake must be reported before compiling")
+
+    monkeypatch.setattr(steps, "make_train_step", fail)
+    monkeypatch.setattr(steps, "init_train_state", fail)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"mesh_data": 3}, r"multiply to 3, but there are 1 devices"),
+        ({"grad_accum_steps": 32}, r"batch_tokens=256 cannot fill the batch axes"),
+        ({"nonfinite_policy": "ignore"}, r"nonfinite_policy must be one of"),
+        ({"data_shards": -1}, r"data_shards"),
+    ],
+)
+def test_config_mistakes(corpus, tmp_path, no_compile, overrides, message):
+    with pytest.raises(TrainingError, match=message):
+        train_and_evaluate(cfg(corpus, **overrides), str(tmp_path / "w"))
+
+
+def test_unknown_config_key_names_the_closest_field(corpus, tmp_path, no_compile):
+    config = cfg(corpus)
+    config.num_train_step = 5
+    config.model.d_modle = 64
+    with pytest.raises(TrainingError) as e:
+        train_and_evaluate(config, str(tmp_path / "w"))
+    msg = str(e.value)
+    assert "config.num_train_step (did you mean 'num_train_steps'?)" in msg
+    assert "config.model.d_modle (did you mean 'd_model'?)" in msg
+
+
+def test_resume_with_another_model_config_says_what_differs(base, corpus, tmp_path, no_compile):
+    w = copy(base, tmp_path)
+    config = cfg(corpus)
+    config.model.d_model, config.model.num_encoder_layers = 64, 2
+    with pytest.raises(TrainingError) as e:
+        train_and_evaluate(config, str(w))
+    msg = str(e.value)
+    assert "model.d_model: checkpoint 32, config 64" in msg
+    assert "model.num_encoder_layers: checkpoint 1, config 2" in msg
+    assert "fresh --workdir" in msg
+    with open(w / "config.json") as f:
+        assert json.load(f)["model"]["d_model"] == 32  # not overwritten
+
+
+def test_tokenizer_vocabulary_must_match_the_config(base, corpus, tmp_path, no_compile):
+    w = tmp_path / "w"
+    w.mkdir()
+    shutil.copy(base / "tokenizer.model", w / "tokenizer.model")
+    with pytest.raises(DataError, match=r"vocabulary of 300, but config\.vocab_size is 280"):
+        train_and_evaluate(cfg(corpus, vocab_size=280), str(w))
+
+
+# --- Resume on another device count -----------------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    from tests.conftest import small_train_config
+    from training import train_and_evaluate
+    assert jax.device_count() == int(sys.argv[3]), jax.devices()
+    overrides = json.loads(sys.argv[1])
+    s = train_and_evaluate(small_train_config(**overrides), sys.argv[2])
+    print("STEP", s["step"])
+    """
+)
+
+
+def run_on_devices(n, overrides, workdir):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(overrides), str(workdir), str(n)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stderr
+
+
+@pytest.mark.slow
+def test_resume_on_another_device_count(base, corpus, tmp_path):
+    """8 devices -> 1 (this process) and 1 -> 4 (a child): the run goes on from the step."""
+    over = dict(dataset=corpus, final_eval_max_examples=2)
+    w8 = tmp_path / "w8"
+    run_on_devices(8, {**over, "num_train_steps": 10}, w8)
+    summary = train_and_evaluate(cfg(corpus, num_train_steps=20), str(w8))
+    assert summary["step"] == 20 and sorted(losses(w8)) == [5, 10, 15, 20]
+    # The resumed 1-device run starts from the 8-device parameters: step 15 is close to
+    # the all-1-device run (batches differ: the row multiple changed with the mesh).
+    assert losses(w8)[15] == pytest.approx(losses(base)[15], rel=0.1)
+
+    w1 = copy(base, tmp_path, "w1")
+    err = run_on_devices(4, {**over, "num_train_steps": 30}, w1)
+    assert "resumed from step 20" in err
+    assert sorted(losses(w1)) == [5, 10, 15, 20, 25, 30]
+    assert checkpoints.Checkpoints(str(w1)).all_steps()[-1] == 30
+
+
+@pytest.mark.slow
+def test_sigkill_trials(tmp_path):
+    """Two SIGKILL trials of tests/fault_trials.py (the full 10: run the script)."""
+    proc = subprocess.run(
+        [sys.executable, "tests/fault_trials.py", "--trials=2", f"--dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "2/2 trials OK" in proc.stdout
