@@ -25,9 +25,12 @@ WORDS = [
 
 # Runs train_and_evaluate in a child process; the train step sends `SIG` to the
 # process itself once the state reaches step `AT` (a deterministic "preemption").
+# Checkpoints are saved asynchronously, so before a SIGKILL the child waits until
+# the last checkpoint due before `AT` is complete on disk: the test is about a
+# kill *between* checkpoints, not about how fast a save finishes.
 CHILD = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     from tests.conftest import small_train_config
     from training import loop, steps
 
@@ -41,6 +44,12 @@ CHILD = textwrap.dedent(
         def step(state, batch):
             state, metrics = train_step(state, batch)
             if int(state.step) == at:
+                if sig == "SIGKILL":
+                    every = small_train_config(**overrides).checkpoint_every_steps
+                    done = os.path.join(workdir, "checkpoints", str(at // every * every))
+                    deadline = time.time() + 120
+                    while not os.path.isdir(done) and time.time() < deadline:
+                        time.sleep(0.05)
                 os.kill(os.getpid(), getattr(signal, sig))
             return state, metrics
 
