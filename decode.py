@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -256,6 +256,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         print(f"decode.py: error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(1)
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every checkpoint read at INFO
     try:
         run()
     except UsageError as e:
