@@ -4,8 +4,9 @@ checkpoint saves), re-run it, and check that nothing is lost.
     .venv/bin/python tests/fault_trials.py --trials=10          # ~10-15 min on 2 CPU cores
 
 Each trial trains a small model into a fresh workdir with the real CLI. Up to
-`--kills` times per trial the run is SIGKILLed, either after a random delay or
-the moment an Orbax temporary directory (a save in flight) appears; after every
+`--kills` times per trial the run is SIGKILLed, either after a random delay
+(20-100% of the reference run's wall time) or inside the 1st-3rd asynchronous
+save of that run (an Orbax temporary directory in flight); after every
 kill each complete checkpoint on disk must restore, and the next run must say it
 resumed from the newest one. When a run finally finishes, its final train state
 (params, Adam moments, step, RNG streams) and its metrics must equal those of an
@@ -122,11 +123,20 @@ def trial(i: int, config: str, root: str, ref_seconds: float, max_kills: int, rn
         mode = ("during_save", "random")[(i + len(record["kills"])) % 2]
         t0, killed, in_save = time.time(), False, False
         stale = tmp_dirs(workdir)  # left by an earlier kill: not a save of this run
-        deadline = t0 + (rng.uniform(2.0, ref_seconds) if mode == "random" else 3 * ref_seconds)
+        # Random kills fall anywhere from start-up to the end of the run; save kills
+        # land inside this run's n-th save, so that earlier saves are complete and
+        # the re-run must resume from them.
+        if mode == "random":
+            deadline = t0 + rng.uniform(0.2, 1.0) * ref_seconds
+        else:
+            deadline = t0 + 3 * ref_seconds
+        target_save = int(rng.integers(1, 4))
+        seen: set[str] = set()
         while proc.poll() is None:
-            if kill and (
-                time.time() >= deadline or (mode == "during_save" and tmp_dirs(workdir) - stale)
-            ):
+            in_flight = tmp_dirs(workdir) - stale
+            seen |= in_flight
+            save_due = mode == "during_save" and in_flight and len(seen) >= target_save
+            if kill and (time.time() >= deadline or save_due):
                 in_save = bool(tmp_dirs(workdir) - stale)
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
