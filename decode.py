@@ -257,6 +257,9 @@ def main(argv: list[str]) -> None:
         print(f"decode.py: error: unexpected arguments {argv[1:]}", file=sys.stderr)
         sys.exit(1)
     logging.set_verbosity(logging.WARNING)  # Orbax logs every checkpoint read at INFO
+    from training.xla import set_gpu_flags
+
+    set_gpu_flags()  # before JAX initializes a backend
     try:
         run()
     except UsageError as e:

@@ -48,6 +48,9 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    from training.xla import set_gpu_flags
+
+    set_gpu_flags()  # before JAX initializes a backend
     # Imported here so that `--help` and flag errors are fast and JAX-free.
     from data import DataError
     from training import TrainingError, distributed, train_and_evaluate

@@ -10,18 +10,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Hopper/Ampere: let XLA overlap communication and pick cuDNN fusions. Set
-# before JAX initializes its backend; users never need to export these.
-GPU_XLA_FLAGS = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "--xla_gpu_enable_triton_gemm=false",
-)
-
 
 def set_gpu_flags() -> None:
-    flags = os.environ.get("XLA_FLAGS", "")
-    extra = [f for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags]
-    os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
+    from training.xla import set_gpu_flags as set_flags
+
+    set_flags()
 
 
 def build_train_step(config):
