@@ -1,8 +1,10 @@
-"""Shared test setup: CPU only, no network."""
+"""Shared test setup: CPU only, no network; small corpora and configs for training tests."""
 
+import json
 import os
 import socket
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -48,3 +50,31 @@ def small_train_config(**overrides):
             node = node[p]
         node[last] = v
     return c
+
+
+def write_reversal_tsv(path, num_pairs: int, max_words: int, seed: int) -> str:
+    """Write 'a b c<TAB>c b a' pairs of 2..max_words pseudo-words (300 of them) to path."""
+    rng = np.random.default_rng(seed)
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["".join(rng.choice(letters, size=rng.integers(3, 7))) for _ in range(300)]
+    with open(path, "w") as f:
+        for _ in range(num_pairs):
+            w = list(rng.choice(words, size=rng.integers(2, max_words + 1)))
+            f.write(" ".join(w) + "\t" + " ".join(w[::-1]) + "\n")
+    return str(path)
+
+
+def train_rows(workdir) -> dict[int, dict]:
+    """{step: row} of the train rows of WORKDIR/metrics.jsonl (the last row wins for a step)."""
+    rows = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if "train_loss" in row:
+                rows[row["step"]] = row
+    return rows
+
+
+def train_losses(workdir) -> dict[int, float]:
+    """{step: train_loss} from WORKDIR/metrics.jsonl."""
+    return {step: row["train_loss"] for step, row in train_rows(workdir).items()}

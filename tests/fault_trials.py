@@ -31,6 +31,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tests.conftest import train_losses, write_reversal_tsv  # noqa: E402
+
 CONFIG = """
 from tests.conftest import small_train_config
 
@@ -42,14 +44,9 @@ def get_config():
 
 
 def write_inputs(directory: str, steps: int) -> str:
-    rng = np.random.default_rng(3)
-    letters = list("abcdefghijklmnopqrstuvwxyz")
-    words = ["".join(rng.choice(letters, size=rng.integers(3, 7))) for _ in range(300)]
-    corpus = os.path.join(directory, "pairs.tsv")
-    with open(corpus, "w") as f:
-        for _ in range(800):
-            w = list(rng.choice(words, size=rng.integers(2, 6)))
-            f.write(" ".join(w) + "\t" + " ".join(w[::-1]) + "\n")
+    corpus = write_reversal_tsv(
+        os.path.join(directory, "pairs.tsv"), num_pairs=800, max_words=5, seed=3
+    )
     path = os.path.join(directory, "trial_config.py")
     with open(path, "w") as f:
         f.write(CONFIG.format(corpus=corpus, steps=steps))
@@ -99,16 +96,6 @@ def full_state(workdir: str, step: int):
 def complete_steps(workdir: str) -> list[int]:
     d = os.path.join(workdir, "checkpoints")
     return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
-
-
-def train_losses(workdir: str) -> dict[int, float]:
-    rows = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if "train_loss" in row:
-                rows[row["step"]] = row["train_loss"]
-    return rows
 
 
 def trial(i: int, config: str, root: str, ref_seconds: float, max_kills: int, rng, ref) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from data import DataError
-from tests.conftest import small_train_config
+from tests.conftest import small_train_config, train_losses, write_reversal_tsv
 from tests.test_train_steps import reverse_batch
 from training import TrainingError, checkpoints, optim, restore_model, steps, train_and_evaluate
 from training.mesh import axis_rules, make_mesh, shard_batch, state_shardings
@@ -26,32 +26,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    rng = np.random.default_rng(7)
-    words = [
-        "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(3, 7)))
-        for _ in range(300)
-    ]
     path = tmp_path_factory.mktemp("data") / "pairs.tsv"
-    with open(path, "w") as f:
-        for _ in range(600):
-            w = list(rng.choice(words, size=rng.integers(2, 5)))
-            f.write(" ".join(w) + "\t" + " ".join(w[::-1]) + "\n")
-    return f"tsv:{path}"
+    return "tsv:" + write_reversal_tsv(path, num_pairs=600, max_words=4, seed=7)
 
 
 def cfg(corpus, **overrides):
     base = dict(dataset=corpus, num_train_steps=20, final_eval_max_examples=2)
     return small_train_config(**{**base, **overrides})
-
-
-def losses(workdir) -> dict[int, float]:
-    rows = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if "train_loss" in row:
-                rows[row["step"]] = row["train_loss"]
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +70,8 @@ def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(base, corpu
     assert [d.split(".")[0] for d in os.listdir(w / "checkpoints_damaged")] == ["20"]
     # Steps 11..20 were redone from step 10 and match the first run exactly.
     assert summary["step"] == 20
-    assert losses(w)[15] == pytest.approx(losses(base)[15], rel=1e-6)
-    assert losses(w)[20] == pytest.approx(losses(base)[20], rel=1e-6)
+    assert train_losses(w)[15] == pytest.approx(train_losses(base)[15], rel=1e-6)
+    assert train_losses(w)[20] == pytest.approx(train_losses(base)[20], rel=1e-6)
     assert checkpoints.Checkpoints(str(w)).all_steps() == [10, 20]
 
 
@@ -107,7 +88,7 @@ def test_no_usable_checkpoint_is_an_error_unless_a_fresh_start_is_allowed(base, 
     with pytest.raises(TrainingError, match="had checkpoints but none is usable"):
         train_and_evaluate(cfg(corpus), str(w))
     summary = train_and_evaluate(cfg(corpus, allow_fresh_start=True, num_train_steps=2), str(w))
-    assert summary["step"] == 2 and sorted(losses(w)) == [2]
+    assert summary["step"] == 2 and sorted(train_losses(w)) == [2]
 
 
 # --- NaN / Inf -----------------------------------------------------------------------
@@ -279,7 +260,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     import jax
-    from tests.conftest import small_train_config
+    from tests.conftest import small_train_config, train_losses, write_reversal_tsv
     from training import train_and_evaluate
     assert jax.device_count() == int(sys.argv[3]), jax.devices()
     overrides = json.loads(sys.argv[1])
@@ -311,15 +292,15 @@ def test_resume_on_another_device_count(base, corpus, tmp_path):
     w8 = tmp_path / "w8"
     run_on_devices(8, {**over, "num_train_steps": 10}, w8)
     summary = train_and_evaluate(cfg(corpus, num_train_steps=20), str(w8))
-    assert summary["step"] == 20 and sorted(losses(w8)) == [5, 10, 15, 20]
+    assert summary["step"] == 20 and sorted(train_losses(w8)) == [5, 10, 15, 20]
     # The resumed 1-device run starts from the 8-device parameters: step 15 is close to
     # the all-1-device run (batches differ: the row multiple changed with the mesh).
-    assert losses(w8)[15] == pytest.approx(losses(base)[15], rel=0.1)
+    assert train_losses(w8)[15] == pytest.approx(train_losses(base)[15], rel=0.1)
 
     w1 = copy(base, tmp_path, "w1")
     err = run_on_devices(4, {**over, "num_train_steps": 30}, w1)
     assert "resumed from step 20" in err
-    assert sorted(losses(w1)) == [5, 10, 15, 20, 25, 30]
+    assert sorted(train_losses(w1)) == [5, 10, 15, 20, 25, 30]
     assert checkpoints.Checkpoints(str(w1)).all_steps()[-1] == 30
 
 

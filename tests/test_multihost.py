@@ -17,6 +17,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from tests.conftest import train_losses, write_reversal_tsv
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = textwrap.dedent(
@@ -87,29 +89,12 @@ def run_processes(nproc: int, workdir, overrides: dict, timeout: float = 300) ->
     return summaries
 
 
-def train_losses(workdir) -> dict[int, float]:
-    rows = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if "train_loss" in row:
-                rows[row["step"]] = row["train_loss"]
-    return rows
-
-
 @pytest.fixture(scope="module")
 def overrides(tmp_path_factory):
     """Short pairs in one length bucket, so every shard plans the same batch shapes."""
-    rng = np.random.default_rng(1)
-    words = [
-        "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=rng.integers(3, 7)))
-        for _ in range(300)
-    ]
-    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
-    with open(path, "w") as f:
-        for _ in range(400):
-            w = list(rng.choice(words, size=rng.integers(2, 4)))
-            f.write(" ".join(w) + "\t" + " ".join(w[::-1]) + "\n")
+    path = write_reversal_tsv(
+        tmp_path_factory.mktemp("data") / "pairs.tsv", num_pairs=400, max_words=3, seed=1
+    )
     return {
         "dataset": f"tsv:{path}",
         "length_buckets": (16,),

@@ -12,16 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from tests.conftest import small_train_config
+from tests.conftest import small_train_config, train_rows, write_reversal_tsv
 from training import TrainingError, checkpoints, restore_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# 300 pseudo-words, so that the tokenizer finds enough pieces for a 300-entry vocabulary.
-_rng = np.random.default_rng(42)
-WORDS = [
-    "".join(_rng.choice(list("abcdefghijklmnopqrstuvwxyz"), size=_rng.integers(3, 7)))
-    for _ in range(300)
-]
 
 # Runs train_and_evaluate in a child process; the train step sends `SIG` to the
 # process itself once the state reaches step `AT` (a deterministic "preemption").
@@ -31,7 +25,7 @@ WORDS = [
 CHILD = textwrap.dedent(
     """
     import json, os, signal, sys, time
-    from tests.conftest import small_train_config
+    from tests.conftest import small_train_config, train_rows, write_reversal_tsv
     from training import loop, steps
 
     overrides, workdir, sig = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -65,14 +59,9 @@ CHILD = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def corpus_tsv(tmp_path_factory):
-    """Reversal pairs: 'a b c' -> 'c b a' over a small word list."""
-    rng = np.random.default_rng(0)
+    """Reversal pairs: 'a b c' -> 'c b a' over 300 pseudo-words (enough pieces for V=300)."""
     path = tmp_path_factory.mktemp("data") / "pairs.tsv"
-    with open(path, "w") as f:
-        for _ in range(1500):
-            words = list(rng.choice(WORDS, size=rng.integers(2, 6)))
-            f.write(" ".join(words) + "\t" + " ".join(words[::-1]) + "\n")
-    return str(path)
+    return write_reversal_tsv(path, num_pairs=1500, max_words=5, seed=0)
 
 
 def _child(overrides, workdir, sig="SIGKILL", at=0):
@@ -85,17 +74,6 @@ def _child(overrides, workdir, sig="SIGKILL", at=0):
         text=True,
         timeout=300,
     )
-
-
-def _metrics(workdir):
-    """{step: row} of the train rows in metrics.jsonl (the last row wins for a step)."""
-    rows = {}
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if "train_loss" in row:
-                rows[row["step"]] = row
-    return rows
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +121,7 @@ def test_resume_after_sigkill_continues_the_same_trajectory(uninterrupted, corpu
     resumed = _child(overrides, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 10" in resumed.stderr
-    want, got = _metrics(full), _metrics(str(tmp_path))
+    want, got = train_rows(full), train_rows(str(tmp_path))
     assert sorted(got) == sorted(want) == [5, 10, 15, 20, 25, 30]
     for step in (15, 20, 25, 30):  # after the resume point
         assert got[step]["train_loss"] == pytest.approx(want[step]["train_loss"], rel=1e-6)
