@@ -7,13 +7,14 @@ JOBS ?= 2
 WORKDIR ?= workdir/tiny
 CONFIG ?= configs/tiny.py
 
-.PHONY: help venv test test-slow lint format ding train decode bench clean
+.PHONY: help venv test test-slow test-floors lint format ding train decode bench clean
 
 help:
 	@echo "make train      train configs/tiny.py on the embedded 'ding' corpus into $(WORKDIR)"
 	@echo "make decode     translate the ding test set with the model in $(WORKDIR)"
 	@echo "make test       the fast test suite (CPU, offline)"
 	@echo "make test-slow  the slow tests"
+	@echo "make test-floors  the fast tests against the lowest versions pyproject.toml allows"
 	@echo "make lint       ruff check + ruff format --check"
 	@echo "make bench      CPU benchmarks (JSON + table)"
 
@@ -30,6 +31,16 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m slow
+
+# The fast suite in a second venv holding the *lowest* versions of our direct
+# dependencies that pyproject.toml allows (uv's lowest-direct resolution), so that
+# the lower bounds we publish are ones we have run.
+FLOORS := .venv-floors
+test-floors:
+	test -x $(FLOORS)/bin/python || $(PYTHON) -m venv $(FLOORS)
+	$(FLOORS)/bin/python -m pip install -q uv
+	$(FLOORS)/bin/uv pip install -q -p $(FLOORS)/bin/python --resolution lowest-direct -e '.[dev]'
+	$(FLOORS)/bin/python -m pytest -q -n $(JOBS) --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -64,4 +75,4 @@ bench: $(STAMP)
 	$(PY) bench/decode.py --configs=tiny
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOORS) .pytest_cache .ruff_cache
