@@ -35,6 +35,8 @@ def small_train_config(**overrides):
     c.model.num_decoder_layers = 1
     c.model.d_ff = 64
     c.model.max_len = 64
+    # Dropout on, whatever tiny uses, so that resume tests also cover the RNG streams.
+    c.model.dropout_rate = 0.1
     c.warmup_steps = 10
     c.num_train_steps = 30
     c.log_every_steps = 5
