@@ -2,8 +2,17 @@
 
     make train            # = python train.py --config=configs/tiny.py --workdir=workdir/tiny
 
+Measured from a fresh clone on the 2-core CPU box (jax 0.10.2), `make train`:
+9 min 38 s in all -- venv setup and the Ding package ~1 min, corpus parse and
+tokenizer 35 s, 1400 packed steps of 1024 tokens (1.25M target tokens, ~3,200
+tokens/s) in 6.7 min, evals 1 min. Dev set (1000 pairs, beam 4): BLEU 1.63,
+chrF 15.2, token accuracy 35%; test set (`make decode`): BLEU 1.84, chrF 15.8.
+A smoke test of the whole pipeline, not a usable translator: it gets sentence
+openings, word order and some content words ("Wir müssen einige Tests
+durchführen" -> "We need to have a tested by the test too.").
+
 Why these sizes (each measured on the 2-core box as dev loss after the same
-~7 minutes of training, `docs/training.md`): ten CPU minutes are ~2 epochs of
+~7 minutes of training, `docs/training.md`): ten CPU minutes are ~1.5 epochs of
 Ding, far too little data for the model to overfit, so dropout only slows
 learning (d_model 128: dev loss 4.70 with P_drop 0.1, 4.54 without); at a fixed
 time budget d_model 192 beats 128 and 256 (4.45 vs 4.54 and 4.61: 256 is too
