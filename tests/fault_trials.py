@@ -1,7 +1,7 @@
 """SIGKILL trials: kill `train.py` at random moments (and right inside asynchronous
 checkpoint saves), re-run it, and check that nothing is lost.
 
-    .venv/bin/python tests/fault_trials.py --trials=10          # ~10-15 min on 2 CPU cores
+    .venv/bin/python tests/fault_trials.py --trials=10          # ~7-15 min on 2 CPU cores
 
 Each trial trains a small model into a fresh workdir with the real CLI. Up to
 `--kills` times per trial the run is SIGKILLed, either after a random delay
