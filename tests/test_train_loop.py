@@ -173,7 +173,8 @@ def test_restore_model_without_checkpoints(tmp_path):
     [
         ("--config.num_train_steps=0", "num_train_steps must be > 0"),
         ("--config.dataset=nope:x", "nope"),
-        ("--config.model.num_heads=3", "num_heads"),
+        # 7 does not divide tiny's d_model (192), so the model config is invalid.
+        ("--config.model.num_heads=7", "divisible by num_heads"),
         ("--config.no_such_field=1", "no_such_field"),
     ],
 )
