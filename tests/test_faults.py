@@ -260,7 +260,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     import jax
-    from tests.conftest import small_train_config, train_losses, write_reversal_tsv
+    from tests.conftest import small_train_config
     from training import train_and_evaluate
     assert jax.device_count() == int(sys.argv[3]), jax.devices()
     overrides = json.loads(sys.argv[1])

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = textwrap.dedent(
     """
     import json, os, signal, sys, time
-    from tests.conftest import small_train_config, train_rows, write_reversal_tsv
+    from tests.conftest import small_train_config
     from training import loop, steps
 
     overrides, workdir, sig = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
