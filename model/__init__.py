@@ -8,6 +8,7 @@ logits = model(src, tgt_in)  # [B, S], [B, T] int32 -> [B, T, V] float32
 """
 
 from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TransformerConfig
+from model.layers import KVCache
 from model.transformer import DecodeCache, Transformer, shift_right
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "PAD_ID",
     "UNK_ID",
     "DecodeCache",
+    "KVCache",
     "Transformer",
     "TransformerConfig",
     "shift_right",

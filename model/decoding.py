@@ -3,17 +3,23 @@
     tokens = translate(model, src)                          # [B, S] -> [B, L], beam 4, alpha 0.6
     tokens, scores = beam_search(model, src, beam_size=4)   # [B, K, L], [B, K], best first
     tokens = greedy_search(model, src)                      # [B, L]
-    outputs = translate_ids(model, list_of_id_lists)        # any lengths, static shapes
+
+(Many sources of different lengths, batched into static shapes: training/translate.py.)
 
 Every search encodes the source once (`Transformer.init_cache` also projects the
 cross-attention keys/values of every layer once) and then feeds one token per
-step through `Transformer.decode_step`; the whole loop is one
-`jax.lax.while_loop` inside one `jax.jit`. The jitted functions live at module
-level and take the model as (graphdef, state), so a second call with the same
-shapes and static arguments reuses the compiled program.
+step through `Transformer.decode_step`, which returns the updated `DecodeCache`
+with the logits; the whole loop is one `jax.lax.while_loop` inside one
+`jax.jit`. Beam search keeps K hypotheses per source in one batch of B*K rows
+(rows b*K .. b*K + K-1 are source b's): `DecodeCache.repeat` makes those rows
+and `DecodeCache.reorder` makes each surviving beam carry on the cache of the
+beam it extends. The jitted functions live at module level and take the model
+as (graphdef, state), so a second call with the same shapes and static
+arguments reuses the compiled program.
 
 Output tokens exclude BOS, end with EOS and are 0 (padding) after it; PAD and
-BOS are never emitted.
+BOS are never emitted, nor ids >= `vocab_limit` when one is given (a tokenizer
+with fewer pieces than the model's vocabulary never produced them in training).
 
 Length limit: by default a source of n tokens may produce at most n + 50 output
 tokens (EOS included), and the output array has L = S + 50 columns (S the padded
@@ -26,12 +32,10 @@ and scores are comparable.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from model.config import BOS_ID, EOS_ID, PAD_ID
@@ -75,37 +79,19 @@ def _row_limits(src: jax.Array, length: int, extra: int | None) -> jax.Array:
     return jnp.minimum(n + extra, length)
 
 
-def _restrict(logp: jax.Array, force_eos: jax.Array) -> jax.Array:
-    """logp [..., V] -> the same with PAD and BOS banned and, where force_eos [...], all but EOS.
+def _restrict(logp: jax.Array, force_eos: jax.Array, vocab_limit: int | None) -> jax.Array:
+    """logp [..., V] -> the same with PAD, BOS and ids >= vocab_limit banned and, where
+    force_eos [...], all but EOS.
 
     PAD and BOS never occur inside a target, and a PAD fed back would be masked
     as padding by the full forward pass, so searches never emit them.
     """
     ids = jnp.arange(logp.shape[-1])  # [V]
     banned = (ids == PAD_ID) | (ids == BOS_ID)
+    if vocab_limit is not None:
+        banned = banned | (ids >= vocab_limit)
     banned = banned | (force_eos[..., None] & (ids != EOS_ID))  # [..., V]
     return jnp.where(banned, NEG_INF, logp)
-
-
-def _repeat_cache(cache: DecodeCache, k: int) -> DecodeCache:
-    """Give each source K beams: every batch-major array [B, ...] -> [B*K, ...].
-
-    Rows b*K .. b*K + K-1 are source b's beams. Cross keys/values are identical
-    across a source's beams and never reordered afterwards.
-    """
-    rep = lambda x: jnp.repeat(x, k, axis=0)  # [B, ...] -> [B*K, ...]
-    return cache.replace(
-        self_k=tuple(map(rep, cache.self_k)),
-        self_v=tuple(map(rep, cache.self_v)),
-        cross_k=tuple(map(rep, cache.cross_k)),
-        cross_v=tuple(map(rep, cache.cross_v)),
-        src_valid=rep(cache.src_valid),
-    )
-
-
-def _split(model: Transformer):
-    graphdef, state = nnx.split(model)
-    return graphdef, state
 
 
 # --- greedy search and sampling ---------------------------------------------
@@ -116,13 +102,18 @@ class _GreedyState(NamedTuple):
     tokens: jax.Array  # [B, L] int32 output so far, 0 after EOS
     last: jax.Array  # [B] int32, the token fed next (BOS at step 0)
     done: jax.Array  # [B] bool, EOS already produced
+    logp: jax.Array  # [B] float32, log-probability of the tokens so far
     rng: jax.Array  # PRNG key (unused by greedy)
     cache: DecodeCache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "length", "extra", "top_k", "greedy"))
-def _sample_loop(graphdef, state, src, rng, temperature, *, length, extra, top_k, greedy):
-    """Greedy (argmax) or ancestral sampling: src [B, S] -> tokens [B, L]."""
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "length", "extra", "top_k", "greedy", "vocab_limit")
+)
+def _sample_loop(
+    graphdef, state, src, rng, temperature, *, length, extra, top_k, greedy, vocab_limit
+):
+    """Greedy (argmax) or ancestral sampling: src [B, S] -> tokens [B, L], log P [B]."""
     model = nnx.merge(graphdef, state)
     b = src.shape[0]
     limits = _row_limits(src, length, extra)  # [B]
@@ -131,6 +122,7 @@ def _sample_loop(graphdef, state, src, rng, temperature, *, length, extra, top_k
         tokens=jnp.zeros((b, length), jnp.int32),
         last=jnp.full((b,), BOS_ID, jnp.int32),
         done=jnp.zeros((b,), bool),
+        logp=jnp.zeros((b,), jnp.float32),
         rng=rng,
         cache=model.init_cache(src, length),
     )
@@ -140,7 +132,9 @@ def _sample_loop(graphdef, state, src, rng, temperature, *, length, extra, top_k
 
     def body(s: _GreedyState) -> _GreedyState:
         logits, cache = model.decode_step(s.last, s.cache)  # [B] -> [B, V]
-        logits = _restrict(logits, s.step >= limits - 1)
+        # Scored as beam search scores: log-softmax over the whole vocabulary.
+        logp = jax.nn.log_softmax(logits)  # [B, V]
+        logits = _restrict(logits, s.step >= limits - 1, vocab_limit)
         if greedy:
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
             rng = s.rng
@@ -151,16 +145,25 @@ def _sample_loop(graphdef, state, src, rng, temperature, *, length, extra, top_k
                 logits = jnp.where(logits < kth, NEG_INF, logits)
             rng, key = jax.random.split(s.rng)
             tok = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)  # [B]
+        tok_logp = jnp.take_along_axis(logp, tok[:, None], axis=1)[:, 0]  # [B]
+        logp_sum = s.logp + jnp.where(s.done, 0.0, tok_logp)
         tok = jnp.where(s.done, PAD_ID, tok)
         tokens = jax.lax.dynamic_update_slice_in_dim(s.tokens, tok[:, None], s.step, axis=1)
-        return _GreedyState(s.step + 1, tokens, tok, s.done | (tok == EOS_ID), rng, cache)
+        done = s.done | (tok == EOS_ID)
+        return _GreedyState(s.step + 1, tokens, tok, done, logp_sum, rng, cache)
 
-    return jax.lax.while_loop(cond, body, init).tokens
+    out = jax.lax.while_loop(cond, body, init)
+    return out.tokens, out.logp
 
 
 def greedy_search(
-    model: Transformer, src: jax.Array, *, max_decode_len: int | None = None
-) -> jax.Array:
+    model: Transformer,
+    src: jax.Array,
+    *,
+    max_decode_len: int | None = None,
+    vocab_limit: int | None = None,
+    return_logprob: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Argmax decoding with the KV cache.
 
     Args:
@@ -168,13 +171,16 @@ def greedy_search(
       src: [B, S] int32 source ids, 0 = padding.
       max_decode_len: output columns L; default S + 50 (capped at `config.max_len`)
         with a per-row limit of (source length + 50).
+      vocab_limit: never emit ids >= this (None = the whole vocabulary).
+      return_logprob: also return each output's log-probability.
     Returns:
-      [B, L] int32 tokens: no BOS, EOS-terminated, 0 after EOS.
+      [B, L] int32 tokens: no BOS, EOS-terminated, 0 after EOS; with
+      `return_logprob`, also [B] float32 log P(tokens | src), EOS included.
     """
     src = jnp.asarray(src, jnp.int32)
     length, extra = _decode_shape(model, src, max_decode_len)
-    graphdef, state = _split(model)
-    return _sample_loop(
+    graphdef, state = nnx.split(model)
+    tokens, logp = _sample_loop(
         graphdef,
         state,
         src,
@@ -184,7 +190,9 @@ def greedy_search(
         extra=extra,
         top_k=0,
         greedy=True,
+        vocab_limit=vocab_limit,
     )
+    return (tokens, logp) if return_logprob else tokens
 
 
 def sample(
@@ -195,11 +203,13 @@ def sample(
     temperature: float = 1.0,
     top_k: int = 0,
     max_decode_len: int | None = None,
+    vocab_limit: int | None = None,
 ) -> jax.Array:
     """Ancestral sampling from softmax(logits / temperature), optionally over the top_k tokens.
 
     Args:
       src: [B, S] int32; rng: a PRNG key; temperature > 0; top_k 0 = the whole vocabulary.
+      max_decode_len, vocab_limit: as for `greedy_search`.
     Returns:
       [B, L] int32 tokens as `greedy_search`.
     """
@@ -209,8 +219,8 @@ def sample(
         raise ValueError(f"top_k must be in [0, vocab_size], got {top_k}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = _decode_shape(model, src, max_decode_len)
-    graphdef, state = _split(model)
-    return _sample_loop(
+    graphdef, state = nnx.split(model)
+    tokens, _ = _sample_loop(
         graphdef,
         state,
         src,
@@ -220,7 +230,9 @@ def sample(
         extra=extra,
         top_k=top_k,
         greedy=False,
+        vocab_limit=vocab_limit,
     )
+    return tokens
 
 
 # --- beam search -------------------------------------------------------------
@@ -241,8 +253,10 @@ def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "length", "extra", "beam_size"))
-def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "length", "extra", "beam_size", "vocab_limit")
+)
+def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size, vocab_limit):
     """src [B, S] -> tokens [B, K, L], scores [B, K], best first."""
     model = nnx.merge(graphdef, state)
     b, k = src.shape[0], beam_size
@@ -253,11 +267,11 @@ def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size):
     init = _BeamState(
         step=jnp.zeros((), jnp.int32),
         live_seqs=jnp.zeros((b, k, length), jnp.int32),
-        # One live beam at first, so the first step does not pick K copies of it.
+        # [K] -> [B, K]: one live beam at first, so the first step does not pick K copies of it.
         live_logp=jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1)),
         fin_seqs=jnp.zeros((b, k, length), jnp.int32),
         fin_scores=jnp.full((b, k), NEG_INF, jnp.float32),
-        cache=_repeat_cache(model.init_cache(src, length), k),
+        cache=model.init_cache(src, length).repeat(k),  # [B, ...] -> [B*K, ...]
     )
 
     def row_done(s: _BeamState) -> jax.Array:
@@ -270,12 +284,15 @@ def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size):
 
     def body(s: _BeamState) -> _BeamState:
         t = s.step
+        # [B, K, L] -> [B, K]: the token each beam fed last (column t-1; BOS at t = 0).
         prev_col = jax.lax.dynamic_index_in_dim(s.live_seqs, jnp.maximum(t - 1, 0), 2, False)
         prev = jnp.where(t == 0, BOS_ID, prev_col)  # [B, K]
-        logits, cache = model.decode_step(prev.reshape(b * k), s.cache)  # [B*K] -> [B*K, V]
+        prev = prev.reshape(b * k)  # [B, K] -> [B*K]
+        logits, cache = model.decode_step(prev, s.cache)  # [B*K] -> [B*K, V]
         v = logits.shape[-1]
         logp = jax.nn.log_softmax(logits).reshape(b, k, v)  # [B*K, V] -> [B, K, V]
-        logp = _restrict(logp, jnp.broadcast_to((t >= limits - 1)[:, None], (b, k)))
+        force_eos = jnp.broadcast_to((t >= limits - 1)[:, None], (b, k))  # [B] -> [B, K]
+        logp = _restrict(logp, force_eos, vocab_limit)
         cand = (s.live_logp[:, :, None] + logp).reshape(b, k * v)  # [B, K, V] -> [B, K*V]
         # 2K candidates: at most K of them end in EOS, so K stay alive.
         top_logp, top_idx = jax.lax.top_k(cand, 2 * k)  # [B, 2K]
@@ -283,7 +300,7 @@ def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size):
         top_seqs = _gather_beams(s.live_seqs, top_beam)  # [B, K, L] -> [B, 2K, L]
         top_seqs = jax.lax.dynamic_update_slice_in_dim(
             top_seqs, top_tok[:, :, None].astype(jnp.int32), t, axis=2
-        )
+        )  # [B, 2K, 1] written at column t of [B, 2K, L]
         is_eos = top_tok == EOS_ID  # [B, 2K]
 
         # Live: the K best candidates that did not end.
@@ -291,11 +308,8 @@ def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size):
         live_seqs = _gather_beams(top_seqs, live_pos)  # [B, 2K, L] -> [B, K, L]
         origin = jnp.take_along_axis(top_beam, live_pos, axis=1)  # [B, K] previous beam
         rows = (jnp.arange(b)[:, None] * k + origin).reshape(b * k)  # [B, K] -> [B*K]
-        # Only the self-attention cache depends on the beam's history.
-        cache = cache.replace(
-            self_k=tuple(jnp.take(x, rows, axis=0) for x in cache.self_k),
-            self_v=tuple(jnp.take(x, rows, axis=0) for x in cache.self_v),
-        )
+        # Each live beam continues the self-attention cache of the beam it extends.
+        cache = cache.reorder(rows)  # [B*K, L, N, H] per layer, rows gathered
 
         # Finished: an EOS candidate counts only if it ranks among the K best (as in
         # fairseq), so beam size 1 with alpha 0 is exactly greedy search. Merge the
@@ -323,6 +337,7 @@ def beam_search(
     beam_size: int = DEFAULT_BEAM_SIZE,
     alpha: float = DEFAULT_ALPHA,
     max_decode_len: int | None = None,
+    vocab_limit: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with GNMT length penalty and early stopping (paper: K=4, alpha=0.6).
 
@@ -335,6 +350,7 @@ def beam_search(
       beam_size: K >= 1.
       alpha: length penalty exponent >= 0 (0 = raw log-probability).
       max_decode_len: output columns L (see `greedy_search`).
+      vocab_limit: never emit ids >= this (None = the whole vocabulary).
     Returns:
       tokens [B, K, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores
       [B, K] float32 = log P / ((5 + len) / 6)^alpha with len counting EOS,
@@ -342,13 +358,14 @@ def beam_search(
     """
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
-    if beam_size > model.config.vocab_size // 2:
-        raise ValueError(f"beam_size {beam_size} too large for vocab {model.config.vocab_size}")
+    vocab = vocab_limit or model.config.vocab_size
+    if beam_size > vocab // 2:
+        raise ValueError(f"beam_size {beam_size} too large for a vocabulary of {vocab}")
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = _decode_shape(model, src, max_decode_len)
-    graphdef, state = _split(model)
+    graphdef, state = nnx.split(model)
     return _beam_search(
         graphdef,
         state,
@@ -357,6 +374,7 @@ def beam_search(
         length=length,
         extra=extra,
         beam_size=beam_size,
+        vocab_limit=vocab_limit,
     )
 
 
@@ -367,126 +385,20 @@ def translate(
     beam_size: int = DEFAULT_BEAM_SIZE,
     alpha: float = DEFAULT_ALPHA,
     max_decode_len: int | None = None,
+    vocab_limit: int | None = None,
 ) -> jax.Array:
     """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy).
 
     Tokens exclude BOS, end with EOS and are 0 after it; `Tokenizer.decode` reads them.
     """
     if beam_size == 1:
-        return greedy_search(model, src, max_decode_len=max_decode_len)
+        return greedy_search(model, src, max_decode_len=max_decode_len, vocab_limit=vocab_limit)
     tokens, _ = beam_search(
-        model, src, beam_size=beam_size, alpha=alpha, max_decode_len=max_decode_len
+        model,
+        src,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_decode_len=max_decode_len,
+        vocab_limit=vocab_limit,
     )
     return tokens[:, 0]  # [B, K, L] -> [B, L]
-
-
-# --- many sources of different lengths: static shapes ---------------------------
-
-# Padded source widths. A file of any size compiles at most one program per
-# (width, batch rows) pair actually used: a handful, not one per batch.
-LENGTH_BUCKETS = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-MIN_BATCH_ROWS = 8
-
-
-def bucket_width(n: int, max_len: int) -> int:
-    """The padded width for a source of n tokens: the smallest bucket >= n, at most max_len."""
-    for width in LENGTH_BUCKETS:
-        if width >= n:
-            return min(width, max_len)
-    return max_len
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
-def plan_batches(
-    lengths: Sequence[int], *, batch_tokens: int, max_len: int
-) -> list[tuple[np.ndarray, int, int]]:
-    """Group sources into batches of static shape; longest first.
-
-    Args:
-      lengths: tokens per source (EOS included); all in [1, max_len].
-      batch_tokens: budget of padded source tokens per batch (rows * width).
-      max_len: the model's longest position.
-    Returns:
-      (indices into `lengths`, width S, rows B) per batch, with len(indices) <= B.
-      Full batches have B = the largest power of two with B * S <= batch_tokens;
-      a bucket's last batch is padded up to a power of two (at least 8), so each
-      bucket compiles at most a few batch sizes.
-    """
-    lengths = np.asarray(lengths, np.int64)
-    widths = np.array([bucket_width(int(n), max_len) for n in lengths], np.int64)
-    # Stable sort by decreasing length keeps equal-length sources in input order.
-    order = np.argsort(-lengths, kind="stable")
-    batches = []
-    for width in sorted(set(widths.tolist()), reverse=True):
-        idx = order[widths[order] == width]
-        full = _pow2_floor(batch_tokens // width)
-        for start in range(0, len(idx), full):
-            chunk = idx[start : start + full]
-            rows = min(full, max(MIN_BATCH_ROWS, 1 << (len(chunk) - 1).bit_length()))
-            batches.append((chunk, width, rows))
-    return batches
-
-
-def translate_ids(
-    model: Transformer,
-    sources: Sequence[Sequence[int]],
-    *,
-    beam_size: int = DEFAULT_BEAM_SIZE,
-    alpha: float = DEFAULT_ALPHA,
-    batch_tokens: int = 4096,
-    progress: Callable[[int, int], None] | None = None,
-) -> list[list[int]]:
-    """Translate token-id sources of any lengths, in batches of static shape.
-
-    Args:
-      sources: id lists as the model was trained on (EOS-terminated), each at most
-        `config.max_len` long; an empty list gives an empty translation without
-        running the model.
-      batch_tokens: padded source tokens per batch (beam search holds K times as many).
-      progress: called after each batch with (sentences, output tokens) it finished.
-    Returns:
-      output ids per source, in input order, without BOS/EOS/padding.
-    """
-    max_len = model.config.max_len
-    too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
-    if too_long:
-        raise ValueError(
-            f"{len(too_long)} source(s) exceed max_len {max_len} (first: #{too_long[0]})"
-        )
-    if batch_tokens < 1:
-        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
-    nonempty = [i for i, s in enumerate(sources) if len(s)]
-    lengths = [len(sources[i]) for i in nonempty]
-    results: list[list[int]] = [[] for _ in sources]
-
-    def finish(pending):
-        tokens, chunk = pending
-        tokens = np.asarray(tokens)  # waits for the device
-        count = 0
-        for row, j in zip(tokens, chunk, strict=False):
-            row = row.tolist()
-            row = row[: row.index(EOS_ID)] if EOS_ID in row else row
-            results[nonempty[j]] = [t for t in row if t != PAD_ID]
-            count += len(row) + 1
-        if progress is not None:
-            progress(len(chunk), count)
-
-    pending = None
-    for chunk, width, rows in plan_batches(lengths, batch_tokens=batch_tokens, max_len=max_len):
-        # Filler rows hold a lone EOS: a valid, cheap source whose output is dropped.
-        src = np.zeros((rows, width), np.int32)  # [B, S]
-        src[len(chunk) :, 0] = EOS_ID
-        for r, j in enumerate(chunk):
-            ids = sources[nonempty[j]]
-            src[r, : len(ids)] = ids
-        tokens = translate(model, src, beam_size=beam_size, alpha=alpha)
-        # Dispatch is asynchronous: the next batch is queued before this one is read.
-        if pending is not None:
-            finish(pending)
-        pending = (tokens, chunk)
-    if pending is not None:
-        finish(pending)
-    return results

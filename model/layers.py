@@ -3,6 +3,13 @@
 Every parameter carries `logical_axes` metadata (names from model/sharding.py).
 Parameters are stored in `param_dtype` and cast to the computation dtype at use;
 LayerNorm and softmax run in float32.
+
+Layers are functions of their inputs: what incremental decoding carries between
+steps goes in and comes back out, as in Flax's gemma example. A `KVCache` holds
+one attention layer's keys and values; self-attention takes an optional cache and
+returns its keys/values (the updated cache when one was given), and
+`DecoderLayer` returns `(y, self_kv, cross_weights)`, the cross-attention
+weights only when asked for (for attention pictures and word alignments).
 """
 
 from __future__ import annotations
@@ -12,9 +19,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
-from model.attention import attention_weights, dot_product_attention
+from model.attention import Mask, attention_weights, dot_product_attention
 from model.config import TransformerConfig
 from model.sharding import EMBED, HEADS, KV, MLP, VOCAB
 
@@ -57,8 +64,11 @@ class Embed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """[B, T] int -> [B, T, D] in the computation dtype."""
-        table = self.embedding[...].astype(self.dtype)
-        return jnp.take(table, ids, axis=0) * jnp.asarray(self.scale, self.dtype)
+        # Gather from the float32 table and cast only the rows: the gradient of the
+        # gather is a scatter-add into the table's dtype, and a frequent token's
+        # thousands of rows summed in bfloat16 would lose most of their updates.
+        rows = jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)  # [B, T, D]
+        return rows * jnp.asarray(self.scale, self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> float32 logits [B, T, V] against the same table."""
@@ -81,12 +91,36 @@ class Unembed(nnx.Module):
         return jnp.einsum("BTD,DV->BTV", x, w, preferred_element_type=jnp.float32)
 
 
+@struct.dataclass
+class KVCache:
+    """The keys and values one attention layer attends over: k, v [B, L, N, H] (a pytree).
+
+    For self-attention in incremental decoding, L is the most target tokens and
+    only the first `index` positions are filled; for cross-attention L = S.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, int, int, int], dtype) -> KVCache:
+        """An empty cache of shape [B, L, N, H]."""
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def write(self, new: KVCache, index: jax.Array | int) -> KVCache:
+        """Store new [B, T, N, H] at positions index .. index + T - 1 -> [B, L, N, H]."""
+        put = lambda old, x: jax.lax.dynamic_update_slice_in_dim(old, x, index, axis=1)
+        return KVCache(put(self.k, new.k), put(self.v, new.v))
+
+
 class MultiHeadAttention(nnx.Module):
     """MultiHead(Q, K, V) = Concat(head_1..head_N) W^O (section 3.2.2).
 
     head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
     Projections are stored per head: W^Q, W^K, W^V [D, N, H] and W^O [N, H, D].
+    Calling the module is self-attention; cross-attention projects the encoder
+    output once with `project_kv` and then calls `attend`.
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
@@ -105,39 +139,56 @@ class MultiHeadAttention(nnx.Module):
     def _proj(self, w: nnx.Param, x: jax.Array) -> jax.Array:
         return jnp.einsum("BTD,DNH->BTNH", x, w[...].astype(self.dtype))
 
-    def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def project_kv(self, x: jax.Array) -> KVCache:
         """[B, S, D] -> keys, values [B, S, N, H] (what a cache stores)."""
-        return self._proj(self.key, x), self._proj(self.value, x)
+        return KVCache(self._proj(self.key, x), self._proj(self.value, x))
 
     def attend(
         self,
         x: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        mask: jax.Array | None,
-        deterministic: bool,
-        capture: list | None = None,
-    ) -> jax.Array:
-        """Queries from x [B, T, D] over given keys/values [B, S, N, H] -> [B, T, D].
+        kv: KVCache,
+        mask: Mask | jax.Array | None,
+        *,
+        deterministic: bool = True,
+        return_weights: bool = False,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Queries from x [B, T, D] over given keys/values [B, S, N, H].
 
-        If `capture` is a list, the attention weights [B, N, T, S] are appended to it.
+        Returns the output [B, T, D] and, if `return_weights`, the attention
+        weights softmax(q k^T / sqrt(H)) [B, N, T, S] float32 (else None).
         """
         q = self._proj(self.query, x)  # [B, T, N, H]
-        if capture is not None:
-            capture.append(attention_weights(q, k, mask))
+        weights = attention_weights(q, kv.k, mask) if return_weights else None
         rng = None
         if self.rngs is not None and not deterministic:
             rng = self.rngs.dropout()
         rate = 0.0 if deterministic else self.attention_dropout_rate
-        o = dot_product_attention(q, k, v, mask, impl=self.impl, dropout_rate=rate, dropout_rng=rng)
-        return jnp.einsum("BTNH,NHD->BTD", o, self.out[...].astype(self.dtype))
+        o = dot_product_attention(
+            q, kv.k, kv.v, mask, impl=self.impl, dropout_rate=rate, dropout_rng=rng
+        )  # [B, T, N, H]
+        return jnp.einsum("BTNH,NHD->BTD", o, self.out[...].astype(self.dtype)), weights
 
     def __call__(
-        self, x: jax.Array, kv: jax.Array, mask: jax.Array | None, *, deterministic: bool = True
-    ) -> jax.Array:
-        """Self-attention (kv is x) or cross-attention (kv is the encoder output)."""
-        k, v = self.project_kv(kv)
-        return self.attend(x, k, v, mask, deterministic)
+        self,
+        x: jax.Array,
+        mask: Mask | jax.Array | None,
+        cache: KVCache | None = None,
+        index: jax.Array | int | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> tuple[jax.Array, KVCache]:
+        """Self-attention of x [B, T, D] -> (output [B, T, D], keys/values).
+
+        Without a cache the keys/values are x's own, [B, T, N, H]. With a cache
+        [B, L, N, H], x's keys/values are written at positions index .. index+T-1,
+        the queries attend over the whole cache (the mask hides unfilled slots),
+        and the updated cache is returned.
+        """
+        kv = self.project_kv(x)  # [B, T, N, H]
+        if cache is not None:
+            kv = cache.write(kv, index)  # [B, L, N, H]
+        y, _ = self.attend(x, kv, mask, deterministic=deterministic)
+        return y, kv
 
 
 class FeedForward(nnx.Module):
@@ -163,19 +214,30 @@ class FeedForward(nnx.Module):
 
 
 class _Residual(nnx.Module):
-    """One sub-layer's wrapper: post-LN LN(x + drop(f(x))) or pre-LN x + drop(f(LN(x)))."""
+    """One sub-layer's wrapper: post-LN LN(x + drop(f(x))) or pre-LN x + drop(f(LN(x))).
+
+    `prepare` gives the sub-layer's input and `combine` adds its output back, so
+    that sub-layers which return more than an array (a cache, weights) need no closure.
+    """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         self.pre = cfg.norm == "pre"
         self.norm = LayerNorm(cfg, rngs=rngs)
         self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
 
+    def prepare(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> the sub-layer's input: LN(x) for pre-LN, x for post-LN."""
+        return self.norm(x) if self.pre else x
+
+    def combine(self, x: jax.Array, fx: jax.Array, deterministic: bool) -> jax.Array:
+        """x, f(prepare(x)) [B, T, D] -> the sub-layer block's output [B, T, D]."""
+        y = x + self.dropout(fx, deterministic=deterministic)
+        return y if self.pre else self.norm(y)
+
     def __call__(
         self, x: jax.Array, fn: Callable[[jax.Array], jax.Array], deterministic: bool
     ) -> jax.Array:
-        if self.pre:
-            return x + self.dropout(fn(self.norm(x)), deterministic=deterministic)
-        return self.norm(x + self.dropout(fn(x), deterministic=deterministic))
+        return self.combine(x, fn(self.prepare(x)), deterministic)
 
 
 class EncoderLayer(nnx.Module):
@@ -187,10 +249,12 @@ class EncoderLayer(nnx.Module):
         self.attn_res = _Residual(cfg, rngs=rngs)
         self.ffn_res = _Residual(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, mask: Mask | jax.Array, *, deterministic: bool = True
+    ) -> jax.Array:
         """x [B, S, D], mask [B, 1, S, S] -> [B, S, D]."""
-        attend = lambda h: self.self_attn(h, h, mask, deterministic=deterministic)
-        x = self.attn_res(x, attend, deterministic)
+        h, _ = self.self_attn(self.attn_res.prepare(x), mask, deterministic=deterministic)
+        x = self.attn_res.combine(x, h, deterministic)
         return self.ffn_res(x, self.ffn, deterministic)
 
 
@@ -208,32 +272,39 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self,
         y: jax.Array,
-        cross_k: jax.Array,
-        cross_v: jax.Array,
-        self_mask: jax.Array,
-        cross_mask: jax.Array,
+        cross_kv: KVCache,
+        self_mask: Mask | jax.Array,
+        cross_mask: Mask | jax.Array,
+        cache: KVCache | None = None,
+        index: jax.Array | int | None = None,
         *,
         deterministic: bool = True,
-        self_kv: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None,
-        capture: list | None = None,
-    ) -> jax.Array:
-        """y [B, T, D]; cross keys/values [B, S, N, H]; masks [B, 1, T, T'] / [B, 1, T, S].
+        return_cross_weights: bool = False,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """One decoder layer over y [B, T, D].
 
-        `self_kv` maps the (normalized) decoder input to the self-attention keys
-        and values; by default they are its own projections, while cached
-        decoding passes a function that writes them into the cache and returns
-        the whole cache. `capture` collects the cross-attention weights.
+        Args:
+          y: [B, T, D] decoder stream.
+          cross_kv: the encoder output's keys/values for this layer, [B, S, N, H].
+          self_mask: [B|1, 1, T, T] (full pass) or [B|1, 1, T, L] (with a cache).
+          cross_mask: [B, 1, T, S].
+          cache, index: self-attention cache [B, L, N, H] and the position of y's
+            first token in it (incremental decoding), or None (full pass).
+          return_cross_weights: also return the cross-attention weights.
+        Returns:
+          y [B, T, D]; the self-attention keys/values ([B, T, N, H], or the updated
+          cache [B, L, N, H]); cross-attention weights [B, N, T, S] float32 or None.
         """
-        attn = self.self_attn
-        kv_fn = self_kv or attn.project_kv
-
-        def self_attention(h):
-            k, v = kv_fn(h)
-            return attn.attend(h, k, v, self_mask, deterministic)
-
-        y = self.self_res(y, self_attention, deterministic)
-        cross = lambda h: self.cross_attn.attend(
-            h, cross_k, cross_v, cross_mask, deterministic, capture
+        h, self_kv = self.self_attn(
+            self.self_res.prepare(y), self_mask, cache, index, deterministic=deterministic
         )
-        y = self.cross_res(y, cross, deterministic)
-        return self.ffn_res(y, self.ffn, deterministic)
+        y = self.self_res.combine(y, h, deterministic)
+        h, weights = self.cross_attn.attend(
+            self.cross_res.prepare(y),
+            cross_kv,
+            cross_mask,
+            deterministic=deterministic,
+            return_weights=return_cross_weights,
+        )
+        y = self.cross_res.combine(y, h, deterministic)
+        return self.ffn_res(y, self.ffn, deterministic), self_kv, weights

@@ -1,10 +1,19 @@
 """The encoder-decoder Transformer (paper section 3), with an explicit KV cache for decoding.
 
     model = Transformer(TransformerConfig(vocab_size=8000), rngs=nnx.Rngs(0))
-    logits = model(src, tgt_in)                      # [B, S], [B, T] -> [B, T, V]
+    logits = model(src, tgt_in)                       # [B, S], [B, T] -> [B, T, V]
+    cache = model.init_cache(src, max_decode_len=L)   # encode once; room for L tokens
+    logits, cache = model.decode_step(tokens, cache)  # [B] -> [B, V], one position on
+    weights = model.cross_attention_weights(src, tgt_in)  # [L_dec, B, N, T, S]
 
 Token id 0 is padding everywhere. For packed rows (several pairs in one row)
 pass segment ids (1, 2, ... per pair, 0 on padding) and per-pair positions.
+
+`decode`, `decode_step` and `cross_attention_weights` all run the decoder
+stack through one loop, `_decoder_stack`, which threads each layer's KV cache
+in and out (no state is captured) and rematerializes layers when `config.remat`.
+A `DecodeCache` is a pytree of per-layer `KVCache`s with the two batch
+operations beam search needs, `repeat` and `reorder`.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from flax import nnx, struct
 
 from model.attention import Mask, causal_mask, padding_mask, segment_mask
 from model.config import BOS_ID, PAD_ID, TransformerConfig
-from model.layers import DecoderLayer, Embed, EncoderLayer, LayerNorm, Unembed
+from model.layers import DecoderLayer, Embed, EncoderLayer, KVCache, LayerNorm, Unembed
 from model.positional import sinusoidal_positions
 
 
@@ -31,22 +40,43 @@ def _position_table(length: int, d_model: int) -> np.ndarray:
 class DecodeCache:
     """Everything incremental decoding carries from one step to the next (a pytree).
 
-    self_k, self_v: per decoder layer [B, L, N, H], keys/values of the first `index` tokens.
-    cross_k, cross_v: per decoder layer [B, S, N, H], computed once per source.
+    self_kv: per decoder layer, keys/values [B, L, N, H] of the first `index` tokens.
+    cross_kv: per decoder layer, the encoder output's keys/values [B, S, N, H],
+      computed once per source.
     src_valid: [B, S] bool, False on source padding.
     index: [] int32, position of the next token to be fed.
     """
 
-    self_k: tuple[jax.Array, ...]
-    self_v: tuple[jax.Array, ...]
-    cross_k: tuple[jax.Array, ...]
-    cross_v: tuple[jax.Array, ...]
+    self_kv: tuple[KVCache, ...]
+    cross_kv: tuple[KVCache, ...]
     src_valid: jax.Array
     index: jax.Array
 
     @property
     def max_length(self) -> int:
-        return self.self_k[0].shape[1]
+        return self.self_kv[0].k.shape[1]
+
+    def repeat(self, k: int) -> DecodeCache:
+        """Give each source k beams: every batch-major array [B, ...] -> [B*k, ...].
+
+        Rows b*k .. b*k + k-1 are source b's beams, all equal to source b's row.
+        """
+        rep = lambda x: jnp.repeat(x, k, axis=0)  # [B, ...] -> [B*k, ...]
+        return self.replace(
+            self_kv=jax.tree.map(rep, self.self_kv),
+            cross_kv=jax.tree.map(rep, self.cross_kv),
+            src_valid=rep(self.src_valid),
+        )
+
+    def reorder(self, rows: jax.Array) -> DecodeCache:
+        """Row r of the new self-attention caches is row rows[r] of the old: rows [B*K] int.
+
+        Only the self-attention caches depend on a hypothesis's history; the cross
+        keys/values and source mask are the same for all of a source's beams, so
+        they are left alone (rows must stay within each source's block of beams).
+        """
+        take = lambda x: jnp.take(x, rows, axis=0)  # [B*K, L, N, H] -> [B*K, L, N, H]
+        return self.replace(self_kv=jax.tree.map(take, self.self_kv))
 
 
 def _lengths(tokens: jax.Array) -> jax.Array:
@@ -116,10 +146,68 @@ class Transformer(nnx.Module):
             return self.unembed(y)
         return self.tgt_embed.attend(y)
 
-    def _run(self, layer, *args, **kwargs):
-        if self.config.remat:
-            return nnx.remat(lambda lyr, *a: lyr(*a, **kwargs))(layer, *args)
-        return layer(*args, **kwargs)
+    def _run(self, layer, *arrays, remat: bool = True, **static):
+        """layer(*arrays, **static), rematerialized if `remat` and `config.remat`.
+
+        With remat the layer's activations are recomputed for the gradient instead
+        of stored. Arrays (and None) go positionally; other keyword arguments are
+        closed over as Python constants.
+        """
+        if remat and self.config.remat:
+            return nnx.remat(lambda lyr, *a: lyr(*a, **static))(layer, *arrays)
+        return layer(*arrays, **static)
+
+    def _cross_kv(self, encoded: jax.Array) -> tuple[KVCache, ...]:
+        """encoded [B, S, D] -> per decoder layer, cross-attention keys/values [B, S, N, H]."""
+        return tuple(layer.cross_attn.project_kv(encoded) for layer in self.decoder_layers)
+
+    def _decoder_stack(
+        self,
+        y: jax.Array,
+        cross_kv: tuple[KVCache, ...],
+        self_mask: Mask | jax.Array,
+        cross_mask: Mask | jax.Array,
+        caches: tuple[KVCache, ...] | None = None,
+        index: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+        return_cross_weights: bool = False,
+    ) -> tuple[jax.Array, tuple[KVCache, ...], jax.Array | None]:
+        """Every decoder layer in turn over y [B, T, D] (embedded targets).
+
+        Args:
+          cross_kv: per layer, the encoder output's keys/values [B, S, N, H].
+          self_mask, cross_mask: [B|1, 1, T, T or L], [B, 1, T, S].
+          caches, index: per-layer self-attention caches [B, L, N, H] and the
+            position of y's first token (incremental decoding), or None.
+        Returns:
+          the last layer's output [B, T, D] (before the final norm); per layer,
+          the self-attention keys/values ([B, T, N, H], or the updated caches
+          [B, L, N, H]); and, if asked for, the cross-attention weights
+          [L_dec, B, N, T, S] float32 (else None).
+        """
+        # Remat only full passes (training): incremental decoding has no backward
+        # pass, and runs inside a while_loop where nnx.remat cannot update the model.
+        remat = caches is None
+        if caches is None:
+            caches = (None,) * len(self.decoder_layers)
+        new_caches, weights = [], []
+        for layer, kv, cache in zip(self.decoder_layers, cross_kv, caches, strict=True):
+            y, self_kv, w = self._run(
+                layer,
+                y,
+                kv,
+                self_mask,
+                cross_mask,
+                cache,
+                index,
+                remat=remat,
+                deterministic=deterministic,
+                return_cross_weights=return_cross_weights,
+            )
+            new_caches.append(self_kv)
+            weights.append(w)
+        return y, tuple(new_caches), jnp.stack(weights) if return_cross_weights else None
 
     # --- public API -------------------------------------------------------
 
@@ -155,9 +243,10 @@ class Transformer(nnx.Module):
         self_mask = _target_mask(tgt_in, tgt_segments)  # [B, 1, T, T]
         cross_mask = _cross_mask(tgt_in, src, tgt_segments, src_segments)  # [B, 1, T, S]
         y = self._embed(self.tgt_embed, tgt_in, tgt_positions, deterministic)
-        for layer in self.decoder_layers:
-            k, v = layer.cross_attn.project_kv(encoded)  # [B, S, N, H] each
-            y = self._run(layer, y, k, v, self_mask, cross_mask, deterministic=deterministic)
+        cross_kv = self._cross_kv(encoded)
+        y, _, _ = self._decoder_stack(
+            y, cross_kv, self_mask, cross_mask, deterministic=deterministic
+        )
         return self._logits(y)
 
     def __call__(
@@ -204,15 +293,10 @@ class Transformer(nnx.Module):
             )
         if encoded is None:
             encoded = self.encode(src)
-        b = src.shape[0]
-        shape = (b, max_decode_len, cfg.num_heads, cfg.head_dim)  # [B, L, N, H]
-        zeros = tuple(jnp.zeros(shape, cfg.compute_dtype) for _ in self.decoder_layers)
-        cross = [layer.cross_attn.project_kv(encoded) for layer in self.decoder_layers]
+        shape = (src.shape[0], max_decode_len, cfg.num_heads, cfg.head_dim)  # [B, L, N, H]
         return DecodeCache(
-            self_k=zeros,
-            self_v=zeros,
-            cross_k=tuple(k for k, _ in cross),
-            cross_v=tuple(v for _, v in cross),
+            self_kv=tuple(KVCache.zeros(shape, cfg.compute_dtype) for _ in self.decoder_layers),
+            cross_kv=self._cross_kv(encoded),
             src_valid=src != PAD_ID,
             index=jnp.zeros((), jnp.int32),
         )
@@ -234,44 +318,27 @@ class Transformer(nnx.Module):
         # Keys at positions <= i are filled; later slots are still zeros.
         self_mask = (jnp.arange(cache.max_length) <= i)[None, None, None, :]  # [1, 1, 1, L]
         cross_mask = cache.src_valid[:, None, None, :]  # [B, 1, 1, S]
-        new_k, new_v = [], []
-        for layer, k_cache, v_cache, ck, cv in zip(
-            self.decoder_layers,
-            cache.self_k,
-            cache.self_v,
-            cache.cross_k,
-            cache.cross_v,
-            strict=True,
-        ):
-
-            def write(h, layer=layer, k_cache=k_cache, v_cache=v_cache):
-                k, v = layer.self_attn.project_kv(h)  # [B, 1, N, H]
-                k_all = jax.lax.dynamic_update_slice_in_dim(k_cache, k, i, axis=1)
-                v_all = jax.lax.dynamic_update_slice_in_dim(v_cache, v, i, axis=1)
-                new_k.append(k_all)
-                new_v.append(v_all)
-                return k_all, v_all  # [B, L, N, H]
-
-            y = layer(y, ck, cv, self_mask, cross_mask, self_kv=write)
-        logits = self._logits(y)[:, 0]  # [B, V]
-        cache = cache.replace(self_k=tuple(new_k), self_v=tuple(new_v), index=i + 1)
-        return logits, cache
+        y, self_kv, _ = self._decoder_stack(
+            y, cache.cross_kv, self_mask, cross_mask, cache.self_kv, i
+        )
+        logits = self._logits(y)[:, 0]  # [B, 1, V] -> [B, V]
+        return logits, cache.replace(self_kv=self_kv, index=i + 1)
 
     def cross_attention_weights(self, src: jax.Array, tgt_in: jax.Array) -> jax.Array:
         """Cross-attention weights of every decoder layer: [L_dec, B, N, T, S] float32.
 
         Runs the decoder once (deterministic) and returns softmax(q k^T / sqrt(H))
         of each layer's cross-attention, as the paper's attention pictures show.
+        Rows are independent: any batch (e.g. a source repeated for n hypotheses) works.
         """
         encoded = self.encode(src)
-        self_mask = _target_mask(tgt_in, None)
-        cross_mask = _cross_mask(tgt_in, src, None, None)
+        self_mask = _target_mask(tgt_in, None)  # [B, 1, T, T]
+        cross_mask = _cross_mask(tgt_in, src, None, None)  # [B, 1, T, S]
         y = self._embed(self.tgt_embed, tgt_in, None, True)
-        weights: list[jax.Array] = []
-        for layer in self.decoder_layers:
-            k, v = layer.cross_attn.project_kv(encoded)
-            y = layer(y, k, v, self_mask, cross_mask, capture=weights)
-        return jnp.stack(weights)
+        _, _, weights = self._decoder_stack(
+            y, self._cross_kv(encoded), self_mask, cross_mask, return_cross_weights=True
+        )
+        return weights
 
 
 def shift_right(tgt: jax.Array, bos_id: int = BOS_ID) -> jax.Array:

@@ -169,6 +169,19 @@ def test_beam_alpha0_never_worse_than_greedy():
         assert np.all(np.asarray(beam_lp) >= np.asarray(greedy_lp) - 1e-4)
 
 
+def test_searches_work_for_a_model_trained_with_remat(model):
+    # The config travels with a checkpoint: remat (a training setting) must not
+    # reach the layers inside the search loop, and must not change the results.
+    remat = make(remat=True)
+    src = ragged_src(9, [5, 3])
+    np.testing.assert_array_equal(
+        decoding.greedy_search(remat, src), decoding.greedy_search(model, src)
+    )
+    np.testing.assert_array_equal(
+        decoding.translate(remat, src, beam_size=2), decoding.translate(model, src, beam_size=2)
+    )
+
+
 def test_default_length_limit_is_source_length_plus_50():
     model = make(max_len=128)
     src = ragged_src(3, [3, 9], width=10)
@@ -233,33 +246,3 @@ def test_bad_arguments_raise_value_error(model, kwargs):
 def test_length_penalty_matches_gnmt():
     assert float(decoding.length_penalty(7, 0.6)) == pytest.approx(math.pow(12 / 6, 0.6))
     assert float(decoding.length_penalty(7, 0.0)) == 1.0
-
-
-def test_plan_batches_covers_every_source_with_few_shapes():
-    lengths = np.random.default_rng(0).integers(1, 120, size=3000)
-    batches = decoding.plan_batches(lengths, batch_tokens=4096, max_len=256)
-    seen = np.concatenate([idx for idx, _, _ in batches])
-    assert sorted(seen.tolist()) == list(range(3000))
-    for idx, width, rows in batches:
-        assert len(idx) <= rows and rows * width <= 4096
-        assert np.all(lengths[idx] <= width)
-    assert len({(w, r) for _, w, r in batches}) <= 16  # compiled programs
-
-
-def test_translate_ids_keeps_input_order(model):
-    rng = np.random.default_rng(3)
-    lengths = rng.permutation([2, 9, 3, 14, 5, 1, 7, 11, 4, 13])
-    sources = [[*rng.integers(4, 12, size=n - 1).tolist(), EOS_ID] for n in lengths]
-    sources.insert(4, [])  # empty: no model call, empty output
-    seen = []
-    outs = decoding.translate_ids(
-        model, sources, beam_size=2, batch_tokens=32, progress=lambda s, t: seen.append(s)
-    )
-    assert len(outs) == len(sources) and outs[4] == [] and sum(seen) == len(sources) - 1
-    # One padded batch in input order (per-row length limits make widths irrelevant).
-    nonempty = [s for s in sources if s]
-    batch = np.zeros((len(nonempty), 16), np.int32)
-    for i, src in enumerate(nonempty):
-        batch[i, : len(src)] = src
-    reference = decoding.translate(model, jnp.asarray(batch), beam_size=2)
-    assert outs[:4] + outs[5:] == [as_list(r)[:-1] for r in np.asarray(reference)]

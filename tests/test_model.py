@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import BOS_ID, Transformer, TransformerConfig, shift_right
+from model import BOS_ID, KVCache, Transformer, TransformerConfig, shift_right
 from model.sharding import partition_specs
 
 SMALL = dict(
@@ -85,7 +85,13 @@ def test_padding_contents_do_not_leak(model):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"norm": "pre"}, {"tie_output": False, "share_embeddings": False}, {"activation": "gelu"}],
+    [
+        {},
+        {"norm": "pre"},
+        {"tie_output": False, "share_embeddings": False},
+        {"activation": "gelu"},
+        {"remat": True},
+    ],
 )
 def test_cached_decoding_equals_full_forward(overrides):
     m = make(**overrides)
@@ -169,6 +175,64 @@ def test_cross_attention_weights_are_distributions(model):
     np.testing.assert_array_equal(w[:, 1, :, :, 4:], 0.0)  # never on source padding
 
 
+def test_cross_attention_weights_rows_are_independent():
+    # Word alignments for n-best lists run many (source, hypothesis) rows at once:
+    # each row must get what it gets alone, whatever the others' lengths.
+    m = make()
+    src = random_tokens(2, (3, 6)).at[1, 4:].set(0).at[2, 2:].set(0)
+    tgt = random_tokens(3, (3, 4)).at[0, 3:].set(0)
+    w = np.asarray(m.cross_attention_weights(src, tgt))  # [L, B, N, T, S]
+    for b, (s_len, t_len) in enumerate([(6, 3), (4, 4), (2, 4)]):
+        alone = m.cross_attention_weights(src[b : b + 1, :s_len], tgt[b : b + 1, :t_len])
+        np.testing.assert_allclose(w[:, b : b + 1, :, :t_len, :s_len], alone, atol=1e-6)
+    # Remat (a training setting) changes nothing in a forward pass.
+    np.testing.assert_allclose(make(remat=True).cross_attention_weights(src, tgt), w, atol=1e-6)
+
+
+def test_decoder_layer_returns_the_cache_it_fills():
+    layer = make().decoder_layers[0]
+    rng = np.random.default_rng(0)
+    y = jnp.asarray(rng.standard_normal((2, 5, 32)), jnp.float32)  # [B, T, D]
+    cross_kv = layer.cross_attn.project_kv(jnp.asarray(rng.standard_normal((2, 6, 32))))
+    causal = jnp.tril(jnp.ones((5, 5), bool))[None, None]  # [1, 1, T, T]
+    cross_mask = jnp.ones((2, 1, 5, 6), bool)  # [B, 1, T, S]
+    full, kv, weights = layer(y, cross_kv, causal, cross_mask)
+    assert weights is None and kv.k.shape == kv.v.shape == (2, 5, 4, 8)  # [B, T, N, H]
+    cache = KVCache.zeros((2, 8, 4, 8), jnp.float32)  # [B, L, N, H]
+    for t in range(5):
+        mask = (jnp.arange(8) <= t)[None, None, None]  # [1, 1, 1, L]
+        out, cache, _ = layer(y[:, t : t + 1], cross_kv, mask, cross_mask[:, :, :1], cache, t)
+        np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5)
+    np.testing.assert_allclose(cache.k[:, :5], kv.k, atol=1e-6)
+    np.testing.assert_allclose(cache.v[:, :5], kv.v, atol=1e-6)
+    np.testing.assert_array_equal(cache.k[:, 5:], 0.0)
+    _, _, weights = layer(y, cross_kv, causal, cross_mask, return_cross_weights=True)
+    assert weights.shape == (2, 4, 5, 6)  # [B, N, T, S]
+
+
+def test_decode_cache_repeat_and_reorder_match_numpy(model):
+    src = random_tokens(0, (2, 5)).at[1, 3:].set(0)
+    cache = model.init_cache(src, max_decode_len=6)
+    # Distinct values in every self-attention slot, so that a wrong row shows.
+    rng = np.random.default_rng(0)
+    fill = lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+    cache = cache.replace(self_kv=jax.tree.map(fill, cache.self_kv), index=jnp.int32(3))
+    per_row = lambda c: jax.tree.leaves((c.self_kv, c.cross_kv, c.src_valid))
+    beams = cache.repeat(3)  # [B, ...] -> [B*K, ...], rows b*K .. b*K+K-1 are source b's
+    for old, new in zip(per_row(cache), per_row(beams), strict=True):
+        np.testing.assert_array_equal(new, np.repeat(np.asarray(old), 3, axis=0))
+    assert int(beams.index) == 3 and beams.max_length == 6
+    rows = np.array([2, 0, 0, 4, 5, 3])  # [B*K], each within its source's block
+    moved = beams.reorder(jnp.asarray(rows))
+    self_kv = lambda c: jax.tree.leaves(c.self_kv)
+    for old, new in zip(self_kv(beams), self_kv(moved), strict=True):
+        np.testing.assert_array_equal(new, np.asarray(old)[rows])
+    # Cross keys/values, source mask and index are the same for all of a source's beams.
+    same = lambda c: jax.tree.leaves((c.cross_kv, c.src_valid, c.index))
+    for old, new in zip(same(beams), same(moved), strict=True):
+        np.testing.assert_array_equal(new, old)
+
+
 def test_shift_right():
     tgt = jnp.array([[5, 6, 7, 1], [8, 1, 0, 0]])
     np.testing.assert_array_equal(shift_right(tgt), [[BOS_ID, 5, 6, 7], [BOS_ID, 8, 1, 0]])
@@ -241,3 +305,18 @@ def test_config_is_frozen():
 def test_decode_cache_rejects_too_long(model):
     with pytest.raises(ValueError, match="max_len"):
         model.init_cache(random_tokens(0, (1, 3)), max_decode_len=65)
+
+
+def test_bfloat16_embedding_gradient_accumulates_in_float32():
+    # 4096 positions of one token scatter-add 4096 cotangents into one row of the
+    # float32 table; summed in bfloat16 (8-bit mantissa) most of them would be lost.
+    # D = 64 makes sqrt(D) = 8 exact, so each position's cotangent is exactly 8 w.
+    embed = make(dtype="bfloat16", d_model=64).src_embed
+    ids = jnp.full((4, 1024), 7, jnp.int32)  # [B, T]
+    w = np.random.default_rng(0).uniform(0.5, 1.5, (4, 1024, 64))  # [B, T, D]
+    w = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float64)  # exactly representable in bf16
+    loss = lambda e: jnp.sum(e(ids).astype(jnp.float32) * jnp.asarray(w, jnp.float32))
+    grad = np.asarray(nnx.grad(loss)(embed).embedding[...])  # [V, D]
+    assert grad.dtype == np.float32
+    np.testing.assert_allclose(grad[7], 8.0 * w.sum(axis=(0, 1)), rtol=1e-6)
+    np.testing.assert_array_equal(np.delete(grad, 7, axis=0), 0.0)
