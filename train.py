@@ -53,7 +53,9 @@ def main(argv: list[str]) -> None:
     set_gpu_flags()  # before JAX initializes a backend
     # Imported here so that `--help` and flag errors are fast and JAX-free.
     from data import DataError
-    from training import TrainingError, distributed, train_and_evaluate
+    from training import TrainingError, distributed, log, train_and_evaluate
+
+    log.setup()
 
     try:
         distributed.initialize(

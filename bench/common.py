@@ -18,16 +18,18 @@ def set_gpu_flags() -> None:
 
 
 def build_train_step(config):
-    """(mesh, graphdef, state, train_step) of `training.steps` for `config`, state born sharded."""
-    from training import mesh as mesh_lib
-    from training import optim, steps
+    """(mesh, graphdef, state, train_step) of `training.steps` for `config`, state born sharded.
 
+    The same set-up as `training.train_and_evaluate` (`steps.train_setup`), checks included.
+    """
+    from training import config as config_lib
+    from training import mesh as mesh_lib
+    from training import steps
+
+    config_lib.validate(config)
     mesh = mesh_lib.make_mesh(config)
-    tx = optim.make_optimizer(config)
-    graphdef, abstract = steps.abstract_train_state(config, tx)
-    shardings = mesh_lib.state_shardings(mesh, abstract, mesh_lib.axis_rules(config))
-    state = steps.init_train_state(config, tx, shardings)
-    return mesh, graphdef, state, steps.make_train_step(graphdef, tx, config, shardings, mesh)
+    setup = steps.train_setup(config, mesh)
+    return mesh, setup.graphdef, steps.init_train_state(setup), steps.make_train_step(setup)
 
 
 def device_info() -> dict[str, Any]:

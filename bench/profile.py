@@ -37,6 +37,7 @@ def main(argv=None) -> None:
     import numpy as np
     from flax import nnx
 
+    from training import config as config_lib
     from training import mesh as mesh_lib
     from training import metrics, steps
 
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
     config.batch_tokens = args.batch_tokens or config.batch_tokens
     config.model.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     config.mesh_data, config.mesh_fsdp, config.mesh_tensor = -1, 1, 1
-    cfg = steps.model_config(config)
+    cfg = config_lib.model_config(config)
     mesh, graphdef, state, train_step = common.build_train_step(config)
 
     rows_per = config.batch_tokens // args.length

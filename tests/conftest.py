@@ -10,6 +10,14 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _log_to_stderr():
+    """The project's log lines on stderr, as train.py and decode.py print them."""
+    from training import log
+
+    log.setup()
+
+
 @pytest.fixture(autouse=True)
 def _no_network(monkeypatch):
     """Tests never reach the network: outbound connections fail loudly."""

@@ -70,18 +70,15 @@ def full_state(workdir: str, step: int):
     """The whole TrainState of checkpoint `step`, as numpy leaves (raises if unusable)."""
     import jax
 
-    from training import checkpoints, load_config, optim, steps
+    from training import checkpoints, load_config, steps
+    from training.mesh import make_mesh
 
     config = load_config(workdir)
-    tx = optim.make_optimizer(config)
-    _, abstract = steps.abstract_train_state(config, tx)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract
-    )
+    config.mesh_data = 1
+    setup = steps.train_setup(config, make_mesh(config, jax.devices()[:1]))
     manager = checkpoints.Checkpoints(workdir, create=False)
     try:
-        state, data = manager.restore(step, abstract)
+        state, data = manager.restore(step, setup.abstract)
     finally:
         manager.close()
     leaves = jax.tree.leaves(jax.tree.map(lambda x: x, state))

@@ -5,6 +5,7 @@ import importlib
 import pytest
 
 from model import TransformerConfig
+from training import TrainingError, validate
 
 
 def load(name):
@@ -47,3 +48,37 @@ def test_paper_hyperparameters():
         assert (c.adam_b1, c.adam_b2, c.adam_eps) == (0.9, 0.98, 1e-9)
         assert c.label_smoothing == 0.1 and c.warmup_steps == 4000 and c.schedule == "rsqrt"
         assert 32000 <= c.vocab_size <= 40000
+
+
+@pytest.mark.parametrize("name", ["tiny", "base", "big"])
+def test_shipped_configs_pass_validation(name):
+    validate(load(name))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        # The one home of every check: each of these used to be checked (or not) by the
+        # module that consumes the field.
+        ("tokenizer_type", "wordpiece", "tokenizer_type must be one of"),
+        ("long_pairs", "keep", "long_pairs must be one of"),
+        ("optimizer", "sgd", "optimizer must be one of"),
+        ("schedule", "nope", "schedule must be one of"),
+        ("nonfinite_policy", "ignore", "nonfinite_policy must be one of"),
+        ("label_smoothing", 1.0, r"label_smoothing must be in \[0, 1\)"),
+        ("grad_accum_steps", 0, "grad_accum_steps must be > 0"),
+        ("grad_clip_norm", -1.0, "grad_clip_norm must be >= 0"),
+        ("data_shards", -1, "data_shards must be >= 0"),
+        ("eval_beam_size", 0, "eval_beam_size must be > 0"),
+        ("max_length", 2000, "exceeds config.model.max_len"),
+        ("model.num_heads", 7, "divisible by num_heads"),
+    ],
+)
+def test_validate_names_the_bad_field(field, value, message):
+    c = load("tiny")
+    node, *path = [c, *field.split(".")]
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    with pytest.raises(TrainingError, match=message):
+        validate(c)

@@ -18,8 +18,8 @@ import pytest
 from data import DataError
 from tests.conftest import small_train_config, train_losses, write_reversal_tsv
 from tests.test_train_steps import reverse_batch
-from training import TrainingError, checkpoints, optim, restore_model, steps, train_and_evaluate
-from training.mesh import axis_rules, make_mesh, shard_batch, state_shardings
+from training import TrainingError, checkpoints, restore_model, steps, train_and_evaluate
+from training.mesh import make_mesh, shard_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,11 +111,9 @@ def test_nonfinite_step_leaves_params_and_optimizer_state_unchanged(monkeypatch)
     _poison_loss(monkeypatch)
     config = small_train_config(vocab_size=64)
     mesh = make_mesh(config)
-    tx = optim.make_optimizer(config)
-    graphdef, abstract = steps.abstract_train_state(config, tx)
-    shardings = state_shardings(mesh, abstract, axis_rules(config))
-    state = steps.init_train_state(config, tx, shardings)
-    train_step = steps.make_train_step(graphdef, tx, config, shardings, mesh)
+    setup = steps.train_setup(config, mesh)
+    state = steps.init_train_state(setup)
+    train_step = steps.make_train_step(setup)
     rng = np.random.default_rng(0)
     good, bad = reverse_batch(rng, 8, 10, 64), reverse_batch(rng, 8, 10, 64)
     good["tgt_out"][0, 0], bad["tgt_out"][0, 0] = 7, 5

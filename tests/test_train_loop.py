@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import small_train_config, train_rows, write_reversal_tsv
 from training import TrainingError, checkpoints, restore_model
+from training import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -159,7 +160,7 @@ def test_restore_model_loads_and_averages_checkpoints(uninterrupted):
 
 
 def test_restore_model_without_checkpoints(tmp_path):
-    checkpoints.save_config(small_train_config(), str(tmp_path))
+    config_lib.save_config(small_train_config(), str(tmp_path))
     with pytest.raises(TrainingError, match="no complete checkpoint"):
         restore_model(str(tmp_path))
     empty = tmp_path / "empty"
@@ -193,13 +194,10 @@ def test_cli_user_errors_are_one_clear_line(tmp_path, flag, message):
 
 
 def test_params_are_float32_and_born_sharded():
-    from training import optim, steps
-    from training.mesh import axis_rules, make_mesh, state_shardings
+    from training import steps
+    from training.mesh import make_mesh
 
     cfg = small_train_config()
     cfg.model.dtype = "bfloat16"
-    mesh = make_mesh(cfg)
-    tx = optim.make_optimizer(cfg)
-    _, abstract = steps.abstract_train_state(cfg, tx)
-    state = steps.init_train_state(cfg, tx, state_shardings(mesh, abstract, axis_rules(cfg)))
+    state = steps.init_train_state(steps.train_setup(cfg, make_mesh(cfg)))
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {np.dtype("float32")}

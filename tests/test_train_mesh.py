@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from tests.conftest import small_train_config
     from tests.test_train_steps import reverse_batch
-    from training import checkpoints, optim, steps
-    from training.mesh import axis_rules, make_mesh, shard_batch, state_shardings
+    from training import checkpoints, steps
+    from training.mesh import make_mesh, shard_batch
 
     assert jax.device_count() == 8, jax.devices()
     workdir = sys.argv[1]
@@ -34,11 +34,9 @@ SCRIPT = textwrap.dedent(
         cfg.model.d_model, cfg.model.num_heads, cfg.model.d_ff = 32, 4, 64
         cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor = shape
         mesh = make_mesh(cfg, devices)
-        tx = optim.make_optimizer(cfg)
-        graphdef, abstract = steps.abstract_train_state(cfg, tx)
-        shardings = state_shardings(mesh, abstract, axis_rules(cfg))
-        state = steps.init_train_state(cfg, tx, shardings)
-        train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh)
+        setup = steps.train_setup(cfg, mesh)
+        state = steps.init_train_state(setup)
+        train_step = steps.make_train_step(setup)
         losses = []
         for b in batches:
             state, m = train_step(state, shard_batch(b, mesh))
@@ -48,25 +46,22 @@ SCRIPT = textwrap.dedent(
         out["query_spec"] = list(wq.sharding.spec)
         if save:
             manager = checkpoints.Checkpoints(workdir)
-            manager.save(state, {"iterator": {}})
+            manager.save(state, {"iterators": []})
             manager.wait()
             manager.close()
             out["params"] = [np.asarray(x).tolist() for x in jax.tree.leaves(state.params)[:3]]
             # Restore the (2, 2, 2) checkpoint onto a single-device mesh.
             cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor = 1, 1, 1
             mesh1 = make_mesh(cfg, jax.devices()[:1])
-            shard1 = state_shardings(mesh1, abstract, axis_rules(cfg))
-            abstract1 = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shard1
-            )
+            setup1 = steps.train_setup(cfg, mesh1)
             manager = checkpoints.Checkpoints(workdir)
-            restored, _ = manager.restore(manager.latest_step(), abstract1)
+            restored, _ = manager.restore(manager.latest_step(), setup1.abstract)
             manager.close()
             leaves = jax.tree.leaves(restored.params)
             out["restored_params"] = [np.asarray(x).tolist() for x in leaves[:3]]
             out["restored_devices"] = sorted({len(x.devices()) for x in leaves})
             # ... and keep training on one device: same next loss as on 8.
-            step1 = steps.make_train_step(graphdef, tx, cfg, shard1, mesh1)
+            step1 = steps.make_train_step(setup1)
             _, m1 = step1(restored, shard_batch(batches[0], mesh1))
             _, m8 = train_step(state, shard_batch(batches[0], mesh))
             out["next_loss"] = [float(m1["loss"]), float(m8["loss"])]

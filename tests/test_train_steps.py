@@ -11,8 +11,9 @@ from flax import nnx
 
 from model import Transformer
 from tests.conftest import small_train_config
-from training import TrainingError, metrics, optim, steps
-from training.mesh import axis_rules, make_mesh, mesh_shape, shard_batch, state_shardings
+from training import TrainingError, metrics, optim, steps, validate
+from training.config import model_config
+from training.mesh import make_mesh, mesh_shape, shard_batch
 
 # --- Schedules --------------------------------------------------------------------
 
@@ -41,9 +42,9 @@ def test_linear_rsqrt_and_cosine_schedules():
     assert float(s(100)) == pytest.approx(2e-3, rel=1e-6)
     assert float(s(550)) == pytest.approx(2e-3 * 0.5, rel=1e-5)
     assert float(s(1000)) == pytest.approx(0.0, abs=1e-9)
-    cfg.schedule = "nope"
+    cfg.schedule = "nope"  # caught before anything is built
     with pytest.raises(TrainingError, match="schedule"):
-        optim.make_schedule(cfg)
+        validate(cfg)
 
 
 # --- Loss -------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def test_loss_matches_numpy_label_smoothing():
 
 def test_flops_are_six_times_matmul_params_for_short_sequences():
     cfg = small_train_config()
-    mcfg = steps.model_config(cfg)
+    mcfg = model_config(cfg)
     params = nnx.state(Transformer(mcfg, rngs=nnx.Rngs(0)), nnx.Param)
     # Matmul weights: every >= 2-D kernel except the embedding table, which is used once
     # as the output projection (tied); biases/LayerNorms are not matmuls.
@@ -122,11 +123,8 @@ def test_mesh_shape():
 
 def _setup(cfg):
     mesh = make_mesh(cfg)
-    tx = optim.make_optimizer(cfg)
-    graphdef, abstract = steps.abstract_train_state(cfg, tx)
-    shardings = state_shardings(mesh, abstract, axis_rules(cfg))
-    state = steps.init_train_state(cfg, tx, shardings)
-    return mesh, steps.make_train_step(graphdef, tx, cfg, shardings, mesh), state
+    setup = steps.train_setup(cfg, mesh)
+    return mesh, steps.make_train_step(setup), steps.init_train_state(setup)
 
 
 def reverse_batch(rng, rows, length, vocab):
@@ -178,7 +176,6 @@ def test_tiny_model_learns_to_reverse_sequences():
         state, _ = train_step(state, shard_batch(reverse_batch(rng, 64, 10, 16), mesh))
     # Held-out batch, teacher forcing: token accuracy >= 99%.
     held_out = shard_batch(reverse_batch(np.random.default_rng(99), 256, 10, 16), mesh)
-    graphdef, _ = steps.abstract_train_state(cfg, optim.make_optimizer(cfg))
-    eval_step = steps.make_eval_step(graphdef, cfg, mesh)
+    eval_step = steps.make_eval_step(steps.train_setup(cfg, mesh))
     acc = float(steps.summarize(eval_step(state.params, state.rngs, held_out))["accuracy"])
     assert acc >= 0.99, acc

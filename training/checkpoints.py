@@ -21,13 +21,12 @@ another (8 devices -> 1, 2 processes -> 1).
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import json
+import logging
 import os
 import shutil
-import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -36,44 +35,15 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from model import Transformer, TransformerConfig
+from model import Transformer
 from training import distributed, steps
+from training.config import CONFIG_FILE, load_config
 from training.errors import TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
-CONFIG_FILE = "config.json"
 
-
-# --- Config beside the checkpoints ---------------------------------------------
-
-
-def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Write WORKDIR/config.json (atomically: a reader never sees half a file)."""
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, CONFIG_FILE)
-    with open(path + ".tmp", "w") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(path + ".tmp", path)
-
-
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-    """Read WORKDIR/config.json back into a ConfigDict (tuples come back as lists)."""
-    if not os.path.isdir(workdir):
-        raise TrainingError(f"workdir {workdir!r} does not exist; train a model into it first")
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise TrainingError(
-            f"{path} is missing; is {workdir!r} a training workdir? Train with "
-            f"`python train.py --config=configs/tiny.py --workdir={workdir}`"
-        )
-    with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
-
-
-def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
-    """config.model + config.vocab_size -> TransformerConfig."""
-    return steps.model_config(config)
+_log = logging.getLogger(__name__)
 
 
 # --- Storage form -----------------------------------------------------------------
@@ -220,13 +190,13 @@ class Checkpoints:
             oks = distributed.allgather_json(ok)
             if all(oks):
                 if tried:
-                    _warn(f"resuming from step {step}, the newest usable checkpoint")
+                    _log.warning(f"resuming from step {step}, the newest usable checkpoint")
                 return step, state, data_state
             if ok:
                 reason = "another process could not read its part"
             path = os.path.join(self.directory, str(step))
             tried.append(f"step {step} ({reason})")
-            _warn(f"checkpoint {path} is damaged and is skipped: {reason}")
+            _log.warning(f"checkpoint {path} is damaged and is skipped: {reason}")
             if quarantine:
                 self._quarantine(step)
         if tried:
@@ -247,17 +217,34 @@ class Checkpoints:
             os.makedirs(dest_dir, exist_ok=True)
             dest = os.path.join(dest_dir, f"{step}.{time.strftime('%Y%m%d-%H%M%S')}")
             shutil.move(src, dest)
-            _warn(f"moved the damaged step to {dest}")
+            _log.warning(f"moved the damaged step to {dest}")
         distributed.sync(f"quarantine-{step}")
         self.manager.reload()
 
     def close(self) -> None:
         self.manager.close()
 
+    def __enter__(self) -> Checkpoints:
+        return self
 
-def _warn(msg: str) -> None:
-    if jax.process_index() == 0:
-        print(f"[train] WARNING: {msg}", file=sys.stderr, flush=True)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Let the save in flight finish, so the newest checkpoint is complete, then close.
+
+        After an error (non-finite step, disk full, a signal's exception) the
+        original error is what propagates, not a second one from the save.
+        """
+        if exc is None:
+            try:
+                self.wait()
+            finally:
+                with contextlib.suppress(Exception):  # wait() has raised what went wrong
+                    self.close()
+            return
+        try:
+            self.wait()
+            self.close()
+        except Exception as e:
+            _log.warning(f"while stopping after an error, the last save failed too: {e}")
 
 
 class _WriteErrors:
@@ -308,12 +295,6 @@ def _find_os_error(exc: BaseException | None) -> OSError | None:
 # --- Loading a trained model -------------------------------------------------------
 
 
-def average_params(params: Sequence[nnx.State]) -> nnx.State:
-    """The element-wise mean of several parameter sets (paper 6.1: the last 5 or 20)."""
-    n = len(params)
-    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]) / n, *params)
-
-
 def restore_model(
     workdir: str, *, step: int | None = None, average_last: int = 1
 ) -> tuple[Transformer, ml_collections.ConfigDict, int]:
@@ -350,11 +331,23 @@ def restore_model(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
     )
     manager = Checkpoints(workdir, create=False)
-    try:
-        restored = [manager.restore_params(s, abstract_params) for s in chosen]
+    try:  # a running sum: one parameter set in memory besides the total (big: 20 of them)
+        total = None
+        for s in chosen:
+            params = manager.restore_params(s, abstract_params)
+            total = params if total is None else jax.tree.map(jnp.add, total, params)
     finally:
         manager.close()
-    params = restored[0] if len(restored) == 1 else average_params(restored)
+    params = total if len(chosen) == 1 else jax.tree.map(lambda x: x / len(chosen), total)
+    if average_last > 1:
+        what = f"averaged the parameters of {len(chosen)} checkpoint(s), steps {chosen}"
+        if len(chosen) < average_last:
+            _log.warning(
+                f"asked to average the last {average_last} checkpoints up to step {step}, "
+                f"but only {len(chosen)} exist: {what}"
+            )
+        else:
+            _log.info(what)
     # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
     rngs = jax.jit(lambda: nnx.split(steps.build_model(config), nnx.Param, ...)[2])()
     return nnx.merge(graphdef, params, rngs), config, step

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
-import sys
 from typing import Any
 
 import jax
@@ -22,6 +22,8 @@ import numpy as np
 from training.errors import TrainingError
 
 MODES = ("auto", "on", "off")
+
+_log = logging.getLogger(__name__)
 
 
 def cluster_detected() -> str | None:
@@ -80,13 +82,10 @@ def initialize(
             process_id=int(process_id),
         )
     jax.distributed.initialize(**kwargs)
-    if jax.process_index() == 0:
-        print(
-            f"[train] jax.distributed: {jax.process_count()} processes, "
-            f"{jax.device_count()} devices ({jax.local_device_count()} per process)",
-            file=sys.stderr,
-            flush=True,
-        )
+    _log.info(
+        f"jax.distributed: {jax.process_count()} processes, "
+        f"{jax.device_count()} devices ({jax.local_device_count()} per process)"
+    )
     return True
 
 
@@ -106,11 +105,6 @@ def allgather_json(value: Any) -> list[Any]:
     padded[: raw.size] = raw
     gathered = np.asarray(multihost_utils.process_allgather(padded))  # [P, n]
     return [json.loads(bytes(row).rstrip(b"\0").decode()) for row in gathered]
-
-
-def broadcast_json(value: Any) -> Any:
-    """Process 0's `value` on every process (all must call it)."""
-    return allgather_json(value)[0]
 
 
 def sync(name: str) -> None:

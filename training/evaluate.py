@@ -1,38 +1,26 @@
-"""Dev-set evaluation: loss/accuracy with teacher forcing, and BLEU/chrF of beam-search output."""
+"""Dev-set evaluation: loss/accuracy with teacher forcing, and BLEU/chrF of beam-search output.
+
+metrics, examples = evaluate(state, setup, eval_step, tokenizer, dev, max_examples=100)
+print(report(step, metrics, examples))
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import sacrebleu
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from data import Tokenizer, eval_batches
+from data import EOS_ID, Tokenizer, eval_batches
 from model import Transformer
-from model.decoding import translate
 from training.mesh import batch_divisor, shard_batch
-from training.steps import summarize
-
-
-class Subset:
-    """The first `n` pairs of a corpus (n <= 0: all of it), with the same len()/[i] interface."""
-
-    def __init__(self, corpus: Any, n: int = 0):
-        self.corpus = corpus
-        self.n = len(corpus) if n <= 0 else min(n, len(corpus))
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[str, str]:
-        if not 0 <= i < self.n:
-            raise IndexError(i)
-        return self.corpus[i]
+from training.steps import TrainSetup, TrainState, summarize
+from training.translate import translate_ids
 
 
 def eval_loss(
@@ -57,52 +45,33 @@ def eval_loss(
 def translate_corpus(
     model: Transformer,
     tokenizer: Tokenizer,
-    corpus: Any,
-    config: Any,
-    mesh: Mesh,
+    sources: Sequence[str],
     *,
+    max_length: int,
+    batch_tokens: int,
     beam_size: int,
     alpha: float,
+    mesh: Mesh,
 ) -> list[str]:
-    """Detokenized translations of every source in `corpus`, in corpus order.
+    """Detokenized translations of `sources` (in order), each cut to `max_length` tokens.
 
-    With several processes, each decodes its shard of `corpus` (rows spread
-    over the batch axes of the mesh) and the token ids are gathered, so every
-    process returns the translations of the whole corpus.
+    Every process passes all sources; `training.translate.translate_ids` spreads the
+    batches over the mesh (and processes) and returns every translation everywhere.
     """
-    hyps = [""] * len(corpus)
+    ids = [[*x[: max_length - 1], EOS_ID] for x in tokenizer.encode_batch(list(sources))]
     # Beam search holds K hypotheses per source: keep the batch's tokens near batch_tokens.
-    budget = max(int(config.batch_tokens) // max(beam_size, 1), 256)
-    if jax.process_count() == 1:
-        replicated = NamedSharding(mesh, PartitionSpec())
-        for batch, index in eval_batches(config, tokenizer, corpus, batch_tokens=budget):
-            src = jax.device_put(batch["src"], replicated)
-            tokens = np.asarray(translate(model, src, beam_size=beam_size, alpha=alpha))
-            _put(hyps, tokenizer, tokens, index)
-        return hyps
-    from jax.experimental import multihost_utils
-
-    multiple = max(batch_divisor(mesh) // jax.process_count(), 1)
-    for batch, index in eval_batches(
-        config, tokenizer, corpus, batch_tokens=budget, batch_multiple=multiple
-    ):
-        src = shard_batch({"src": batch["src"]}, mesh)["src"]  # [B, S] over the processes
-        tokens = translate(model, src, beam_size=beam_size, alpha=alpha)
-        # Every process gets every row, and the corpus indices of every row.
-        tokens = np.asarray(multihost_utils.process_allgather(tokens, tiled=True))
-        index = np.asarray(
-            multihost_utils.process_allgather(
-                shard_batch({"i": index.astype(np.int32)}, mesh)["i"], tiled=True
-            )
-        )
-        _put(hyps, tokenizer, tokens, index)
-    return hyps
-
-
-def _put(hyps: list[str], tokenizer: Tokenizer, tokens: np.ndarray, index: np.ndarray) -> None:
-    for row, i in zip(tokens, index, strict=True):
-        if i >= 0:
-            hyps[i] = tokenizer.decode(row.tolist())
+    budget = max(batch_tokens // beam_size, 256)
+    limit = tokenizer.vocab_size if tokenizer.vocab_size < model.config.vocab_size else None
+    hyps = translate_ids(
+        model,
+        ids,
+        beam_size=beam_size,
+        alpha=alpha,
+        batch_tokens=budget,
+        vocab_limit=limit,
+        mesh=mesh,
+    )
+    return [tokenizer.decode(h[0].tokens) if h else "" for h in hyps]
 
 
 def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
@@ -116,3 +85,60 @@ def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
     }
+
+
+def evaluate(
+    state: TrainState,
+    setup: TrainSetup,
+    eval_step: Callable[..., dict[str, jax.Array]],
+    tokenizer: Tokenizer,
+    dev: Any,
+    *,
+    max_examples: int,
+) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+    """Dev loss/accuracy on all of `dev`; BLEU/chrF on its first `max_examples` (0 = all).
+
+    Returns the metrics (eval_loss, eval_accuracy, eval_perplexity, eval_bleu,
+    eval_chrf, eval_examples, eval_seconds, bleu_signature) and the first
+    `config.num_examples_to_print` (source, reference, hypothesis) triples.
+    """
+    config, mesh = setup.config, setup.mesh
+    t0 = time.time()
+    loss = eval_loss(eval_step, state.params, state.rngs, config, tokenizer, dev, mesh)
+    out: dict[str, Any] = {
+        f"eval_{k}": v for k, v in loss.items() if k not in ("tokens", "src_tokens")
+    }
+    model = nnx.merge(setup.graphdef, state.params, state.rngs)
+    n = len(dev) if max_examples <= 0 else min(max_examples, len(dev))
+    pairs = [dev[i] for i in range(n)]
+    hyps = translate_corpus(
+        model,
+        tokenizer,
+        [src for src, _ in pairs],
+        max_length=config.max_length,
+        batch_tokens=config.batch_tokens,
+        beam_size=config.eval_beam_size,
+        alpha=config.eval_alpha,
+        mesh=mesh,
+    )
+    refs = [ref for _, ref in pairs]
+    scores = bleu_chrf(hyps, refs)
+    out.update(eval_bleu=scores["bleu"], eval_chrf=scores["chrf"])
+    out["eval_examples"] = n
+    out["eval_seconds"] = time.time() - t0
+    out["bleu_signature"] = scores["bleu_signature"]
+    examples = [(src, ref, hyp) for (src, ref), hyp in zip(pairs, hyps, strict=True)]
+    return out, examples[: config.num_examples_to_print]
+
+
+def report(step: int, ev: dict[str, Any], examples: list[tuple[str, str, str]]) -> str:
+    """The evaluation as a few lines for the log."""
+    lines = [
+        f"eval @ step {step}: loss {ev['eval_loss']:.3f} acc {ev['eval_accuracy']:.3f} "
+        f"BLEU {ev['eval_bleu']:.2f} chrF {ev['eval_chrf']:.2f} "
+        f"({ev['eval_examples']} sentences, {ev['eval_seconds']:.0f}s)",
+        f"  {ev['bleu_signature']}",
+    ]
+    for src, ref, hyp in examples:
+        lines += [f"  SRC: {src}", f"  REF: {ref}", f"  HYP: {hyp}"]
+    return "\n".join(lines)

@@ -9,11 +9,14 @@ holds examples s, s + n, s + 2n, ... and its own batch plan with 1/n of the
 token budget. Normally there is one shard per process. A single process can
 also read several shards and concatenate their rows: with a fixed
 `config.data_shards`, the global batches are the same on 1 or n processes.
+Each shard is tokenized once into the cache (`cache_dir(config, workdir)`)
+and memory-mapped from it at every later start.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import jax
@@ -21,19 +24,18 @@ import numpy as np
 
 import data
 from training import distributed
-from training.errors import TrainingError
 
 
 def num_shards(config: Any) -> int:
-    """config.data_shards, 0 meaning one per process (validated against the process count)."""
-    n = int(config.get("data_shards", 0)) or jax.process_count()
-    pc = jax.process_count()
-    if n < 1 or (pc > 1 and n != pc):
-        raise TrainingError(
-            f"config.data_shards={config.data_shards} with {pc} processes: use 0 (one shard "
-            f"per process) or {pc}; only a single process can read several shards"
-        )
-    return n
+    """config.data_shards, 0 meaning one per process (`training.config.validate` checks it)."""
+    return config.data_shards or jax.process_count()
+
+
+def cache_dir(config: Any, workdir: str | None) -> str | None:
+    """config.data_cache_dir, else WORKDIR/data_cache (None: no workdir, tokenize in memory)."""
+    if config.data_cache_dir:
+        return os.path.expanduser(config.data_cache_dir)
+    return os.path.join(workdir, "data_cache") if workdir else None
 
 
 def _pad_to(x: np.ndarray, rows: int, length: int) -> np.ndarray:
@@ -44,9 +46,16 @@ class ShardedInput:
     """Iterator over this process's batches: its data shards' rows, concatenated."""
 
     def __init__(
-        self, config: Any, tokenizer: data.Tokenizer, corpus: Any, *, global_multiple: int
+        self,
+        config: Any,
+        tokenizer: data.Tokenizer,
+        corpus: Any,
+        *,
+        global_multiple: int,
+        workdir: str | None = None,
     ):
-        """`global_multiple`: the global batch's rows must be a multiple of it."""
+        """`global_multiple`: the global batch's rows must be a multiple of it;
+        `workdir`: holds the tokenized cache unless config.data_cache_dir is set."""
         self.num_shards = num_shards(config)
         per_process = self.num_shards // jax.process_count()
         first = jax.process_index() * per_process
@@ -61,6 +70,7 @@ class ShardedInput:
                 batch_multiple=multiple,
                 process_index=s,
                 process_count=self.num_shards,
+                cache_dir=cache_dir(config, workdir),
             )
             for s in self.shard_ids
         ]

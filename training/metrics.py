@@ -1,8 +1,16 @@
-"""Metric output (metrics.jsonl, TensorBoard, progress line) and the FLOP count for MFU."""
+"""What a run reports: per-window train metrics, the non-finite policy, the FLOP count for
+MFU, and the outputs (metrics.jsonl, TensorBoard, the progress line).
+
+    window = TrainWindow(model_cfg, peak_flops_per_device(config), jax.device_count())
+    window.add(step_metrics, src_len, tgt_len)       # every step; nothing waits
+    fetched, row = window.flush()                    # every log_every_steps
+    nonfinite.check(fetched, step)                   # error text per config.nonfinite_policy
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -11,10 +19,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from model import TransformerConfig
 
 METRICS_FILE = "metrics.jsonl"
+
+_log = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets), by `jax.Device.device_kind`.
 PEAK_FLOPS = {
@@ -33,7 +44,7 @@ PEAK_FLOPS = {
 
 def peak_flops_per_device(config: Any, device: jax.Device | None = None) -> float | None:
     """config.peak_flops_per_device if set, else the table entry for the device, else None."""
-    if config.get("peak_flops_per_device", 0.0):
+    if config.peak_flops_per_device:
         return float(config.peak_flops_per_device)
     kind = (device or jax.devices()[0]).device_kind
     for name in sorted(PEAK_FLOPS, key=len, reverse=True):  # longest (most specific) first
@@ -59,6 +70,121 @@ def train_flops(cfg: TransformerConfig, src_tokens: int, tgt_tokens: int, s: int
     per_src = 2 * le * (4 * d * d + 2 * d * f) + 2 * ld * 2 * d * d + le * 4 * s * d
     per_tgt = 2 * ld * (6 * d * d + 2 * d * f) + 2 * d * v + ld * 4 * (t + s) * d
     return 3.0 * (per_src * src_tokens + per_tgt * tgt_tokens)
+
+
+class TrainWindow:
+    """The train steps since the last log line: their metrics (on device until flushed),
+    FLOPs and wall time.
+
+    Token counts come from the step's metrics, which the step sums over the global
+    batch, so tokens/s and MFU count every process's tokens against every device.
+    """
+
+    def __init__(self, model_cfg: TransformerConfig, peak_flops: float | None, num_devices: int):
+        self.model_cfg, self.peak_flops, self.num_devices = model_cfg, peak_flops, num_devices
+        self.steps: list[Any] = []  # per step: metrics dict (device arrays, then fetched)
+        self.lengths: list[tuple[int, int]] = []  # per step: padded (S, T)
+        self.start = time.time()
+
+    def add(self, step_metrics: Mapping[str, Any], src_len: int, tgt_len: int) -> None:
+        self.steps.append(step_metrics)
+        self.lengths.append((src_len, tgt_len))
+
+    def fetch(self) -> list[dict[str, Any]]:
+        """The window's step metrics on the host (waits for the steps in flight)."""
+        self.steps = jax.device_get(self.steps)
+        return self.steps
+
+    def restart_clock(self) -> None:
+        """Start timing afresh (evaluation time is not training time)."""
+        self.start = time.time()
+
+    def flush(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """(the fetched step metrics, the log row), then start a new window.
+
+        The row averages the finite steps (all steps if none is finite) and adds
+        throughput: target tokens/s, steps/s and MFU (None when the peak is unknown).
+        """
+        fetched, elapsed = self.fetch(), time.time() - self.start
+        finite = [m for m in fetched if not m["nonfinite"]] or fetched
+        mean = lambda k: float(np.mean([m[k] for m in finite]))
+        flops = sum(
+            train_flops(self.model_cfg, int(m["src_tokens"]), int(m["tokens"]), s, t)
+            for m, (s, t) in zip(fetched, self.lengths, strict=True)
+        )
+        tokens = int(sum(m["tokens"] for m in fetched))
+        row = {
+            "train_loss": mean("loss"),
+            "train_accuracy": mean("accuracy"),
+            "train_perplexity": mean("perplexity"),
+            "grad_norm": mean("grad_norm"),
+            "learning_rate": float(fetched[-1]["learning_rate"]),
+            "tokens": tokens,
+            "seconds": elapsed,
+            "tokens_per_sec": tokens / elapsed,
+            "steps_per_sec": len(fetched) / elapsed,
+            "mfu": flops / elapsed / (self.peak_flops * self.num_devices)
+            if self.peak_flops
+            else None,
+        }
+        self.steps, self.lengths = [], []
+        self.restart_clock()
+        return fetched, row
+
+
+class NonFinite:
+    """config.nonfinite_policy over the steps' `nonfinite` flags.
+
+    'skip': the step changed nothing (the train step keeps the old state); count
+    it and warn, unless `max_in_a_row` such steps came one after another.
+    'stop': the first one is an error.
+    """
+
+    def __init__(self, policy: str, max_in_a_row: int, total: int = 0):
+        self.policy, self.max_in_a_row = policy, max_in_a_row
+        self.total = total  # non-finite steps over all runs (checkpointed)
+        self.in_a_row = 0
+        self._seen = -1  # last step counted (a window may be checked twice)
+
+    def check(
+        self, fetched: list[Mapping[str, Any]], last_step: int, newest_checkpoint: int | None
+    ) -> str | None:
+        """Count the flags of steps not seen yet; the error to raise, or None."""
+        first_step = last_step - len(fetched) + 1
+        flags = [
+            (first_step + i, int(m["nonfinite"]))
+            for i, m in enumerate(fetched)
+            if first_step + i > self._seen
+        ]
+        self._seen = max(self._seen, last_step)
+        for _, flag in flags:
+            self.in_a_row = self.in_a_row + 1 if flag else 0
+            self.total += flag
+        bad = [step for step, flag in flags if flag]
+        if not bad:
+            return None
+        keep = (
+            f"the newest checkpoint (step {newest_checkpoint}) has only finite values"
+            if newest_checkpoint is not None
+            else "no checkpoint was written"
+        )
+        if self.policy == "stop":
+            return (
+                f"non-finite loss or gradients at step {bad[0]} (config.nonfinite_policy="
+                f"'stop'); the update was not applied and {keep}. Lower the learning rate, "
+                "check the data, or use --config.nonfinite_policy=skip"
+            )
+        if self.max_in_a_row and self.in_a_row >= self.max_in_a_row:
+            return (
+                f"{self.in_a_row} non-finite steps in a row up to step {last_step} "
+                f"(config.max_consecutive_nonfinite={self.max_in_a_row}): training diverged; "
+                f"{keep}. Lower the learning rate or check the data"
+            )
+        _log.warning(
+            f"skipped {len(bad)} update(s) with non-finite loss/gradients "
+            f"(first at step {bad[0]}; {self.total} in all)"
+        )
+        return None
 
 
 class MetricWriter:

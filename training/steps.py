@@ -1,18 +1,22 @@
 """Train state, loss, and the jit-compiled train and eval steps (pure functions).
 
-    graphdef, abstract = abstract_train_state(config)
-    state = init_train_state(config, graphdef, mesh, shardings)   # born sharded
-    train_step = make_train_step(graphdef, tx, config, shardings, mesh)
-    state, metrics = train_step(state, batch)                      # donates `state`
+    setup = train_setup(config, mesh)          # graphdef, optimizer, abstract state, shardings
+    state = init_train_state(setup)            # born sharded, no host copy
+    train_step = make_train_step(setup)
+    state, metrics = train_step(state, batch)  # donates `state`
+    sums = make_eval_step(setup)(state.params, state.rngs, batch)
 
 The model lives as `nnx.split` pieces: a static GraphDef plus two pytrees,
 `params` (nnx.Param) and `rngs` (the dropout RNG streams, so that a resumed run
 draws the same dropout masks as an uninterrupted one). The step merges them
 into a Transformer, runs it, and splits it again.
+
+The config is trusted here: `training.config.validate` has checked it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,10 +26,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model import Transformer, TransformerConfig
-from training.errors import TrainingError
-from training.mesh import BATCH_AXES
-from training.optim import make_schedule
+from model import Transformer
+from training.config import model_config
+from training.mesh import BATCH_AXES, axis_rules, state_shardings
+from training.optim import make_optimizer, make_schedule
 
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
@@ -40,27 +44,30 @@ class TrainState:
     rngs: nnx.State  # dropout RNG streams (keys and counts)
 
 
-# --- Model construction -------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+    """What the steps and checkpoints know of the state before it exists (nothing allocated).
+
+    abstract: a TrainState of ShapeDtypeStructs that carry their shardings (what
+      `init_train_state` creates and what a checkpoint restores into).
+    shardings: the same tree of NamedShardings.
+    """
+
+    config: Any
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    abstract: TrainState
+    shardings: TrainState
 
 
-def model_config(config: Any) -> TransformerConfig:
-    """config.model + config.vocab_size -> TransformerConfig (ValueError names a bad field)."""
-    return TransformerConfig.from_dict({**config.model.to_dict(), "vocab_size": config.vocab_size})
+# --- Model and state ------------------------------------------------------------
 
 
 def build_model(config: Any) -> Transformer:
     """A freshly initialized Transformer: `params` from `seed`, dropout streams from `seed + 1`."""
     rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
     return Transformer(model_config(config), rngs=rngs)
-
-
-def abstract_train_state(
-    config: Any, tx: optax.GradientTransformation
-) -> tuple[nnx.GraphDef, TrainState]:
-    """The GraphDef and a TrainState of ShapeDtypeStructs, without allocating anything."""
-    abstract_model = nnx.eval_shape(lambda: build_model(config))
-    graphdef, _, _ = nnx.split(abstract_model, nnx.Param, ...)
-    return graphdef, jax.eval_shape(_init_fn(config, tx))
 
 
 def _init_fn(config: Any, tx: optax.GradientTransformation) -> Callable[[], TrainState]:
@@ -71,11 +78,21 @@ def _init_fn(config: Any, tx: optax.GradientTransformation) -> Callable[[], Trai
     return init
 
 
-def init_train_state(
-    config: Any, tx: optax.GradientTransformation, shardings: TrainState
-) -> TrainState:
+def train_setup(config: Any, mesh: Mesh) -> TrainSetup:
+    """The GraphDef, optimizer, and abstract state with its shardings on `mesh`."""
+    tx = make_optimizer(config)
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: build_model(config)), nnx.Param, ...)
+    abstract = jax.eval_shape(_init_fn(config, tx))
+    shardings = state_shardings(mesh, abstract, axis_rules(config))
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    return TrainSetup(config, mesh, graphdef, tx, abstract, shardings)
+
+
+def init_train_state(setup: TrainSetup) -> TrainState:
     """Initialize params and optimizer state directly into their shardings (no host copy)."""
-    return jax.jit(_init_fn(config, tx), out_shardings=shardings)()
+    return jax.jit(_init_fn(setup.config, setup.tx), out_shardings=setup.shardings)()
 
 
 # --- Loss ---------------------------------------------------------------------
@@ -96,8 +113,11 @@ def loss_sums(
       correct: number of argmax hits; tokens: number of non-padding targets.
     """
     vocab = logits.shape[-1]
-    weights = (targets != 0).astype(jnp.float32)  # [B, T]
-    logits = logits.astype(jnp.float32)
+    real = targets != 0  # [B, T]
+    # Select, never multiply: a NaN/Inf at a padded position (fused attention kernels
+    # may leave garbage in rows they skip) times a zero weight would still be NaN,
+    # in the loss and in its gradient. Zeroed logits keep padded rows finite both ways.
+    logits = jnp.where(real[..., None], logits.astype(jnp.float32), 0.0)  # [B, T, V]
     # Reductions over V only: log p_v = logits_v - lse is never materialized as a
     # second [B, T, V] array (XLA fuses each reduction into one pass over logits).
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
@@ -106,12 +126,13 @@ def loss_sums(
     on, off = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
     # -sum_v q_v log p_v with q = off everywhere except `on` at the target.
     smoothed = (on - off) * nll - off * sum_logp  # [B, T]
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    correct = jnp.argmax(logits, axis=-1) == targets  # [B, T]
+    total = lambda x: jnp.where(real, x, 0.0).sum()
     return {
-        "loss": (smoothed * weights).sum(),
-        "nll": (nll * weights).sum(),
-        "correct": (correct * weights).sum(),
-        "tokens": weights.sum(),
+        "loss": total(smoothed),
+        "nll": total(nll),
+        "correct": total(correct.astype(jnp.float32)),
+        "tokens": real.sum(dtype=jnp.float32),
     }
 
 
@@ -128,19 +149,27 @@ def _forward_sums(
     packing = {k: batch[k] for k in PACKING_KEYS if k in batch}
     logits = model(batch["src"], batch["tgt_in"], deterministic=deterministic, **packing)
     sums = loss_sums(logits, batch["tgt_out"], label_smoothing)
+    # Counted on device over the global batch, so every process logs the same totals.
+    sums["src_tokens"] = (batch["src"] != 0).sum(dtype=jnp.float32)
     _, _, rngs = nnx.split(model, nnx.Param, ...)
     return sums["loss"], (sums, rngs)
 
 
 def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Sums -> per-token means: loss, accuracy, perplexity (exp of the unsmoothed NLL)."""
+    """Sums -> per-token means: loss, accuracy, perplexity (exp of the unsmoothed NLL).
+
+    `tokens` (target) and, in training, `src_tokens` pass through as counts.
+    """
     tokens = jnp.maximum(sums["tokens"], 1.0)
-    return {
+    out = {
         "loss": sums["loss"] / tokens,
         "accuracy": sums["correct"] / tokens,
         "perplexity": jnp.exp(sums["nll"] / tokens),
         "tokens": sums["tokens"],
     }
+    if "src_tokens" in sums:
+        out["src_tokens"] = sums["src_tokens"]
+    return out
 
 
 # --- Steps --------------------------------------------------------------------
@@ -161,11 +190,7 @@ def _split_micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef,
-    tx: optax.GradientTransformation,
-    config: Any,
-    shardings: TrainState,
-    mesh: Mesh,
+    setup: TrainSetup,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled `train_step(state, batch) -> (state, metrics)`; `state` is donated.
 
@@ -178,38 +203,39 @@ def make_train_step(
     divided by the token count of the whole batch, so k micro-batches of B/k rows
     give the same update as one batch of B rows.
     """
-    k = int(config.grad_accum_steps)
-    if k < 1:
-        raise TrainingError(f"config.grad_accum_steps must be >= 1, got {k}")
-    label_smoothing = float(config.label_smoothing)
-    if not 0.0 <= label_smoothing < 1.0:
-        raise TrainingError(f"config.label_smoothing must be in [0, 1), got {label_smoothing}")
-    schedule = make_schedule(config)
+    graphdef, tx, mesh = setup.graphdef, setup.tx, setup.mesh
+    k = int(setup.config.grad_accum_steps)
+    label_smoothing = float(setup.config.label_smoothing)
+    schedule = make_schedule(setup.config)
     grad_fn = jax.value_and_grad(_forward_sums, argnums=1, has_aux=True)
 
-    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+    def accumulate(state: TrainState, batch: dict[str, jax.Array]):
+        """(summed gradients, sums, advanced RNG state) over k micro-batches."""
         if k == 1:
             (_, (sums, rngs)), grads = grad_fn(
                 graphdef, state.params, state.rngs, batch, label_smoothing, False
             )
-        else:
-            micro = {name: _split_micro(x, k, mesh) for name, x in batch.items()}
+            return grads, sums, rngs
+        micro = {name: _split_micro(x, k, mesh) for name, x in batch.items()}
 
-            def body(carry, mb):
-                grads, sums, rngs = carry
-                (_, (s, rngs)), g = grad_fn(
-                    graphdef, state.params, rngs, mb, label_smoothing, False
-                )
-                return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s), rngs), None
+        def body(carry, mb):
+            grads, sums, rngs = carry
+            (_, (s, rngs)), g = grad_fn(graphdef, state.params, rngs, mb, label_smoothing, False)
+            return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s), rngs), None
 
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            zero_sums = dict.fromkeys(("loss", "nll", "correct", "tokens"), jnp.zeros(()))
-            (grads, sums, rngs), _ = jax.lax.scan(body, (zeros, zero_sums, state.rngs), micro)
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        names = ("loss", "nll", "correct", "tokens", "src_tokens")
+        zero_sums = dict.fromkeys(names, jnp.zeros(()))
+        (grads, sums, rngs), _ = jax.lax.scan(body, (zeros, zero_sums, state.rngs), micro)
+        return grads, sums, rngs
+
+    def train_step(state: TrainState, batch: dict[str, jax.Array]):
+        grads, sums, rngs = accumulate(state, batch)
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["tokens"], 1.0), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = summarize(sums)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["learning_rate"] = schedule(state.step)
         # A NaN/Inf loss or gradient never reaches the params or the Adam moments:
         # keep the old ones (a select on device, no host sync); the loop reads the
@@ -222,18 +248,20 @@ def make_train_step(
         return new_state, metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, replicated))
+    return jax.jit(train_step, donate_argnums=0, out_shardings=(setup.shardings, replicated))
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef, config: Any, mesh: Mesh
+    setup: TrainSetup,
 ) -> Callable[[nnx.State, nnx.State, dict[str, jax.Array]], dict[str, jax.Array]]:
-    """The compiled `eval_step(params, rngs, batch) -> sums` (dropout off); add sums up, then
-    `summarize`."""
-    label_smoothing = float(config.label_smoothing)
+    """The compiled `eval_step(params, rngs, batch) -> sums` (dropout off).
+
+    Add the sums of all batches up, then `summarize` them.
+    """
+    graphdef, label_smoothing = setup.graphdef, float(setup.config.label_smoothing)
 
     def eval_step(params, rngs, batch):
         _, (sums, _) = _forward_sums(graphdef, params, rngs, batch, label_smoothing, True)
         return sums
 
-    return jax.jit(eval_step, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return jax.jit(eval_step, out_shardings=NamedSharding(setup.mesh, PartitionSpec()))

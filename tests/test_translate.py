@@ -1,0 +1,138 @@
+"""training/translate.py: the one batching + search path of decode.py and the evaluation.
+
+Checked against the search functions on one padded batch, against log-probabilities
+from full forward passes (scores), and across meshes (8 fake CPU devices).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import EOS_ID, decoding
+from tests.test_decoding import as_list, full_logp, make
+from training.translate import plan_batches, translate_ids
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make()
+
+
+def sources_of(lengths, seed=3, vocab=12):
+    rng = np.random.default_rng(seed)
+    return [[*rng.integers(4, vocab, size=n - 1).tolist(), EOS_ID] for n in lengths]
+
+
+def test_plan_batches_covers_every_source_with_few_shapes():
+    lengths = np.random.default_rng(0).integers(1, 120, size=3000)
+    batches = plan_batches(lengths, batch_tokens=4096, max_len=256)
+    seen = np.concatenate([idx for idx, _, _ in batches])
+    assert sorted(seen.tolist()) == list(range(3000))
+    for idx, width, rows in batches:
+        assert len(idx) <= rows and rows * width <= 4096
+        assert np.all(lengths[idx] <= width)
+    assert len({(w, r) for _, w, r in batches}) <= 16  # compiled programs
+
+
+def test_plan_batches_rows_divide_over_the_batch_devices():
+    lengths = np.random.default_rng(1).integers(1, 60, size=500)
+    for multiple in (2, 6, 8):
+        batches = plan_batches(lengths, batch_tokens=1024, max_len=64, rows_multiple=multiple)
+        assert all(rows % multiple == 0 and len(idx) <= rows for idx, _, rows in batches)
+        assert sorted(np.concatenate([i for i, _, _ in batches]).tolist()) == list(range(500))
+
+
+def test_translate_ids_keeps_input_order(model):
+    lengths = np.random.default_rng(3).permutation([2, 9, 3, 14, 5, 1, 7, 11, 4, 13])
+    sources = sources_of(lengths)
+    sources.insert(4, [])  # empty: no model call, no hypotheses
+    seen = []
+    outs = translate_ids(
+        model, sources, beam_size=2, batch_tokens=32, progress=lambda s, t: seen.append(s)
+    )
+    assert len(outs) == len(sources) and outs[4] == [] and sum(seen) == len(sources) - 1
+    # One padded batch in input order (per-row length limits make widths irrelevant).
+    nonempty = [s for s in sources if s]
+    batch = np.zeros((len(nonempty), 16), np.int32)
+    for i, src in enumerate(nonempty):
+        batch[i, : len(src)] = src
+    reference = decoding.translate(model, jnp.asarray(batch), beam_size=2)
+    best = [h[0].tokens for h in outs[:4] + outs[5:]]
+    assert best == [as_list(r)[:-1] for r in np.asarray(reference)]
+
+
+def test_n_best_is_sorted_and_its_first_is_the_1_best(model):
+    sources = sources_of([5, 8, 3, 12, 6], seed=4)
+    one = translate_ids(model, sources, beam_size=4, n_best=1)
+    four = translate_ids(model, sources, beam_size=4, n_best=4)
+    for a, b in zip(one, four, strict=True):
+        assert len(a) == 1 and 1 <= len(b) <= 4
+        assert b[0] == a[0]
+        scores = [h.score for h in b]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h.tokens) for h in b}) == len(b)  # distinct hypotheses
+
+
+@pytest.mark.parametrize(("beam_size", "alpha"), [(1, 0.6), (4, 0.6), (4, 0.0)])
+def test_scores_are_length_normalized_log_probabilities(model, beam_size, alpha):
+    """score = log P(tokens + EOS) / ((5 + len) / 6)^alpha, from full forward passes."""
+    sources = sources_of([6, 9, 4], seed=5)
+    hyps = translate_ids(model, sources, beam_size=beam_size, alpha=alpha, n_best=beam_size)
+    for src, src_hyps in zip(sources, hyps, strict=True):
+        for h in src_hyps:
+            out = [*h.tokens, EOS_ID]
+            logp = sum(
+                full_logp(model, jnp.asarray(src), out[:t])[tok] for t, tok in enumerate(out)
+            )
+            assert h.score == pytest.approx(logp / ((5 + len(out)) / 6) ** alpha, abs=2e-4)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_vocab_limit_is_never_exceeded(model, beam_size):
+    sources = sources_of([7, 3, 10, 5, 9, 6], seed=6)
+    free = translate_ids(model, sources, beam_size=beam_size, n_best=beam_size)
+    assert any(t >= 8 for hs in free for h in hs for t in h.tokens)  # the limit matters here
+    limited = translate_ids(model, sources, beam_size=beam_size, n_best=beam_size, vocab_limit=8)
+    assert all(t < 8 for hs in limited for h in hs for t in h.tokens)
+
+
+_MESH = """
+import json, sys
+import jax, numpy as np
+from model import EOS_ID
+from tests.test_decoding import make
+from training.translate import translate_ids
+rng = np.random.default_rng(7)
+sources = [[*rng.integers(4, 12, size=n - 1).tolist(), EOS_ID] for n in rng.integers(1, 15, 40)]
+model = make()
+out = {}
+for shape in [(1, 1, 1), (4, 2, 1), (2, 2, 2)]:
+    auto = (jax.sharding.AxisType.Auto,) * 3  # as training.mesh.make_mesh
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=auto)
+    hyps = translate_ids(model, sources, beam_size=3, n_best=2, batch_tokens=64, mesh=mesh)
+    out[str(shape)] = [[(h.tokens, round(h.score, 4)) for h in hs] for hs in hyps]
+out["none"] = [
+    [(h.tokens, round(h.score, 4)) for h in hs]
+    for hs in translate_ids(model, sources, beam_size=3, n_best=2, batch_tokens=64)
+]
+print(json.dumps(out))
+"""
+
+
+def test_same_translations_on_any_mesh():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    proc = subprocess.run(
+        [sys.executable, "-c", _MESH], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["(4, 2, 1)"] == out["(1, 1, 1)"] == out["(2, 2, 2)"] == out["none"]

@@ -1,0 +1,236 @@
+"""The training config: every check in one place, and its copy in the workdir.
+
+    validate(config)                  # TrainingError naming the first bad field
+    cfg = model_config(config)        # config.model + vocab_size -> TransformerConfig
+    save_config(config, workdir)      # WORKDIR/config.json
+    config = load_config(workdir)     # back, on top of configs/default.py
+
+Defaults live only in configs/default.py: `load_config` lays a workdir's
+config.json over them, so a workdir written before a field existed still
+loads, and no caller needs `config.get(field, default)`.
+
+`validate` runs before anything slow (corpus, tokenizer, compiling) and also
+checks what depends on the machine: the mesh against the device count, the data
+shards against the process count, and the batch against the batch axes.
+The functions that consume the config (optimizer, input pipeline, steps)
+trust it and do not repeat these checks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from model import TransformerConfig
+from training.errors import TrainingError
+from training.mesh import AXES as MESH_AXES
+from training.mesh import mesh_shape
+
+CONFIG_FILE = "config.json"
+
+SCHEDULES = ("rsqrt", "linear_rsqrt", "cosine")
+OPTIMIZERS = ("adam", "adamw")
+NONFINITE_POLICIES = ("skip", "stop")
+LONG_PAIRS = ("drop", "truncate")
+TOKENIZER_TYPES = ("unigram", "bpe")
+
+_POSITIVE = (
+    "vocab_size",
+    "max_length",
+    "batch_tokens",
+    "tokenizer_sample_size",
+    "num_train_steps",
+    "log_every_steps",
+    "grad_accum_steps",
+    "eval_beam_size",
+)
+# 0 means "never" (intervals), "all" (example counts) or "off"/"auto" (the rest).
+_NON_NEGATIVE = (
+    "eval_every_steps",
+    "checkpoint_every_steps",
+    "max_checkpoints_to_keep",
+    "eval_max_examples",
+    "final_eval_max_examples",
+    "num_examples_to_print",
+    "warmup_steps",
+    "max_consecutive_nonfinite",
+    "data_shards",
+    "data_workers",
+    "grad_clip_norm",
+    "weight_decay",
+    "eval_alpha",
+    "peak_flops_per_device",
+)
+_CHOICES = {
+    "schedule": SCHEDULES,
+    "optimizer": OPTIMIZERS,
+    "nonfinite_policy": NONFINITE_POLICIES,
+    "long_pairs": LONG_PAIRS,
+    "tokenizer_type": TOKENIZER_TYPES,
+}
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """configs/default.py: the reference list of fields and their defaults."""
+    from configs import default
+
+    return default.get_config()
+
+
+def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
+    """config.model + config.vocab_size -> TransformerConfig (ValueError names a bad field)."""
+    return TransformerConfig.from_dict({**config.model.to_dict(), "vocab_size": config.vocab_size})
+
+
+# --- Checks ----------------------------------------------------------------------------
+
+
+def _unknown_keys(config: Any, reference: Any, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """(dotted key, close matches) for every key of `config` that `reference` lacks."""
+    out = []
+    for key in config:
+        name = f"{prefix}{key}"
+        if key not in reference:
+            out.append((name, difflib.get_close_matches(key, list(reference.keys()), n=1)))
+        elif isinstance(config[key], ml_collections.ConfigDict) and isinstance(
+            reference[key], ml_collections.ConfigDict
+        ):
+            out += _unknown_keys(config[key], reference[key], name + ".")
+    return out
+
+
+def _check_fields(config: ml_collections.ConfigDict) -> None:
+    """Names, ranges and choices of the machine-independent fields."""
+    unknown = _unknown_keys(config, defaults())
+    if unknown:
+        hints = [f"config.{k}" + (f" (did you mean {m[0]!r}?)" if m else "") for k, m in unknown]
+        raise TrainingError(f"unknown config field(s): {', '.join(hints)}")
+    for name in _POSITIVE:
+        if not config[name] > 0:
+            raise TrainingError(f"config.{name} must be > 0, got {config[name]!r}")
+    for name in _NON_NEGATIVE:
+        if not config[name] >= 0:
+            raise TrainingError(f"config.{name} must be >= 0 (0 = never/all), got {config[name]!r}")
+    for name, allowed in _CHOICES.items():
+        if config[name] not in allowed:
+            raise TrainingError(f"config.{name} must be one of {allowed}, got {config[name]!r}")
+    for name in ("label_smoothing", "adam_b1", "adam_b2"):
+        if not 0.0 <= config[name] < 1.0:
+            raise TrainingError(f"config.{name} must be in [0, 1), got {config[name]}")
+    if not config.adam_eps > 0:
+        raise TrainingError(f"config.adam_eps must be > 0, got {config.adam_eps}")
+    if config.schedule != "rsqrt" and not config.learning_rate > 0:
+        raise TrainingError(f"config.learning_rate must be > 0, got {config.learning_rate}")
+    try:
+        model_config(config)
+    except ValueError as e:
+        raise TrainingError(f"bad model config: {e}") from e
+    if config.max_length > config.model.max_len:
+        raise TrainingError(
+            f"config.max_length={config.max_length} exceeds config.model.max_len="
+            f"{config.model.max_len}, the longest position the model encodes"
+        )
+
+
+def _check_machine(config: ml_collections.ConfigDict) -> None:
+    """The mesh, the data shards and the batch against this machine's devices and processes."""
+    sizes = tuple(config[f"mesh_{a}"] for a in MESH_AXES)
+    shape = dict(zip(MESH_AXES, mesh_shape(sizes, jax.device_count()), strict=True))
+    pc = jax.process_count()
+    if pc > 1 and config.data_shards not in (0, pc):
+        raise TrainingError(
+            f"config.data_shards={config.data_shards} with {pc} processes: use 0 (one shard "
+            f"per process) or {pc}; only a single process can read several shards"
+        )
+    # The longest bucket must hold one row per batch-axis device (times grad_accum_steps).
+    batch_devices = shape["data"] * shape["fsdp"]
+    rows = batch_devices * config.grad_accum_steps
+    need = rows * config.max_length
+    if config.batch_tokens < need:
+        raise TrainingError(
+            f"config.batch_tokens={config.batch_tokens} cannot fill the batch axes: the mesh "
+            f"has {batch_devices} devices along ('data', 'fsdp') (mesh {shape}) and "
+            f"grad_accum_steps={config.grad_accum_steps}, so a batch needs at least {rows} "
+            f"rows of up to max_length={config.max_length} tokens: set "
+            f"--config.batch_tokens={need} or more, lower max_length, or put devices on the "
+            "'tensor' axis"
+        )
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Raise TrainingError naming the first bad field; nothing slow has happened yet."""
+    _check_fields(config)
+    _check_machine(config)
+
+
+# --- The copy in the workdir -------------------------------------------------------------
+
+
+def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Write WORKDIR/config.json (atomically: a reader never sees half a file)."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, CONFIG_FILE)
+    with open(path + ".tmp", "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(path + ".tmp", path)
+
+
+def _merge(base: ml_collections.ConfigDict, saved: dict[str, Any]) -> None:
+    for key, value in saved.items():
+        if isinstance(value, dict) and isinstance(base.get(key), ml_collections.ConfigDict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+    """WORKDIR/config.json laid over configs/default.py (fields added since keep defaults)."""
+    if not os.path.isdir(workdir):
+        raise TrainingError(f"workdir {workdir!r} does not exist; train a model into it first")
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise TrainingError(
+            f"{path} is missing; is {workdir!r} a training workdir? Train with "
+            f"`python train.py --config=configs/tiny.py --workdir={workdir}`"
+        )
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TrainingError(f"{path} cannot be read ({e}); fix or delete it") from e
+    config = defaults()
+    with config.unlocked():
+        _merge(config, saved)
+    return config
+
+
+def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """The model in WORKDIR's checkpoints must be the one `config` describes.
+
+    Compares the model fields (and vocab_size) of WORKDIR/config.json, written
+    by the run that made the checkpoints, with `config`; TrainingError lists
+    the differences. A workdir without config.json is not checked.
+    """
+    if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
+        return
+    saved = load_config(workdir)
+    old = {f"model.{k}": v for k, v in saved.model.items()}
+    old["vocab_size"] = saved.vocab_size
+    new = {f"model.{k}": v for k, v in config.model.items()}
+    new["vocab_size"] = config.vocab_size
+    differ = [
+        f"{k}: checkpoint {old[k]!r}, config {new[k]!r}"
+        for k in sorted(set(old) & set(new))
+        if old[k] != new[k]
+    ]
+    if differ:
+        raise TrainingError(
+            f"the checkpoints in {workdir} were trained with another model config ("
+            + "; ".join(differ)
+            + "). Use the same model settings to resume, or a fresh --workdir for a new model"
+        )

@@ -1,0 +1,59 @@
+"""One way to report progress and warnings: Python logging, printed to stderr.
+
+Library modules log through `logging.getLogger(__name__)` and print nothing
+themselves; `setup()` (called by train.py, decode.py and `train_and_evaluate`)
+prints their records as one line each:
+
+    [train] resumed from step 500
+    [data] WARNING: train.tsv: skipped 3 malformed line(s) of 1000
+
+Process 0 prints everything from INFO up; the other processes of a multi-host
+job print only warnings and errors, tagged with their index (`[train p3]`), so
+a job's log is not N copies of the same lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+# Logger namespaces of this project -> the tag printed in front of their lines.
+TAGS = {"training": "train", "data": "data", "model": "model"}
+
+
+def _process_index() -> int:
+    # Only if JAX is already up: logging must never be what starts a backend
+    # (jax.distributed.initialize has to come first).
+    jax = sys.modules.get("jax")
+    try:
+        return jax.process_index() if jax is not None else 0
+    except Exception:  # a backend that failed to start is reported elsewhere
+        return 0
+
+
+class _StderrHandler(logging.Handler):
+    """`[tag] LEVEL: message` on the current sys.stderr (looked up per record, so that
+    tests capturing stderr see it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        index = _process_index()
+        if index != 0 and record.levelno < logging.WARNING:
+            return
+        tag = TAGS.get(record.name.split(".")[0], record.name)
+        if index != 0:
+            tag += f" p{index}"
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname}: "
+        try:
+            print(f"[{tag}] {level}{record.getMessage()}", file=sys.stderr, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
+def setup(level: int = logging.INFO) -> None:
+    """Route this project's loggers to stderr (idempotent)."""
+    for name in TAGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+            logger.addHandler(_StderrHandler())
+        logger.setLevel(level)
+        logger.propagate = False  # absl's root handler would print them a second time
