@@ -80,6 +80,45 @@ def test_loss_matches_numpy_label_smoothing():
     assert float(out["accuracy"]) == pytest.approx(hits.sum() / (targets != 0).sum())
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_or_inf_logits_at_padded_positions_change_nothing(bad):
+    """Fused attention kernels may leave garbage in rows they skip: the loss must select
+    real positions, not multiply by zero weights (0 * NaN = NaN, in the value and the
+    gradient)."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(3, 6, 11)).astype(np.float32) * 3
+    targets = rng.integers(1, 11, size=(3, 6)).astype(np.int32)
+    targets[0, 4:] = 0
+    targets[1, 1:] = 0
+    targets[2, :] = 0  # an all-padding filler row
+    poisoned = np.where((targets == 0)[..., None], np.float32(bad), logits)
+    want_loss, want_ppl = _numpy_smoothed_ce(logits, targets, 0.1)
+
+    def total(x):
+        return steps.loss_sums(x, jnp.asarray(targets), 0.1)["loss"]
+
+    out = steps.summarize(steps.loss_sums(jnp.asarray(poisoned), jnp.asarray(targets), 0.1))
+    assert float(out["loss"]) == pytest.approx(want_loss, rel=1e-5)
+    assert float(out["perplexity"]) == pytest.approx(want_ppl, rel=1e-5)
+    grad = np.asarray(jax.grad(total)(jnp.asarray(poisoned)))
+    assert np.isfinite(grad).all()
+    np.testing.assert_array_equal(grad[targets == 0], 0.0)
+    clean = np.asarray(jax.grad(total)(jnp.asarray(logits)))
+    np.testing.assert_allclose(grad, clean, rtol=1e-6, atol=1e-7)
+    # Through the model: parameters feeding the poisoned logits get finite gradients.
+    cfg = small_train_config(vocab_size=11)
+    model = Transformer(model_config(cfg), rngs=nnx.Rngs(0))
+    src = jnp.asarray(rng.integers(4, 11, size=(3, 6)), jnp.int32)
+    tgt_in = jnp.asarray(np.where(targets > 0, 5, 0), jnp.int32)
+
+    def param_loss(m):
+        out = m(src, tgt_in)
+        return total(jnp.where(jnp.asarray(targets == 0)[..., None], bad, out))
+
+    grads = nnx.grad(param_loss)(model)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
 # --- FLOPs ------------------------------------------------------------------------
 
 
