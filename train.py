@@ -32,6 +32,14 @@ _DISTRIBUTED = flags.DEFINE_enum(
 )
 
 
+_CACHE = flags.DEFINE_string(
+    "compilation_cache",
+    None,
+    "Persistent XLA compilation cache, so that a restart does not compile again ('off' = "
+    "none; default: $ATTENTION_JAX_COMPILATION_CACHE or ~/.cache/attention-jax/xla).",
+)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
     """absl flag parsing, with one clear line instead of a traceback for a bad override."""
     try:
@@ -48,9 +56,10 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    from training.xla import set_gpu_flags
+    from training import xla
 
-    set_gpu_flags()  # before JAX initializes a backend
+    xla.set_gpu_flags()  # before JAX initializes a backend
+    xla.enable_compilation_cache(xla.default_cache_dir() if _CACHE.value is None else _CACHE.value)
     # Imported here so that `--help` and flag errors are fast and JAX-free.
     from data import DataError
     from training import TrainingError, distributed, log, train_and_evaluate

@@ -11,6 +11,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _compilation_cache(tmp_path_factory):
+    """train.py and decode.py in subprocesses share a compilation cache of this test
+    session, never the user's (~/.cache/attention-jax/xla)."""
+    os.environ["ATTENTION_JAX_COMPILATION_CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _log_to_stderr():
     """The project's log lines on stderr, as train.py and decode.py print them."""
     from training import log

@@ -5,6 +5,7 @@ hundred Adam steps on a synthetic word-for-word task, then saves them as
 train.py would (config.json, checkpoints/, tokenizer.model).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from data import EOS_ID, Tokenizer
 from data.tokenizer import train_tokenizer
 from model import decoding, shift_right
 from training import checkpoints, steps
+from training import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Enough Adam steps that the exact-translation test does not hinge on float rounding
@@ -94,7 +96,7 @@ def workdir(tmp_path_factory):
         d_model=64, num_heads=2, num_encoder_layers=1, num_decoder_layers=1, d_ff=128
     )
     config.model.update(dropout_rate=0.0, max_len=64)
-    checkpoints.save_config(config, wd)
+    config_lib.save_config(config, wd)
     model = steps.build_model(config)
     loss = train_digits(model, tok)
     assert loss < 0.05, f"the digit task did not train (loss {loss})"
@@ -239,3 +241,90 @@ def test_cli_split_scores_the_held_out_set_and_splits_long_lines(workdir, tmp_pa
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.decode() == " ".join(["one two three"] * 6) + "\nfour\n"
     assert "1 line(s) over 7 tokens split" in r.stderr.decode()
+
+
+def test_cli_n_best_jsonl_and_alignments(workdir, tmp_path):
+    pairs = digit_pairs(np.random.default_rng(11), 8)
+    lines = [s for s, _ in pairs]
+    lines.insert(3, "")  # a blank line: an object with no hypotheses
+    stdin = "".join(x + "\n" for x in lines).encode()
+    text = run_decode(f"--workdir={workdir}", stdin=stdin)
+    r = run_decode(
+        f"--workdir={workdir}", "--n_best=3", "--output_format=jsonl", "--alignment", stdin=stdin
+    )
+    assert r.returncode == 0 and text.returncode == 0, r.stderr.decode()
+    objects = [json.loads(x) for x in r.stdout.decode().splitlines()]
+    best = text.stdout.decode().splitlines()
+    assert len(objects) == len(lines) and objects[3] == {"hypotheses": []}
+    tok = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))
+    for obj, line, want in zip(objects, lines, best, strict=True):
+        hyps = obj["hypotheses"]
+        if not line:
+            continue
+        assert 1 <= len(hyps) <= 3 and hyps[0]["text"] == want  # the 1-best is the text line
+        assert [h["score"] for h in hyps] == sorted((h["score"] for h in hyps), reverse=True)
+        for h in hyps:
+            assert tok.decode(h["tokens"]) == h["text"] and h["score"] < 0
+            # Word-for-word task: every output word links to a source word in range.
+            links = [tuple(map(int, x.split("-"))) for x in h["alignment"].split()]
+            assert [j for _, j in links] == list(range(len(h["text"].split())))
+            assert all(0 <= i < len(line.split()) for i, _ in links)
+        # The best translation is word for word, and cross-attention finds it.
+        assert hyps[0]["alignment"] == " ".join(f"{k}-{k}" for k in range(len(line.split())))
+
+
+def test_cli_export_translates_like_the_live_model(workdir, tmp_path):
+    export_dir = tmp_path / "translator"
+    r = run_decode(f"--workdir={workdir}", f"--export={export_dir}", "--n_best=2")
+    assert r.returncode == 0, r.stderr.decode()
+    meta = json.loads((export_dir / "metadata.json").read_text())
+    assert meta["beam_size"] == 4 and meta["n_best"] == 2 and meta["jax_version"] == jax.__version__
+    assert {"tokenizer.model", "params.npz", "search_S8.jax"} <= set(os.listdir(export_dir))
+    pairs = digit_pairs(np.random.default_rng(12), 25)
+    stdin = "".join(s + "\n" for s, _ in pairs).encode() + b"\n" + b"eins " * 40 + b"\n"
+    args = ["--n_best=2", "--output_format=jsonl", "--batch_tokens=64"]
+    live = run_decode(f"--workdir={workdir}", *args, stdin=stdin)
+    exported = run_decode(f"--exported={export_dir}", *args, stdin=stdin)
+    assert live.returncode == 0 and exported.returncode == 0, exported.stderr.decode()
+    assert exported.stdout == live.stdout  # texts, tokens and scores, line for line
+    assert "from the translator exported in" in exported.stderr.decode()
+    # A different beam needs a new export; the model-only flags need the workdir.
+    for bad, message in (("--beam_size=2", "exported with beam_size=4"), ("--alignment", "")):
+        r = run_decode(f"--exported={export_dir}", bad, "--output_format=jsonl", stdin=b"eins\n")
+        assert r.returncode == 1 and message in r.stderr.decode()
+        assert "Traceback" not in r.stderr.decode()
+
+
+def test_cli_average_last_says_how_many_it_averaged(workdir):
+    r = run_decode(f"--workdir={workdir}", "--average_last=5", stdin=b"eins zwei\n")
+    assert r.returncode == 0, r.stderr.decode()
+    err = r.stderr.decode()
+    assert "asked to average the last 5 checkpoints" in err
+    assert "only 1 exist" in err and "averaged the parameters of 1 checkpoint(s)" in err
+
+
+def test_cli_compilation_cache_is_filled_and_reused(workdir, tmp_path):
+    cache = tmp_path / "xla"
+    args = [f"--workdir={workdir}", f"--compilation_cache={cache}", "--beam_size=2"]
+    first = run_decode(*args, stdin=b"eins zwei drei\n")
+    assert first.returncode == 0, first.stderr.decode()
+    entries = set(os.listdir(cache))
+    assert entries  # compiled programs were written
+    second = run_decode(*args, stdin=b"eins zwei drei\n")
+    assert second.stdout == first.stdout == b"one two three\n"
+    assert set(os.listdir(cache)) == entries  # nothing new to compile the second time
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--n_best=5"], "--n_best must be in [1, --beam_size=4]"),
+        (["--n_best=2"], "needs --output_format=jsonl"),
+        (["--alignment"], "--alignment needs --output_format=jsonl"),
+        (["--exported=/nonexistent"], "--exported translates on its own"),
+    ],
+)
+def test_cli_translation_flag_mistakes(workdir, args, message):
+    r = run_decode(f"--workdir={workdir}", *args, stdin=b"eins\n")
+    assert r.returncode == 1 and message in r.stderr.decode()
+    assert "Traceback" not in r.stderr.decode() and r.stdout == b""

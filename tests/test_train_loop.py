@@ -159,6 +159,42 @@ def test_restore_model_loads_and_averages_checkpoints(uninterrupted):
         restore_model(os.path.join(workdir, "nope"))
 
 
+def test_time_based_checkpoints_and_the_final_average(corpus_tsv, tmp_path):
+    """checkpoint_every_minutes saves on log steps; average_last scores the mean params."""
+    from data import Tokenizer, load_split
+    from training import evaluate, steps, train_and_evaluate
+    from training.mesh import make_mesh
+
+    config = small_train_config(
+        dataset=f"tsv:{corpus_tsv}",
+        num_train_steps=10,
+        checkpoint_every_steps=0,
+        checkpoint_every_minutes=1e-6,  # due at every log step (every 5)
+        average_last=2,
+        max_checkpoints_to_keep=1,  # raised to average_last
+    )
+    workdir = str(tmp_path)
+    summary = train_and_evaluate(config, workdir)
+    assert checkpoints.Checkpoints(workdir).all_steps() == [5, 10]
+    avg = summary["average"]
+    assert avg["eval_checkpoints_averaged"] == 2
+    assert avg["eval_loss"] != summary["eval_loss"]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    assert rows[-1]["avg_eval_loss"] == pytest.approx(avg["eval_loss"])
+    # The same number from the averaged parameters of restore_model.
+    model, cfg, _ = restore_model(workdir, average_last=2)
+    setup = steps.train_setup(cfg, make_mesh(cfg))
+    eval_step = steps.make_eval_step(setup)
+    from flax import nnx
+
+    _, params, rngs = nnx.split(model, nnx.Param, ...)
+    tok = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))
+    dev = load_split(cfg, "dev")
+    loss = evaluate.eval_loss(eval_step, params, rngs, cfg, tok, dev, setup.mesh)
+    assert loss["loss"] == pytest.approx(avg["eval_loss"], rel=1e-5)
+
+
 def test_restore_model_without_checkpoints(tmp_path):
     config_lib.save_config(small_train_config(), str(tmp_path))
     with pytest.raises(TrainingError, match="no complete checkpoint"):

@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -162,6 +163,17 @@ class Checkpoints:
             ),
         )
         return _from_storable(out["params"], abstract_params)
+
+    def mean_params(self, chosen: Sequence[int], abstract_params: nnx.State) -> nnx.State:
+        """The element-wise mean of the params of steps `chosen` (paper 6.1: the last 5 or 20).
+
+        A running sum: one parameter set in memory besides the total, however many steps.
+        """
+        total = None
+        for step in chosen:
+            params = self.restore_params(step, abstract_params)
+            total = params if total is None else jax.tree.map(jnp.add, total, params)
+        return total if len(chosen) == 1 else jax.tree.map(lambda x: x / len(chosen), total)
 
     def wait(self) -> None:
         """Block until the save in flight is on disk (TrainingError if it could not be written)."""
@@ -331,14 +343,10 @@ def restore_model(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
     )
     manager = Checkpoints(workdir, create=False)
-    try:  # a running sum: one parameter set in memory besides the total (big: 20 of them)
-        total = None
-        for s in chosen:
-            params = manager.restore_params(s, abstract_params)
-            total = params if total is None else jax.tree.map(jnp.add, total, params)
+    try:
+        params = manager.mean_params(chosen, abstract_params)
     finally:
         manager.close()
-    params = total if len(chosen) == 1 else jax.tree.map(lambda x: x / len(chosen), total)
     if average_last > 1:
         what = f"averaged the parameters of {len(chosen)} checkpoint(s), steps {chosen}"
         if len(chosen) < average_last:

@@ -54,6 +54,8 @@ _NON_NEGATIVE = (
     "eval_every_steps",
     "checkpoint_every_steps",
     "max_checkpoints_to_keep",
+    "checkpoint_every_minutes",
+    "average_last",
     "eval_max_examples",
     "final_eval_max_examples",
     "num_examples_to_print",

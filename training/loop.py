@@ -138,6 +138,8 @@ class _Run:
     nonfinite: metrics.NonFinite
     train_loss: float | None = None  # of the last logged window
     best_bleu: float | None = None
+    last_saved: int = 0  # step of the newest checkpoint, and when it was started
+    saved_at: float = dataclasses.field(default_factory=time.time)
 
     def flush(self, step: int, *, log_row: bool = True) -> None:
         """Close the metrics window at `step`: add it to the totals, apply the non-finite
@@ -155,6 +157,20 @@ class _Run:
         if error:
             raise TrainingError(error)
 
+    def save_due(self, step: int, total: int) -> bool:
+        """Every checkpoint_every_steps, or checkpoint_every_minutes after the last save.
+
+        Time is looked at on log steps only, and any process's clock decides for
+        all of them (one small collective), so every process saves at the same step.
+        """
+        config = self.setup.config
+        if _due(step, config.checkpoint_every_steps, total):
+            return True
+        if not config.checkpoint_every_minutes or step % config.log_every_steps or step >= total:
+            return False
+        late = time.time() - self.saved_at >= 60 * config.checkpoint_every_minutes
+        return any(distributed.allgather_json(late))
+
     def save(self, state: steps.TrainState, step: int) -> None:
         """Checkpoint `state`, every shard's data position (a collective) and the totals."""
         if self.nonfinite.policy == "stop":  # never checkpoint past a non-finite step
@@ -163,6 +179,7 @@ class _Run:
                 raise TrainingError(error)
         position = {"iterators": self.train_iter.global_state()}
         self.manager.save(state, {**position, **dataclasses.asdict(self.totals)})
+        self.last_saved, self.saved_at = step, time.time()
 
     def evaluate(self, state: steps.TrainState, step: int, max_examples: int) -> dict[str, Any]:
         ev, examples = evaluate.evaluate(
@@ -172,6 +189,34 @@ class _Run:
         self.progress.write(evaluate.report(step, ev, examples))
         self.best_bleu = max(self.best_bleu or 0.0, ev["eval_bleu"])
         self.window.restart_clock()  # evaluation time is not training time
+        return ev
+
+    def evaluate_average(
+        self, state: steps.TrainState, step: int, n: int, max_examples: int
+    ) -> dict[str, Any] | None:
+        """Evaluate the mean parameters of the last n checkpoints (paper 6.1); None if < 2."""
+        self.manager.wait()
+        chosen = self.manager.all_steps()[-n:]
+        if len(chosen) < 2:
+            _log.info(f"config.average_last={n}: only {len(chosen)} checkpoint, nothing to average")
+            return None
+        params = self.manager.mean_params(chosen, self.setup.abstract.params)
+        ev, examples = evaluate.evaluate(
+            state.replace(params=params),
+            self.setup,
+            self.eval_step,
+            self.tokenizer,
+            self.dev,
+            max_examples=max_examples,
+        )
+        ev["eval_checkpoints_averaged"] = len(chosen)
+        row = {f"avg_{k}": v for k, v in ev.items() if k != "bleu_signature"}
+        self.writer.write(step, row)
+        self.progress.write(
+            f"average of the last {len(chosen)} checkpoints (steps {chosen[0]}..{chosen[-1]}):\n"
+            + evaluate.report(step, ev, examples)
+        )
+        self.best_bleu = max(self.best_bleu or 0.0, ev["eval_bleu"])
         return ev
 
 
@@ -249,7 +294,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_iter = ShardedInput(
         config, tokenizer, train_corpus, global_multiple=rows_multiple, workdir=workdir
     )
-    manager = ckpt.Checkpoints(workdir, max_to_keep=config.max_checkpoints_to_keep or None)
+    keep = config.max_checkpoints_to_keep and max(
+        config.max_checkpoints_to_keep, config.average_last
+    )
+    manager = ckpt.Checkpoints(workdir, max_to_keep=keep or None)
     state, totals = _restore_or_init(config, workdir, setup, manager, train_iter, had_checkpoints)
     if is_main:
         config_lib.save_config(config, workdir)
@@ -259,7 +307,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     # --- Loop --------------------------------------------------------------------------
     total, step = config.num_train_steps, int(jax.device_get(state.step))
-    start, last_saved = step, step
+    start = step
     run = _Run(
         setup,
         tokenizer,
@@ -278,6 +326,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         metrics.NonFinite(
             config.nonfinite_policy, config.max_consecutive_nonfinite, totals.nonfinite_steps
         ),
+        last_saved=step,
     )
     preempted = False
     with StopSignal() as stop, manager:
@@ -289,9 +338,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             run.window.add(step_metrics, batch["src"].shape[1], batch["tgt_out"].shape[1])
             if step % config.log_every_steps == 0 or step == total:
                 run.flush(step)
-            if _due(step, config.checkpoint_every_steps, total):
+            if run.save_due(step, total):
                 run.save(state, step)
-                last_saved = step
             if _due(step, config.eval_every_steps, total):
                 run.evaluate(state, step, config.eval_max_examples)
             if stop.received is not None:
@@ -299,17 +347,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 if run.window.steps:  # a window cut short: its tokens and time still count
                     run.flush(step, log_row=False)
                 break
-        if last_saved != step:
+        if run.last_saved != step:
             run.save(state, step)
+        summary: dict[str, Any] = {"preempted": preempted, "train_loss": run.train_loss}
+        if not preempted:  # --- Final evaluation: the last state, and the average -------
+            summary.update(run.evaluate(state, step, config.final_eval_max_examples))
+            if config.average_last > 1:
+                summary["average"] = run.evaluate_average(
+                    state, step, config.average_last, config.final_eval_max_examples
+                )
     run.progress.close()
 
-    # --- Final evaluation and summary -------------------------------------------------------
-    summary: dict[str, Any] = {"preempted": preempted, "train_loss": run.train_loss}
+    # --- Summary ---------------------------------------------------------------------------
     if preempted:
         name = signal.Signals(stop.received).name
         _log.info(f"{name}: saved a checkpoint at step {step}; re-run the same command to resume")
-    else:
-        summary.update(run.evaluate(state, step, config.final_eval_max_examples))
     run.writer.close()
     summary.update(
         step=step,
