@@ -91,6 +91,74 @@ def test_no_usable_checkpoint_is_an_error_unless_a_fresh_start_is_allowed(base, 
     assert summary["step"] == 2 and sorted(train_losses(w)) == [2]
 
 
+def test_a_read_that_fails_once_is_retried_not_quarantined(base, corpus, tmp_path, monkeypatch):
+    w = copy(base, tmp_path)
+    original, calls = checkpoints.Checkpoints.restore, []
+
+    def flaky(self, step, abstract):
+        calls.append(step)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error (a network filesystem hiccup)")
+        return original(self, step, abstract)
+
+    monkeypatch.setattr(checkpoints.Checkpoints, "restore", flaky)
+    summary = train_and_evaluate(cfg(corpus, num_train_steps=22), str(w))
+    assert calls == [20, 20] and summary["step"] == 22
+    assert not os.path.exists(w / "checkpoints_damaged")
+
+
+# --- Config changes on resume ----------------------------------------------------------
+
+
+def test_changes_that_keep_the_state_structure_resume_and_are_listed(base, corpus, tmp_path, capfd):
+    w = copy(base, tmp_path)
+    changed = dict(learning_rate=5e-3, grad_clip_norm=0.5, eval_beam_size=3, num_train_steps=24)
+    summary = train_and_evaluate(cfg(corpus, **changed), str(w))
+    err = capfd.readouterr().err
+    assert "resumed from step 20" in err and summary["step"] == 24
+    assert "config changed since the checkpoints were written" in err
+    for line in ("learning_rate: checkpoint 0.002, config 0.005", "grad_clip_norm: checkpoint 1.0"):
+        assert line in err
+    assert not os.path.exists(w / "checkpoints_damaged")
+
+
+def test_an_optimizer_structure_change_stops_and_reset_optimizer_resumes(base, corpus, tmp_path):
+    w = copy(base, tmp_path)
+    before = sorted(os.listdir(w / "checkpoints"))
+    with pytest.raises(TrainingError) as e:  # no clipping: one optax transform fewer
+        train_and_evaluate(cfg(corpus, grad_clip_norm=0.0, num_train_steps=24), str(w))
+    msg = str(e.value)
+    assert "grad_clip_norm: checkpoint 1.0, config 0.0" in msg
+    assert "--config.reset_optimizer=True" in msg and "damaged" not in msg
+    assert sorted(os.listdir(w / "checkpoints")) == before  # nothing moved or written
+    assert not os.path.exists(w / "checkpoints_damaged")
+
+    # The way forward keeps the parameters, the step and the data position.
+    summary = train_and_evaluate(
+        cfg(corpus, grad_clip_norm=0.0, num_train_steps=24, reset_optimizer=True), str(w)
+    )
+    assert summary["step"] == 24
+    manager = checkpoints.Checkpoints(str(w))
+    assert manager.all_steps()[-1] == 24
+    config = cfg(corpus, grad_clip_norm=0.0)
+    setup = steps.train_setup(config, make_mesh(config))
+    restored, _ = manager.restore(24, setup.abstract)  # the new structure is what is saved
+    counts = [
+        int(x)
+        for p, x in jax.tree_util.tree_leaves_with_path(restored.opt_state)
+        if getattr(p[-1], "name", None) == "count"
+    ]
+    assert counts and set(counts) == {24}  # the schedule went on from step 20
+
+
+def test_a_model_structure_change_names_the_fields(base, corpus, tmp_path):
+    w = copy(base, tmp_path)
+    with pytest.raises(TrainingError) as e:
+        train_and_evaluate(cfg(corpus, vocab_size=280, reset_optimizer=True), str(w))
+    assert "vocab_size: checkpoint 300, config 280" in str(e.value)
+    assert "fresh --workdir" in str(e.value)
+
+
 # --- NaN / Inf -----------------------------------------------------------------------
 
 

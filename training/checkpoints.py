@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import nnx
 
 from model import Transformer
@@ -89,6 +90,63 @@ def _from_storable(stored: Any, abstract: Any) -> Any:
         for x, a in zip(jax.tree.leaves(stored), abstract_leaves, strict=True)
     ]
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey/FlattenedIndexKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _arrays(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{dotted path: (shape, dtype)} of a tree's arrays, named as Orbax names them."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        ".".join(_key_name(k) for k in path): (tuple(x.shape), str(jnp.dtype(x.dtype)))
+        for path, x in leaves
+    }
+
+
+def _differences(saved: dict, wanted: dict, limit: int = 3) -> list[str]:
+    """What keeps `saved` arrays from restoring into `wanted` ones (the first few of each)."""
+    out = []
+    for names, where in (
+        (sorted(set(saved) - set(wanted)), "only in the checkpoint"),
+        (sorted(set(wanted) - set(saved)), "missing from it"),
+    ):
+        if names:
+            out.append(f"{len(names)} array(s) {where} ({', '.join(names[:limit])})")
+    for name in sorted(set(saved) & set(wanted)):
+        if saved[name][0] != wanted[name][0]:
+            out.append(f"{name}: shape {saved[name][0]} in the checkpoint, {wanted[name][0]} now")
+    return out[: 2 + limit]
+
+
+class StructureMismatch(TrainingError):
+    """The checkpoint holds other arrays than the state to restore: a config change, not damage.
+
+    items: {"params" | "train": [differences]} for the items that do not match.
+    """
+
+    def __init__(self, step: int, items: dict[str, list[str]]):
+        self.step, self.items = step, items
+        what = "; ".join(f"{k}: {', '.join(v)}" for k, v in items.items())
+        super().__init__(f"checkpoint step {step} does not match the state to restore ({what})")
+
+
+def _retry(fn, attempts: int = 3, wait: float = 1.0):
+    """fn(), tried again after 1 s and 3 s: storage that hiccups (a network filesystem
+    timing out) must not get a good checkpoint moved aside as damaged."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except Exception as e:
+            if attempt == attempts - 1:
+                raise
+            _log.warning(f"reading a checkpoint failed ({type(e).__name__}: {e}); retrying")
+            time.sleep(wait * (2 * attempt + 1))
+    raise AssertionError("unreachable")
 
 
 # --- The manager -----------------------------------------------------------------
@@ -181,25 +239,55 @@ class Checkpoints:
             self.manager.wait_until_finished()
             self.manager.check_for_errors()
 
+    def _mismatch(self, step: int, abstract_state: steps.TrainState) -> dict[str, list[str]]:
+        """{item: differences} between step's stored arrays and the state to restore.
+
+        Reads only the items' metadata (no arrays); raises if that cannot be read.
+        """
+        target = _abstract_storable(abstract_state)
+        wanted = {
+            "params": target.params,
+            "train": {"step": target.step, "opt_state": target.opt_state, "rngs": target.rngs},
+        }
+        out = {}
+        for item, tree in wanted.items():
+            path = epath.Path(self.directory) / str(step) / item
+            handler = ocp.PyTreeCheckpointHandler()
+            try:
+                meta = _retry(lambda h=handler, p=path: h.metadata(p))
+            finally:
+                handler.close()
+            saved = _arrays(getattr(meta, "tree", meta))
+            if differences := _differences(saved, _arrays(tree)):
+                out[item] = differences
+        return out
+
     def restore_latest(
         self, abstract_state: steps.TrainState, *, quarantine: bool = True
     ) -> tuple[int, steps.TrainState, dict[str, Any]] | None:
         """(step, state, data) of the newest checkpoint that restores; None if there is none.
 
-        A step that fails to restore (truncated or deleted files) is reported on
-        stderr and, with `quarantine`, moved to WORKDIR/checkpoints_damaged/ so
-        that it is neither retried nor overwritten; the previous step is tried next.
-        Raises TrainingError if checkpoints exist but none of them restores.
+        A checkpoint whose arrays differ from `abstract_state` (another model or
+        optimizer config) raises StructureMismatch and is left where it is. A step
+        whose files cannot be read (missing, truncated, corrupt), after retries for
+        storage that hiccups, is reported and, with `quarantine`, moved to
+        WORKDIR/checkpoints_damaged/; the previous step is tried next. Raises
+        TrainingError if checkpoints exist but none of them restores.
         """
         tried: list[str] = []
         for step in reversed(self.all_steps()):
             try:
-                state, data_state = self.restore(step, abstract_state)
-                ok = True
-            except Exception as e:  # any failure means "not usable"
-                ok, reason = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                mismatch = self._mismatch(step, abstract_state)
+                if not mismatch:
+                    state, data_state = _retry(lambda s=step: self.restore(s, abstract_state))
+                ok, reason = True, ""
+            except Exception as e:  # unreadable: damaged
+                mismatch, ok = {}, False
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             # Every process must agree (one of them may hold the damaged shard).
             oks = distributed.allgather_json(ok)
+            if all(oks) and mismatch:
+                raise StructureMismatch(step, mismatch)
             if all(oks):
                 if tried:
                     _log.warning(f"resuming from step {step}, the newest usable checkpoint")
@@ -220,6 +308,40 @@ class Checkpoints:
                 f"{os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)})"
             )
         return None
+
+    def restore_without_optimizer(
+        self, step: int, abstract_state: steps.TrainState
+    ) -> tuple[steps.TrainState, dict[str, Any]]:
+        """Params, step, RNG streams and data position of `step`; opt_state is None.
+
+        For a resume whose optimizer state changed structure (config.reset_optimizer).
+        """
+        target = _abstract_storable(abstract_state)
+        partial = {"step": target.step, "rngs": target.rngs}
+        restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), partial)
+        args = ocp.args.Composite(
+            params=ocp.args.StandardRestore(target.params),
+            train=ocp.args.PyTreeRestore(
+                item=partial, restore_args=restore_args, partial_restore=True
+            ),
+            data=ocp.args.JsonRestore(),
+        )
+        # A manager binds each item to the handler of its first use: a partial restore
+        # (PyTree handler) goes through a second, read-only one, so that this one keeps
+        # saving "train" with the standard handler.
+        reader = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(create=False),
+            item_names=("params", "train", "data"),
+        )
+        try:
+            out = _retry(lambda: reader.restore(step, args=args))
+        finally:
+            reader.close()
+        t = out["train"]
+        stored = steps.TrainState(t["step"], out["params"], None, t["rngs"])
+        abstract = abstract_state.replace(opt_state=None)
+        return _from_storable(stored, abstract), out["data"]
 
     def _quarantine(self, step: int) -> None:
         """Move step `step` out of checkpoints/ (process 0), then reload the step list."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
 from typing import Any
 
@@ -32,6 +33,8 @@ from training.mesh import AXES as MESH_AXES
 from training.mesh import mesh_shape
 
 CONFIG_FILE = "config.json"
+
+_log = logging.getLogger(__name__)
 
 SCHEDULES = ("rsqrt", "linear_rsqrt", "cosine")
 OPTIMIZERS = ("adam", "adamw")
@@ -211,28 +214,66 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     return config
 
 
-def check_resume_compatible(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """The model in WORKDIR's checkpoints must be the one `config` describes.
+# Fields whose change alters the parameters' shapes or tree: such a checkpoint cannot
+# be resumed. Other model fields (dropout, activation, dtype, attention_impl, remat,
+# max_len) change how the same parameters compute, and resume.
+MODEL_STRUCTURE = (
+    "vocab_size",
+    "model.d_model",
+    "model.num_heads",
+    "model.num_encoder_layers",
+    "model.num_decoder_layers",
+    "model.d_ff",
+    "model.norm",
+    "model.share_embeddings",
+    "model.tie_output",
+    "model.param_dtype",
+)
+# Fields that can change the optimizer state's structure (a transform added or removed).
+OPTIMIZER_STRUCTURE = ("optimizer", "grad_clip_norm", "weight_decay")
 
-    Compares the model fields (and vocab_size) of WORKDIR/config.json, written
-    by the run that made the checkpoints, with `config`; TrainingError lists
-    the differences. A workdir without config.json is not checked.
+
+def _flat(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """{dotted field: value}, tuples as lists (what config.json holds)."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update({f"{key}.{k}": v for k, v in _flat(value).items()})
+        else:
+            out[key] = json.loads(json.dumps(value)) if isinstance(value, tuple) else value
+    return out
+
+
+def changed_fields(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict) -> dict:
+    """{dotted field: (old value, new value)} for every field that differs."""
+    a, b = _flat(old), _flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def describe(changes: dict, fields: tuple[str, ...] | None = None) -> str:
+    """'model.d_model: checkpoint 32, config 64; ...' for `fields` (None = all) that changed."""
+    keys = [k for k in changes if fields is None or k in fields]
+    return "; ".join(f"{k}: checkpoint {changes[k][0]!r}, config {changes[k][1]!r}" for k in keys)
+
+
+def check_resume(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Compare `config` with WORKDIR/config.json (the run that wrote the checkpoints).
+
+    Logs every changed field. A change to the model's structure (MODEL_STRUCTURE)
+    is a TrainingError naming the fields; everything else resumes (the optimizer
+    state's structure is checked against the checkpoint itself when restoring).
+    Returns the changes ({} for a workdir without config.json).
     """
     if not os.path.isfile(os.path.join(workdir, CONFIG_FILE)):
-        return
-    saved = load_config(workdir)
-    old = {f"model.{k}": v for k, v in saved.model.items()}
-    old["vocab_size"] = saved.vocab_size
-    new = {f"model.{k}": v for k, v in config.model.items()}
-    new["vocab_size"] = config.vocab_size
-    differ = [
-        f"{k}: checkpoint {old[k]!r}, config {new[k]!r}"
-        for k in sorted(set(old) & set(new))
-        if old[k] != new[k]
-    ]
-    if differ:
+        return {}
+    changes = changed_fields(load_config(workdir), config)
+    if changes:
+        _log.info(f"config changed since the checkpoints were written: {describe(changes)}")
+    structural = describe(changes, MODEL_STRUCTURE)
+    if structural:
         raise TrainingError(
-            f"the checkpoints in {workdir} were trained with another model config ("
-            + "; ".join(differ)
-            + "). Use the same model settings to resume, or a fresh --workdir for a new model"
+            f"the checkpoints in {workdir} were trained with another model config "
+            f"({structural}). Use the same model settings to resume, or a fresh --workdir "
+            "for a new model"
         )
+    return changes

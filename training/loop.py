@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 import data
@@ -220,6 +221,39 @@ class _Run:
         return ev
 
 
+def _fresh_optimizer(setup: steps.TrainSetup, state: steps.TrainState) -> steps.TrainState:
+    """`state` with a new optimizer state: Adam moments zero, update counts at state.step
+    (the learning-rate schedule goes on where it was, as fairseq's --reset-optimizer)."""
+
+    def init(params, step):
+        opt_state = setup.tx.init(params)
+        is_count = lambda path: path and getattr(path[-1], "name", None) == "count"
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.full_like(x, step) if is_count(path) else x, opt_state
+        )
+
+    opt_state = jax.jit(init, out_shardings=setup.shardings.opt_state)(state.params, state.step)
+    return state.replace(opt_state=opt_state)
+
+
+def _mismatch_message(e: ckpt.StructureMismatch, changes: dict, workdir: str) -> str:
+    details = "; ".join(d for ds in e.items.values() for d in ds)
+    if "params" in e.items:
+        changed = config_lib.describe(changes, config_lib.MODEL_STRUCTURE) or details
+        return (
+            f"checkpoint step {e.step} in {workdir} holds other parameters than this config's "
+            f"model ({changed}). Use the same model settings to resume, or a fresh --workdir "
+            "for a new model; the checkpoints were not touched"
+        )
+    changed = config_lib.describe(changes, config_lib.OPTIMIZER_STRUCTURE) or details
+    return (
+        f"the optimizer state in checkpoint step {e.step} of {workdir} has another structure "
+        f"than this config's optimizer ({changed}). Re-run with --config.reset_optimizer=True "
+        "to keep the parameters and start a fresh optimizer state, or undo the change; the "
+        "checkpoints were not touched"
+    )
+
+
 def _restore_or_init(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -227,10 +261,20 @@ def _restore_or_init(
     manager: ckpt.Checkpoints,
     train_iter: ShardedInput,
     had_checkpoints: bool,
+    changes: dict,
 ) -> tuple[steps.TrainState, RunTotals]:
     """The newest usable checkpoint (and the data position it saved), or a fresh state."""
     try:
         restored = manager.restore_latest(setup.abstract)
+    except ckpt.StructureMismatch as e:
+        if set(e.items) != {"train"} or not config.reset_optimizer:
+            raise TrainingError(_mismatch_message(e, changes, workdir)) from e
+        state, data_state = manager.restore_without_optimizer(e.step, setup.abstract)
+        restored = e.step, _fresh_optimizer(setup, state), data_state
+        _log.warning(
+            f"config.reset_optimizer: kept the parameters of step {e.step} and started a fresh "
+            "optimizer state (Adam moments zero, the learning-rate schedule where it was)"
+        )
     except TrainingError:
         if not config.allow_fresh_start:
             raise
@@ -274,8 +318,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     _check_writable(workdir)
     # Checkpoint steps on disk, or damaged ones moved aside by an earlier run.
     had_checkpoints = bool(_step_dirs(workdir)) or bool(_step_dirs(workdir, ckpt.DAMAGED_DIR))
-    if had_checkpoints:
-        config_lib.check_resume_compatible(config, workdir)
+    changes = config_lib.check_resume(config, workdir) if had_checkpoints else {}
 
     # --- Data ------------------------------------------------------------------------
     train_corpus, dev = data.load_split(config, "train"), data.load_split(config, "dev")
@@ -298,7 +341,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         config.max_checkpoints_to_keep, config.average_last
     )
     manager = ckpt.Checkpoints(workdir, max_to_keep=keep or None)
-    state, totals = _restore_or_init(config, workdir, setup, manager, train_iter, had_checkpoints)
+    state, totals = _restore_or_init(
+        config, workdir, setup, manager, train_iter, had_checkpoints, changes
+    )
     if is_main:
         config_lib.save_config(config, workdir)
 
