@@ -17,11 +17,12 @@ help:
 	@echo "make test-floors  the fast tests against the lowest versions pyproject.toml allows"
 	@echo "make lint       ruff check + ruff format --check"
 	@echo "make bench      CPU benchmarks (JSON + table)"
+	@echo "make gpu-suite OUT=DIR  GPU tests + benchmarks on a GPU machine, JSON into DIR (<10 min)"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[train,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -39,7 +40,7 @@ FLOORS := .venv-floors
 test-floors:
 	test -x $(FLOORS)/bin/python || $(PYTHON) -m venv $(FLOORS)
 	$(FLOORS)/bin/python -m pip install -q uv
-	$(FLOORS)/bin/uv pip install -q -p $(FLOORS)/bin/python --resolution lowest-direct -e '.[dev]'
+	$(FLOORS)/bin/uv pip install -q -p $(FLOORS)/bin/python --resolution lowest-direct -e '.[train,dev]'
 	$(FLOORS)/bin/python -m pytest -q -n $(JOBS) --dist loadfile
 
 lint: $(STAMP)
@@ -73,6 +74,13 @@ bench: $(STAMP)
 	$(PY) bench/input_pipeline.py
 	$(PY) bench/train.py --configs=tiny
 	$(PY) bench/decode.py --configs=tiny
+
+# On a GPU machine (no venv needed: it uses python3, or $(PYTHON)): installs the wheels
+# of bench/fetch_wheels.sh it lacks from .whl/, runs `pytest -m gpu` and the GPU benchmarks.
+OUT ?= workdir/gpu-suite
+.PHONY: gpu-suite
+gpu-suite:
+	PYTHON=$(PYTHON) bench/gpu_suite.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) $(FLOORS) .pytest_cache .ruff_cache

@@ -3,15 +3,26 @@
 Layout: q [B, T, N, H], k and v [B, S, N, H]. Masks are boolean and broadcast
 to [B, N, T, S]; True means "may attend". A `Mask` carries the same mask in the
 compact form fused kernels want (sequence lengths + causal flag) beside the dense one.
+
+impl='cudnn' runs cuDNN flash attention from those lengths, with padded rows
+zeroed in both passes (`_fused_attention`); impl='auto' picks it on GPUs in
+bf16/fp16 once a one-time probe has shown that cuDNN works here (`_cudnn_works`),
+and otherwise the einsum path, with one logged warning.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from model.config import PAD_ID
+
+log = logging.getLogger(__name__)
 
 
 @struct.dataclass
@@ -35,14 +46,26 @@ class Mask:
         return self.q_lengths is not None and self.kv_lengths is not None
 
 
+def _on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU (a function, so tests can pretend it is)."""
+    return jax.default_backend() == "gpu"
+
+
 def resolve_impl(impl: str, dtype, head_dim: int, has_lengths: bool) -> str:
-    """'auto' -> 'cudnn' on GPUs where cuDNN flash attention applies, else 'xla'."""
+    """'auto' -> 'cudnn' on GPUs where cuDNN flash attention applies and works, else 'xla'.
+
+    "Works" is decided once per (dtype, head_dim) by a probe (`_cudnn_works`); if
+    cuDNN fails it, 'auto' logs one warning and uses 'xla'. Any other `impl` is
+    returned as is: an explicit 'cudnn' raises wherever cuDNN does.
+    """
     if impl != "auto":
         return impl
-    fast_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    dtype = jnp.dtype(dtype)
+    fast_dtype = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     ok_head = head_dim <= 128 and head_dim % 8 == 0
-    on_gpu = jax.default_backend() == "gpu"
-    return "cudnn" if on_gpu and fast_dtype and ok_head and has_lengths else "xla"
+    if not (fast_dtype and ok_head and has_lengths and _on_gpu()):
+        return "xla"
+    return "cudnn" if _cudnn_works(dtype.name, head_dim) else "xla"
 
 
 def padding_mask(q_tokens: jax.Array, k_tokens: jax.Array, pad_id: int = PAD_ID) -> jax.Array:
@@ -99,7 +122,7 @@ def dot_product_attention(
       impl: 'xla' (einsum + float32 softmax, supports attention dropout),
         'jax' (`jax.nn.dot_product_attention`, XLA on CPU/TPU), 'cudnn'
         (`jax.nn.dot_product_attention(implementation='cudnn')`, GPU, bf16/fp16)
-        or 'auto' (cuDNN where it applies, else 'xla').
+        or 'auto' (cuDNN where it applies and its one-time probe passed, else 'xla').
       dropout_rate, dropout_rng: dropout on the attention weights ('xla' only).
 
     Returns:
@@ -118,18 +141,9 @@ def dot_product_attention(
         return jnp.einsum("BNTS,BSNH->BTNH", weights.astype(v.dtype), v)
     if impl not in ("jax", "cudnn"):
         raise ValueError(f"attention impl must be 'auto', 'xla', 'jax' or 'cudnn', got {impl!r}")
-    implementation = "cudnn" if impl == "cudnn" else None
     if impl == "cudnn" and has_lengths:
-        # Flash attention skips padded keys (and future keys) by length: no dense mask.
-        return jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=structured.causal,
-            query_seq_lengths=structured.q_lengths.astype(jnp.int32),
-            key_value_seq_lengths=structured.kv_lengths.astype(jnp.int32),
-            implementation="cudnn",
-        )
+        return _fused_attention(q, k, v, structured)
+    implementation = "cudnn" if impl == "cudnn" else None
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
     if mask is None:
         return out
@@ -137,3 +151,141 @@ def dot_product_attention(
     # there, like the 'xla' path, so that both implementations agree.
     any_key = jnp.broadcast_to(mask, (*mask.shape[:-1], k.shape[1])).any(axis=-1)  # [B, N|1, T]
     return jnp.where(jnp.swapaxes(any_key, 1, 2)[..., None], out, 0).astype(out.dtype)
+
+
+# --- cuDNN flash attention by sequence lengths ----------------------------------
+
+
+def _cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> jax.Array:
+    """cuDNN flash attention that skips padded (and future) keys by length: no dense mask.
+
+    What it returns at padded query rows (t >= q_length, every row of a length-0
+    row) is unspecified, and so are its gradients there: `_fused_attention`
+    never lets either reach the model. Tests replace this function with a CPU
+    stand-in that writes NaN into exactly those places.
+    """
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=mask.causal,
+        query_seq_lengths=mask.q_lengths.astype(jnp.int32),
+        key_value_seq_lengths=mask.kv_lengths.astype(jnp.int32),
+        implementation="cudnn",
+    )
+
+
+def _zero_invalid(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """x at valid rows, 0 elsewhere. A select, so NaN at invalid rows does not leak."""
+    return jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+
+def _grad_only_where(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Identity forward; backward passes the cotangent of x at valid rows only (a select).
+
+    The VJP of `where(valid, x, stop_gradient(x))` is `where(valid, g, 0)`, and
+    XLA folds the forward select of x with itself away.
+    """
+    return jnp.where(valid, x, jax.lax.stop_gradient(x))
+
+
+def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> jax.Array:
+    """`_cudnn_kernel` made safe at padded rows, in both passes: [B, T, N, H].
+
+    Feed-forward and LayerNorm are per position and later attention gives
+    padded keys zero weight, so finite junk in a padded query row never reaches
+    a real one. NaN does: the next attention's P @ V multiplies those zero
+    weights by it, and backward, a weight gradient dW = sum_t x_t^T dy_t
+    multiplies activations at padded positions by their zero cotangents
+    (0 * NaN = NaN), poisoning every weight. So padded query rows are set to
+    zero here (what the 'xla' path returns there), and the kernel's dq, dk, dv
+    at padded rows, whose true value is zero, are replaced by zero too (flash
+    kernels may leave them unwritten). A query row also counts as padded when
+    its row has no key at all, where the dense reference gives zeros and
+    kernels differ. Both selects are elementwise and fuse into neighbours.
+    """
+    t, s = q.shape[1], k.shape[1]
+    q_len = mask.q_lengths.astype(jnp.int32)  # [B]
+    kv_len = mask.kv_lengths.astype(jnp.int32)  # [B]
+    q_valid = (jnp.arange(t)[None, :] < q_len[:, None]) & (kv_len > 0)[:, None]  # [B, T]
+    kv_valid = jnp.arange(s)[None, :] < kv_len[:, None]  # [B, S]
+    q_valid = q_valid[:, :, None, None]  # [B, T, 1, 1]
+    kv_valid = kv_valid[:, :, None, None]  # [B, S, 1, 1]
+    q = _grad_only_where(q, q_valid)
+    k = _grad_only_where(k, kv_valid)
+    v = _grad_only_where(v, kv_valid)
+    return _zero_invalid(_cudnn_kernel(q, k, v, mask), q_valid)
+
+
+# Probe shapes: B = 3 rows (full, partial, empty), lengths off the kernels' 64-token tiles.
+_PROBE_T, _PROBE_S, _PROBE_N = 24, 40, 2
+
+
+def _probe_case(dtype: jnp.dtype, head_dim: int, causal: bool) -> str | None:
+    """Run the fused path forward + backward against 'xla'; a problem, or None if it agrees."""
+    t = _PROBE_T
+    s = t if causal else _PROBE_S
+    q_len = np.array([t, 13, 0], np.int32)
+    kv_len = q_len if causal else np.array([s, 7, 0], np.int32)
+    dense = (np.arange(t)[None, :, None] < q_len[:, None, None]) & (
+        np.arange(s)[None, None, :] < kv_len[:, None, None]
+    )  # [B, T, S]
+    if causal:
+        dense &= np.tril(np.ones((t, s), bool))[None]
+    mask = Mask(jnp.asarray(dense[:, None]), jnp.asarray(q_len), jnp.asarray(kv_len), causal)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((3, t, _PROBE_N, head_dim)), dtype)
+    k = jnp.asarray(rng.standard_normal((3, s, _PROBE_N, head_dim)), dtype)
+    v = jnp.asarray(rng.standard_normal((3, s, _PROBE_N, head_dim)), dtype)
+    g = jnp.asarray(rng.standard_normal(q.shape), dtype)
+
+    def run(attend):
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(g)
+
+    fused = jax.jit(lambda: run(lambda q, k, v: _fused_attention(q, k, v, mask)))()
+    ref = jax.jit(lambda: run(lambda q, k, v: dot_product_attention(q, k, v, mask.dense)))()
+    # bf16 rounding moves these O(1) values by ~1e-2; a broken kernel by O(1) or NaN.
+    names = ("output", "dq", "dk", "dv")
+    for name, a, b in zip(names, jax.tree.leaves(fused), jax.tree.leaves(ref), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if not np.isfinite(a).all():
+            return f"non-finite {name}"
+        err, scale = float(np.abs(a - b).max()), float(np.abs(b).max())
+        if err > 0.1 * max(1.0, scale):
+            return f"{name} differs from 'xla' by {err:.3g} (scale {scale:.3g})"
+    return None
+
+
+@functools.cache
+def _cudnn_works(dtype_name: str, head_dim: int) -> bool:
+    """Whether cuDNN flash attention by lengths compiles, runs and is right here.
+
+    cuDNN failures can surface at trace, lowering, compile or run time (the
+    last two outside any function of ours, e.g. in the caller's jit), so the
+    only test is to run it: once per (dtype, head dim), a tiny padded and a
+    tiny causal attention with an empty row, forward and backward, compared
+    with 'xla'. `resolve_impl` is called while the model is being traced;
+    `ensure_compile_time_eval` makes the probe compile and run now, on the
+    default device, instead of being staged into the caller's program. On
+    failure: one warning, and False.
+    """
+    dtype = jnp.dtype(dtype_name)
+    try:
+        with jax.ensure_compile_time_eval():
+            problem = _probe_case(dtype, head_dim, False) or _probe_case(dtype, head_dim, True)
+    except Exception as e:  # whatever cuDNN, XLA or the driver raise
+        # First and last lines: XLA wraps the cause (e.g. a callback's traceback).
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [""]
+        text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+        problem = f"{type(e).__name__}: {text[:300]}"
+    if problem is None:
+        return True
+    log.warning(
+        "cuDNN flash attention failed its probe (%s, head dim %d): %s; "
+        "attention_impl='auto' uses 'xla' attention instead",
+        dtype_name,
+        head_dim,
+        problem,
+    )
+    return False

@@ -1,11 +1,14 @@
-"""Attention and masks against a NumPy float64 reference."""
+"""Attention and masks against a NumPy float64 reference; what the cuDNN path relies on."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from model import Transformer, TransformerConfig, attention
 from model.attention import (
+    Mask,
     attention_weights,
     causal_mask,
     dot_product_attention,
@@ -125,3 +128,346 @@ def test_segment_mask():
         [[a == b and a > 0 for b in [1, 1, 2, 2, 2, 0]] for a in [1, 1, 2, 2, 2, 0]]
     )
     np.testing.assert_array_equal(m, expected)
+
+
+# --- What the cuDNN path relies on: lengths instead of dense masks ------------------------
+#
+# attention_impl='cudnn' (and 'auto' on GPUs in bf16) hands cuDNN the compact form of
+# each mask: per-row query and key lengths plus a causal flag. These tests pin, on
+# CPU, that (1) the lengths our Transformer derives from real batches describe
+# exactly its dense masks, (2) jax.nn.dot_product_attention(implementation='xla')
+# given those lengths (the semantics cuDNN implements) equals our dense reference,
+# and (3) whatever a fused kernel leaves in padded query rows (forward) and in the
+# gradients of padded rows (backward) never reaches real outputs or gradients.
+
+SEAM_MODEL = dict(
+    vocab_size=40,
+    d_model=16,
+    num_heads=2,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    d_ff=32,
+    dropout_rate=0.0,
+    max_len=32,
+)
+KINDS = ("encoder", "decoder", "cross")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cudnn_probe():
+    """Each test sees 'auto' decide afresh (the probe's verdict is cached per process)."""
+    attention._cudnn_works.cache_clear()
+    yield
+    attention._cudnn_works.cache_clear()
+
+
+def pipeline_batch() -> dict[str, np.ndarray]:
+    """A bucketed batch as data.pipeline assembles it, with every length cuDNN must handle.
+
+    Bucket length 11. Sources (EOS included) of 1, 5, 8, 11 tokens; decoder inputs
+    (BOS included) of 3, 1, 10, 11; then two all-padding filler rows (length 0 on
+    every side), which the pipeline emits to give every process the same number of
+    batches.
+    """
+    from data.pipeline import TokenizedCorpus, assemble_bucketed
+
+    rng = np.random.default_rng(0)
+    src_len = np.array([0, 4, 7, 10], np.int32)
+    tgt_len = np.array([2, 0, 9, 10], np.int32)
+
+    def flat(lens):
+        starts = np.concatenate([[0], np.cumsum(lens[:-1])]).astype(np.int64)
+        return rng.integers(4, 40, int(lens.sum())).astype(np.int32), starts
+
+    (sf, ss), (tf, ts) = flat(src_len), flat(tgt_len)
+    tc = TokenizedCorpus(sf, ss, src_len, tf, ts, tgt_len, np.arange(4, dtype=np.int64))
+    return assemble_bucketed(tc, np.arange(4), num_rows=6, length=11)
+
+
+def xla_by_lengths(q, k, v, mask: Mask) -> jax.Array:
+    """The semantics cuDNN implements, computed by XLA: jax.nn with lengths and is_causal."""
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=mask.causal,
+        query_seq_lengths=jnp.asarray(mask.q_lengths, jnp.int32),
+        key_value_seq_lengths=jnp.asarray(mask.kv_lengths, jnp.int32),
+        implementation="xla",
+    )
+
+
+def dense_from_lengths(q_len, kv_len, t: int, s: int, causal: bool) -> np.ndarray:
+    """[B, 1, T, S] bool: query t < q_len, key s < kv_len, and s <= t if causal."""
+    q_len, kv_len = np.asarray(q_len), np.asarray(kv_len)
+    m = (np.arange(t)[None, :, None] < q_len[:, None, None]) & (
+        np.arange(s)[None, None, :] < kv_len[:, None, None]
+    )
+    if causal:
+        m &= np.tril(np.ones((t, s), bool))[None]
+    return m[:, None]
+
+
+def length_mask(q_len, kv_len, t: int, s: int, causal: bool) -> Mask:
+    """A Mask in the form the Transformer builds (dense + lengths), from lengths."""
+    dense = jnp.asarray(dense_from_lengths(q_len, kv_len, t, s, causal))
+    return Mask(dense, jnp.asarray(q_len, jnp.int32), jnp.asarray(kv_len, jnp.int32), causal)
+
+
+def nan_kernel(q, k, v, mask: Mask):
+    """CPU stand-in for cuDNN: exact at real rows, NaN wherever a fused kernel may leave junk.
+
+    Forward: NaN in padded query rows (t >= q_length; all rows of a length-0 row).
+    Backward: NaN in dq at those rows and in dk, dv at padded key rows (a flash
+    kernel may leave gradient rows it skips unwritten).
+    """
+    q_pad = jnp.arange(q.shape[1])[None, :] >= mask.q_lengths[:, None]  # [B, T]
+    kv_pad = jnp.arange(k.shape[1])[None, :] >= mask.kv_lengths[:, None]  # [B, S]
+    q_pad, kv_pad = q_pad[:, :, None, None], kv_pad[:, :, None, None]
+
+    @jax.custom_vjp
+    def kernel(q, k, v):
+        return jnp.where(q_pad, jnp.nan, xla_by_lengths(q, k, v, mask)).astype(q.dtype)
+
+    def fwd(q, k, v):
+        out, vjp = jax.vjp(lambda *a: xla_by_lengths(*a, mask), q, k, v)
+        return jnp.where(q_pad, jnp.nan, out).astype(out.dtype), vjp
+
+    def bwd(vjp, g):
+        dq, dk, dv = vjp(g)
+        return (
+            jnp.where(q_pad, jnp.nan, dq).astype(dq.dtype),
+            jnp.where(kv_pad, jnp.nan, dk).astype(dk.dtype),
+            jnp.where(kv_pad, jnp.nan, dv).astype(dv.dtype),
+        )
+
+    kernel.defvjp(fwd, bwd)
+    return kernel(q, k, v)
+
+
+@pytest.fixture(scope="module")
+def model_masks() -> dict[str, Mask]:
+    """The Masks a Transformer hands to attention for `pipeline_batch()`, by kind.
+
+    Captured at the cuDNN kernel seam of a one-layer-each Transformer with
+    attention_impl='cudnn' (calls: encoder self, decoder self, cross).
+    """
+    seen = []
+
+    def record(q, k, v, mask):
+        seen.append(mask)
+        return xla_by_lengths(q, k, v, mask)
+
+    @nnx.jit
+    def masks(model, src, tgt_in):
+        model(src, tgt_in)
+        return seen  # Masks are pytrees: traced inside, concrete once returned
+
+    batch = pipeline_batch()
+    model = Transformer(TransformerConfig(**SEAM_MODEL, attention_impl="cudnn"), rngs=nnx.Rngs(0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "_cudnn_kernel", record)
+        got = masks(model, jnp.asarray(batch["src"]), jnp.asarray(batch["tgt_in"]))
+    assert [m.causal for m in got] == [False, True, False]
+    return dict(zip(KINDS, got, strict=True))
+
+
+def test_lengths_from_real_batches_describe_the_dense_masks(model_masks):
+    expected = {  # (query lengths, key lengths) per row; rows 4, 5 are filler rows
+        "encoder": ([1, 5, 8, 11, 0, 0], [1, 5, 8, 11, 0, 0]),
+        "decoder": ([3, 1, 10, 11, 0, 0], [3, 1, 10, 11, 0, 0]),
+        "cross": ([3, 1, 10, 11, 0, 0], [1, 5, 8, 11, 0, 0]),
+    }
+    for kind, mask in model_masks.items():
+        np.testing.assert_array_equal(mask.q_lengths, expected[kind][0])
+        np.testing.assert_array_equal(mask.kv_lengths, expected[kind][1])
+        t, s = mask.dense.shape[-2:]
+        dense = dense_from_lengths(mask.q_lengths, mask.kv_lengths, t, s, mask.causal)
+        np.testing.assert_array_equal(np.asarray(mask.dense), dense)
+
+
+def _qkv_for(mask: Mask, seed: int, n: int = 2, h: int = 8, dtype=np.float32):
+    b, _, t, s = mask.dense.shape
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, t, n, h)).astype(dtype)
+    k = rng.normal(size=(b, s, n, h)).astype(dtype)
+    v = rng.normal(size=(b, s, n, h)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_xla_with_lengths_matches_dense_reference(model_masks, kind):
+    """jax.nn's length semantics (cuDNN's) == float64 softmax under our dense mask, every row.
+
+    Padded query rows and filler rows are zeros on both sides.
+    """
+    mask = model_masks[kind]
+    q, k, v = _qkv_for(mask, seed=KINDS.index(kind))
+    ref = reference_attention(q, k, v, mask.dense)
+    np.testing.assert_allclose(xla_by_lengths(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(dot_product_attention(q, k, v, mask), ref, atol=1e-5, rtol=1e-5)
+
+
+def _with_empty_source_row(mask: Mask) -> Mask:
+    """The cross mask plus a row with 3 queries and no key (batches never make one)."""
+    q_len = np.append(np.asarray(mask.q_lengths), 3)
+    kv_len = np.append(np.asarray(mask.kv_lengths), 0)
+    t, s = mask.dense.shape[-2:]
+    return length_mask(q_len, kv_len, t, s, mask.causal)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "cross+empty_source"])
+def test_fused_path_ignores_junk_in_padded_rows(model_masks, monkeypatch, kind):
+    """impl='cudnn' over a kernel that writes NaN into padded rows, forward and backward:
+
+    outputs equal the float64 reference at every row (zeros at padded rows), and
+    dq, dk, dv equal the 'xla' path's, finite everywhere.
+    """
+    monkeypatch.setattr(attention, "_cudnn_kernel", nan_kernel)
+    if kind in model_masks:
+        mask = model_masks[kind]
+    else:
+        mask = _with_empty_source_row(model_masks["cross"])
+    q, k, v = _qkv_for(mask, seed=7)
+    got = dot_product_attention(q, k, v, mask, impl="cudnn")
+    np.testing.assert_allclose(got, reference_attention(q, k, v, mask.dense), atol=1e-5)
+
+    g = np.random.default_rng(8).normal(size=q.shape).astype(np.float32)
+
+    def grads(impl):
+        loss = lambda q, k, v: jnp.vdot(dot_product_attention(q, k, v, mask, impl=impl), g)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for fused, plain in zip(grads("cudnn"), grads("xla"), strict=True):
+        assert np.isfinite(np.asarray(fused)).all()
+        np.testing.assert_allclose(fused, plain, atol=1e-5)
+
+
+def _masked_loss(model, batch):
+    """Mean NLL over real targets; padded targets are excluded with a select, not a product."""
+    logits = model(batch["src"], batch["tgt_in"])  # [B, T, V]
+    logp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, batch["tgt_out"][..., None], axis=-1)[..., 0]  # [B, T]
+    real = batch["tgt_out"] != 0
+    return jnp.where(real, nll, 0.0).sum() / real.sum(), logits
+
+
+def _loss_and_grads(impl: str):
+    model = Transformer(TransformerConfig(**SEAM_MODEL, attention_impl=impl), rngs=nnx.Rngs(0))
+    batch = {k: jnp.asarray(v) for k, v in pipeline_batch().items()}
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params):
+        return _masked_loss(nnx.merge(graphdef, params, rest), batch)
+
+    (loss, logits), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params)
+    return loss, logits, jax.tree.leaves(grads)
+
+
+@pytest.mark.parametrize("guards", ["both", "no_output_select", "no_gradient_select"])
+def test_transformer_trains_through_a_kernel_with_junk_in_padded_rows(monkeypatch, guards):
+    """A Transformer on attention_impl='cudnn' over `nan_kernel`, forward and backward.
+
+    With both guards of `_fused_attention`, logits at real positions, the loss and
+    every gradient match attention_impl='xla' on the same padded batch (with
+    filler rows). Each guard is needed on its own: without the output select,
+    NaN in padded rows reaches real rows through the next attention (P @ V with
+    P = 0 at padded keys gives 0 * NaN) and the weight gradients (dW = x^T dy sums
+    over padded positions too); without the gradient select, NaN in dq, dk, dv at
+    padded rows reaches every weight gradient though the forward pass is exact.
+    """
+    ref_loss, ref_logits, ref_grads = _loss_and_grads("xla")
+    monkeypatch.setattr(attention, "_cudnn_kernel", nan_kernel)
+    if guards == "no_output_select":
+        monkeypatch.setattr(attention, "_zero_invalid", lambda x, valid: x)
+    if guards == "no_gradient_select":
+        monkeypatch.setattr(attention, "_grad_only_where", lambda x, valid: x)
+    loss, logits, grads = _loss_and_grads("cudnn")
+    finite = all(np.isfinite(np.asarray(g)).all() for g in grads)
+    if guards == "no_output_select":
+        assert not finite and not np.isfinite(float(loss))
+        return
+    if guards == "no_gradient_select":
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)  # the forward pass is exact
+        assert not finite
+        return
+    assert finite and np.isfinite(float(loss))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    real = pipeline_batch()["tgt_in"] != 0  # [B, T]
+    np.testing.assert_allclose(np.asarray(logits)[real], np.asarray(ref_logits)[real], atol=1e-5)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, ref, atol=1e-6, rtol=1e-4)
+
+
+# --- attention_impl='auto': cuDNN only where it works -------------------------------------
+
+
+def _raise_at_trace(q, k, v, mask):
+    raise RuntimeError("cuDNN: no kernel for this configuration\n(second line)")
+
+
+def _raise_at_run(q, k, v, mask):
+    """Traces and compiles, then fails when the program runs, as cuDNN errors from XLA do."""
+
+    def boom(x):
+        raise RuntimeError("CUDNN_STATUS_EXECUTION_FAILED")
+
+    @jax.custom_vjp
+    def kernel(q):
+        return jax.pure_callback(boom, jax.ShapeDtypeStruct(q.shape, q.dtype), q)
+
+    kernel.defvjp(lambda q: (kernel(q), None), lambda _, g: (kernel(g),))
+    return kernel(q)
+
+
+@pytest.mark.parametrize("failure", [_raise_at_trace, _raise_at_run], ids=["trace", "run"])
+def test_auto_falls_back_to_xla_with_one_warning(monkeypatch, caplog, failure):
+    """'auto' on a (pretend) GPU in bf16 whose cuDNN fails: XLA results, one log line, no crash."""
+    monkeypatch.setattr(attention, "_on_gpu", lambda: True)
+    monkeypatch.setattr(attention, "_cudnn_kernel", failure)
+    mask = length_mask([5, 2, 0], [5, 3, 0], 5, 5, causal=False)
+    # Head dim 8, as in the model below: one (dtype, head dim), one probe, one warning.
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv_for(mask, seed=3, h=8))
+    want = dot_product_attention(q, k, v, mask, impl="xla")
+    attend = lambda q, k, v: dot_product_attention(q, k, v, mask, impl="auto")
+    with caplog.at_level("WARNING", logger="model.attention"):
+        np.testing.assert_array_equal(attend(q, k, v), want)
+        np.testing.assert_array_equal(jax.jit(attend)(q, k, v), want)
+        jax.grad(lambda q: attend(q, k, v).astype(jnp.float32).sum())(q)
+        cfg = TransformerConfig(**{**SEAM_MODEL, "dtype": "bfloat16", "attention_impl": "auto"})
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        batch = {k: jnp.asarray(v) for k, v in pipeline_batch().items()}
+        assert np.isfinite(np.asarray(nnx.jit(lambda m: _masked_loss(m, batch)[0])(model)))
+    warnings = [r for r in caplog.records if r.name == "model.attention"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    message = warnings[0].getMessage()
+    assert "\n" not in message and "RuntimeError" in message and "'xla'" in message
+    with pytest.raises(Exception, match=r"cuDNN|CUDNN"):  # an explicit 'cudnn' still raises
+        np.asarray(dot_product_attention(q, k, v, mask, impl="cudnn"))
+
+
+def test_auto_uses_the_fused_path_where_the_probe_passes(monkeypatch, caplog):
+    calls = []
+
+    def counting(q, k, v, mask):
+        calls.append(q.dtype)
+        return nan_kernel(q, k, v, mask)
+
+    monkeypatch.setattr(attention, "_on_gpu", lambda: True)
+    monkeypatch.setattr(attention, "_cudnn_kernel", counting)
+    mask = length_mask([5, 2, 0], [5, 5, 0], 5, 5, causal=True)
+    q, k, v = _qkv_for(mask, seed=4, h=16)
+    with caplog.at_level("WARNING", logger="model.attention"):
+        for dtype, fused in [(jnp.bfloat16, True), (jnp.float32, False)]:
+            calls.clear()
+            qd, kd, vd = (jnp.asarray(x, dtype) for x in (q, k, v))
+            got = dot_product_attention(qd, kd, vd, mask, impl="auto")
+            assert bool(calls) == fused, dtype
+            want = dot_product_attention(qd, kd, vd, mask, impl="xla")
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        calls.clear()  # a plain dense mask has no lengths: never fused
+        qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+        dot_product_attention(qb, kb, vb, mask.dense, impl="auto")
+        assert not calls
+    assert not [r for r in caplog.records if r.name == "model.attention"]
+    assert attention._cudnn_works.cache_info().misses == 1  # one probe per (dtype, head dim)
