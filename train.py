@@ -6,9 +6,13 @@ User errors (bad flags or config values, missing data) print one line and exit 1
 
 On a cluster, run the same command on every host: JAX's distributed runtime
 starts by itself where it detects one (TPU VMs, SLURM, Open MPI), or from
-`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`.
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I`. SIGTERM or
+SIGINT to any host stops every host at the same step with one checkpoint (exit
+0); if a host dies, the others stop within config.peer_timeout_seconds with one
+error line (exit 75). Either way, re-running the command on every host resumes.
 """
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -32,6 +36,12 @@ _DISTRIBUTED = flags.DEFINE_enum(
 )
 
 
+_SUPERVISE = flags.DEFINE_boolean(
+    "supervise",
+    True,
+    "Multi-process: train in a child process and, if it is ended by a signal (a peer "
+    "that died broke a collective), say so in one line and exit 75.",
+)
 _CACHE = flags.DEFINE_string(
     "compilation_cache",
     None,
@@ -66,13 +76,17 @@ def main(argv: list[str]) -> None:
 
     log.setup()
 
+    where = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     try:
-        distributed.initialize(
-            _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, mode=_DISTRIBUTED.value
-        )
+        multi = distributed.will_start(*where, mode=_DISTRIBUTED.value)
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    if os.environ.get(distributed.SUPERVISED_ENV):
+        distributed.die_with_parent()
+    elif multi and _SUPERVISE.value:
+        sys.exit(distributed.supervise(sys.argv))
+    distributed.initialize(*where, mode=_DISTRIBUTED.value)
 
     config = _CONFIG.value
     try:

@@ -22,6 +22,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.target_lang = "en"
     # Where TFDS looks for prepared datasets ('' = TFDS default).
     c.tfds_data_dir = ""
+    # The Ding dictionary file for 'ding' ('' = $ATTENTION_JAX_DING, else
+    # /usr/share/trans/de-en from the Debian/Ubuntu package trans-de-en).
+    c.ding_path = ""
     # Shared source+target SentencePiece vocabulary size (paper: ~37000 BPE).
     c.vocab_size = 37000
     # 'unigram' or 'bpe'.
@@ -34,14 +37,19 @@ def get_config() -> ml_collections.ConfigDict:
     c.long_pairs = "drop"
     # Token budget per global batch, per side (paper: ~25000 src + 25000 tgt).
     c.batch_tokens = 25_000
-    # Padded lengths used for batching; () = powers of two from 8 up to max_length.
+    # Padded lengths used for batching; () = every 4 tokens from 4 to 48, then every
+    # 8 to 96, 16 to 192, 32 ... up to max_length (14 shapes for 64, 26 for 256).
     c.length_buckets = ()
     # Pack several pairs into one row (segment ids + positions) instead of padding.
     c.packing = False
     # Shuffle buffer / seed offset for the data order.
     c.shuffle_seed = 0
-    # Threads used by the grain pipeline (0 = in the main thread).
+    # Processes that tokenize the corpus when its cache is built (0 = one per CPU core).
     c.data_workers = 0
+    # Where each shard of the training corpus is cached, tokenized ('' = WORKDIR/data_cache).
+    # Keyed on the corpus, tokenizer, max_length, long_pairs and shard, so a directory
+    # shared by several workdirs is safe; delete it to reclaim the space.
+    c.data_cache_dir = ""
 
     # --- Model (maps onto model.TransformerConfig) -----------------------
     c.model = ml_collections.ConfigDict()
@@ -82,7 +90,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.log_every_steps = 100
     c.eval_every_steps = 5000
     c.checkpoint_every_steps = 5000
+    # Also save when this many minutes passed since the last save (0 = off); the
+    # paper's base model averages 5 checkpoints written at 10-minute intervals.
+    c.checkpoint_every_minutes = 0.0
     c.max_checkpoints_to_keep = 5
+    # The final evaluation also scores the mean of the parameters of the last N
+    # checkpoints (0 or 1 = off; paper 6.1: 5 for base, 20 for big). At least N
+    # checkpoints are kept whatever max_checkpoints_to_keep says.
+    c.average_last = 0
     c.eval_max_examples = 0  # dev pairs decoded for BLEU at periodic evals; 0 = the whole dev set
     # Dev pairs decoded for the final BLEU at the end of training; 0 = the whole dev set.
     c.final_eval_max_examples = 0
@@ -101,6 +116,15 @@ def get_config() -> ml_collections.ConfigDict:
     # Train from scratch even though checkpoints/ holds steps that cannot be
     # restored (damaged). Off: such a workdir is an error, never silently overwritten.
     c.allow_fresh_start = False
+    # Resume although the optimizer state's structure changed (e.g. grad_clip_norm or
+    # weight_decay turned on or off, adam <-> adamw): keep the parameters, step and data
+    # position, and start a fresh optimizer state (the fairseq habit). Without a
+    # structure change the optimizer state is restored as usual.
+    c.reset_optimizer = False
+    # Multi-host: a process whose peer sent no heartbeat for this long (killed, out of
+    # memory, host lost) stops with a clear error instead of waiting in a collective
+    # forever (0 = leave it to JAX's coordination service, which aborts after ~100 s).
+    c.peer_timeout_seconds = 60.0
     # Input shards (each read by one process, or all by one process): 0 = one
     # per process. Fixing it (e.g. to the process count of a multi-host run)
     # gives the same batches on any number of processes, so a run can resume

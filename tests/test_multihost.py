@@ -35,7 +35,7 @@ WORKER = textwrap.dedent(
 
     assert jax.process_count() == nproc and jax.device_count() == 4, jax.devices()
     summary = train_and_evaluate(small_train_config(**overrides), workdir)
-    keys = ("step", "eval_loss", "eval_bleu", "eval_examples")
+    keys = ("step", "preempted", "eval_loss", "eval_bleu", "eval_examples")
     print("SUMMARY " + json.dumps({k: summary.get(k) for k in keys}), flush=True)
     """
 )

@@ -59,6 +59,7 @@ _NON_NEGATIVE = (
     "max_checkpoints_to_keep",
     "checkpoint_every_minutes",
     "average_last",
+    "peer_timeout_seconds",
     "eval_max_examples",
     "final_eval_max_examples",
     "num_examples_to_print",

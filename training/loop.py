@@ -13,6 +13,9 @@ checkpoints are all unusable is an error, not a silent fresh start.
 Multi-process: every process runs this function (same config, same workdir on
 shared storage); each reads its data shard, all take part in each compiled
 step and checkpoint, and only process 0 writes logs, metrics and config.json.
+SIGTERM or SIGINT to any process stops all of them at the same step with one
+cooperative checkpoint (JAX's preemption service); a process that dies makes
+the others stop within config.peer_timeout_seconds with a clear error.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -77,29 +78,6 @@ def _trim_metrics(workdir: str, last_step: int) -> None:
     with open(path + ".tmp", "w") as f:
         f.writelines(rows)
     os.replace(path + ".tmp", path)
-
-
-class StopSignal:
-    """SIGTERM/SIGINT set a flag; the loop checkpoints and returns. A second signal is fatal."""
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignal:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.received = signum
-        for sig, handler in self._previous.items():  # the next signal acts as usual
-            signal.signal(sig, handler)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _due(step: int, every: int, total: int) -> bool:
@@ -374,7 +352,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         last_saved=step,
     )
     preempted = False
-    with StopSignal() as stop, manager:
+    stop = distributed.StopRequest()
+    with stop, distributed.PeerWatchdog(config.peer_timeout_seconds), manager:
         batches = iter(train_iter)
         while step < total:
             batch = next(batches)
@@ -387,7 +366,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 run.save(state, step)
             if _due(step, config.eval_every_steps, total):
                 run.evaluate(state, step, config.eval_max_examples)
-            if stop.received is not None:
+            if stop.reached(step):
                 preempted = True
                 if run.window.steps:  # a window cut short: its tokens and time still count
                     run.flush(step, log_row=False)
@@ -405,8 +384,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     # --- Summary ---------------------------------------------------------------------------
     if preempted:
-        name = signal.Signals(stop.received).name
-        _log.info(f"{name}: saved a checkpoint at step {step}; re-run the same command to resume")
+        _log.info(
+            f"{stop.describe()}: saved a checkpoint at step {step}; re-run the same command "
+            "to resume"
+        )
     run.writer.close()
     summary.update(
         step=step,
