@@ -16,3 +16,36 @@ def sinusoidal_positions(length: int, d_model: int) -> np.ndarray:
     pe[:, 0::2] = np.sin(angle)
     pe[:, 1::2] = np.cos(angle[:, : d_model // 2])
     return pe.astype(np.float32)
+
+
+def plot(path: str, length: int = 50, d_model: int = 128) -> None:
+    """Draw the encoding matrix [length, d_model] as a heatmap (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pe = sinusoidal_positions(length, d_model)  # [L, D]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    im = ax.imshow(pe, cmap="RdBu", vmin=-1.0, vmax=1.0, aspect="auto", interpolation="nearest")
+    ax.set_xlabel("dimension i (even: sin, odd: cos)")
+    ax.set_ylabel("position")
+    ax.set_title(f"Sinusoidal positional encoding, {length} positions x {d_model} dimensions")
+    fig.colorbar(im, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description="Draw the positional-encoding matrix (paper 3.5).")
+    p.add_argument("--plot", required=True, help="output image, e.g. PE.png")
+    p.add_argument("--length", type=int, default=50)
+    p.add_argument("--d_model", type=int, default=128)
+    args = p.parse_args()
+    if args.length < 1 or args.d_model < 1:
+        p.error("--length and --d_model must be positive")
+    plot(args.plot, args.length, args.d_model)
+    print(f"wrote {args.plot}")

@@ -28,11 +28,14 @@ from flax import nnx, struct
 from model.attention import Mask, causal_mask, padding_mask, segment_mask
 from model.config import BOS_ID, PAD_ID, TransformerConfig
 from model.layers import DecoderLayer, Embed, EncoderLayer, KVCache, LayerNorm, Unembed
-from model.positional import sinusoidal_positions
 
 
 @functools.lru_cache(maxsize=8)
 def _position_table(length: int, d_model: int) -> np.ndarray:
+    # Imported here, not at the top: `python -m model.positional` (the picture of
+    # the table) then runs a module that `import model` has not loaded already.
+    from model.positional import sinusoidal_positions
+
     return sinusoidal_positions(length, d_model)
 
 

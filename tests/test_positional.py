@@ -31,3 +31,21 @@ def test_relative_position_is_linear():
         rot = np.array([[c, -s], [s, c]])  # sin(a+b), cos(a+b) from sin a, cos a
         pair = pe[:, 2 * i : 2 * i + 2]  # [sin, cos]
         np.testing.assert_allclose(pair[:-k] @ rot, pair[k:], atol=1e-5)
+
+
+def test_the_picture_command_draws_the_matrix(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "PE.png"
+    r = subprocess.run(
+        [sys.executable, "-m", "model.positional", f"--plot={out}", "--length=50", "--d_model=128"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # no runpy warning: `import model` does not load model.positional
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
