@@ -16,9 +16,9 @@ The paper trains 100k steps of ~25k+25k tokens on 8 P100s (12 h) and reports
 27.3 BLEU on newstest2014 **En->De** (38.1 En->Fr): tokenized BLEU of the
 average of the last 5 checkpoints (written every 10 minutes), beam 4, alpha
 0.6. We report sacreBLEU on detokenized output (`decode.py --split=test`,
-signature printed), which runs ~0.5-1 BLEU below tokenized BLEU on the same
-output, and our default German->English numbers are not comparable to the
-paper's English->German ones. Our measured runtimes and BLEU are in the README.
+signature printed), which is not the paper's tokenized (and, for German,
+compound-split) BLEU and typically comes out lower on the same output (Post,
+2018); and German->English numbers are not comparable to English->German ones. Our measured runtimes and BLEU are in the README.
 """
 
 import ml_collections
