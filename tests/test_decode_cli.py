@@ -288,6 +288,18 @@ def test_cli_export_translates_like_the_live_model(workdir, tmp_path):
     assert live.returncode == 0 and exported.returncode == 0, exported.stderr.decode()
     assert exported.stdout == live.stdout  # texts, tokens and scores, line for line
     assert "from the translator exported in" in exported.stderr.decode()
+    # docs/decoding.md's plain-JAX snippet runs as written on this directory.
+    with open(os.path.join(ROOT, "docs", "decoding.md")) as f:
+        doc = f.read()
+    snippet = doc.split("From plain JAX, without this repository:")[1].split("```python")[1]
+    snippet = snippet.split("```")[0].replace('d = "translator"', f'd = "{export_dir}"')
+    snippet = snippet.replace("Das Haus ist sehr alt.", "eins zwei drei")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[:3] == ["one", "two", "three"]
     # A different beam needs a new export; the model-only flags need the workdir.
     for bad, message in (("--beam_size=2", "exported with beam_size=4"), ("--alignment", "")):
         r = run_decode(f"--exported={export_dir}", bad, "--output_format=jsonl", stdin=b"eins\n")
