@@ -18,7 +18,8 @@ average of the last 5 checkpoints (written every 10 minutes), beam 4, alpha
 0.6. We report sacreBLEU on detokenized output (`decode.py --split=test`,
 signature printed), which is not the paper's tokenized (and, for German,
 compound-split) BLEU and typically comes out lower on the same output (Post,
-2018); and German->English numbers are not comparable to English->German ones. Our measured runtimes and BLEU are in the README.
+2018); and German->English numbers are not comparable to English->German
+ones. Our measured runtimes and BLEU are in the README.
 """
 
 import ml_collections

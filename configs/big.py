@@ -17,7 +17,8 @@ newstest2014 **En->De** (41.8 En->Fr; dropout 0.1 there): tokenized BLEU of the
 average of the last 20 checkpoints, beam 4, alpha 0.6. We report sacreBLEU on
 detokenized output (signature printed), which is not the paper's tokenized,
 compound-split BLEU and typically comes out lower on the same output (Post,
-2018); and German->English numbers are not comparable to English->German ones. Our measured runtimes and BLEU are in the README.
+2018); and German->English numbers are not comparable to English->German
+ones. Our measured runtimes and BLEU are in the README.
 """
 
 import ml_collections
