@@ -64,8 +64,9 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
     import numpy as np
 
     from data.pipeline import TrainIterator
+    from training import config as config_lib
     from training import mesh as mesh_lib
-    from training import metrics, steps
+    from training import metrics
 
     config = importlib.import_module(f"configs.{name}").get_config()
     on_cpu = jax.default_backend() == "cpu"
@@ -85,7 +86,7 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
     )
     host = [next(it) for _ in range(args.steps)]
     batches = [mesh_lib.shard_batch(b, mesh) for b in host]
-    cfg = steps.model_config(config)
+    cfg = config_lib.model_config(config)
     flops = [
         metrics.train_flops(
             cfg,

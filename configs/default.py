@@ -37,8 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.long_pairs = "drop"
     # Token budget per global batch, per side (paper: ~25000 src + 25000 tgt).
     c.batch_tokens = 25_000
-    # Padded lengths used for batching; () = every 4 tokens from 4 to 48, then every
-    # 8 to 96, 16 to 192, 32 ... up to max_length (14 shapes for 64, 26 for 256).
+    # Padded lengths used for batching; () = every 4 tokens from 8 to 48, then every
+    # 8 to 96, 16 to 192, 32 ... up to max_length (13 shapes for 64, 25 for 256).
     c.length_buckets = ()
     # Pack several pairs into one row (segment ids + positions) instead of padding.
     c.packing = False

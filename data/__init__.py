@@ -1,13 +1,16 @@
-"""Input pipeline: corpora, SentencePiece tokenizer and grain batching.
+"""Input pipeline: corpora, SentencePiece tokenizer and batching (no model code).
 
-corpus = load_split(config, "train")
+corpus = load_split(config, "train")                 # random access; TSV files read by offset
 tokenizer = get_tokenizer(config, workdir, corpus)
-batches = train_iterator(config, tokenizer, corpus, batch_multiple=n_local_devices)
-global_batch = to_global_batch(next(batches), mesh)
+batches = train_iterator(config, tokenizer, corpus, batch_multiple=n_local_devices,
+                         cache_dir=f"{workdir}/data_cache")   # tokenized once, then mapped
+
+Importing this package is light (numpy and SentencePiece; JAX and grain load
+when a plan is made): the cache's worker processes import it.
 """
 
-from data.corpora import DataError, ParallelCorpus, load_split
-from data.pipeline import TrainIterator, eval_batches, to_global_batch, train_iterator
+from data.corpora import DataError, ParallelCorpus, TsvCorpus, load_split
+from data.pipeline import TrainIterator, eval_batches, train_iterator
 from data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_tokenizer
 
 __all__ = [
@@ -19,9 +22,9 @@ __all__ = [
     "ParallelCorpus",
     "Tokenizer",
     "TrainIterator",
+    "TsvCorpus",
     "eval_batches",
     "get_tokenizer",
     "load_split",
-    "to_global_batch",
     "train_iterator",
 ]

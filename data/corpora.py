@@ -1,7 +1,9 @@
 """Parallel corpora: the embedded Ding dictionary, TFDS translation sets, TSV files.
 
-`load_split(config, split)` returns a `ParallelCorpus`: random access
-(`len(c)`, `c[i] -> (source, target)`), so a `grain.MapDataset` can wrap it.
+`load_split(config, split)` returns a corpus with random access (`len(c)`,
+`c[i] -> (source, target)`) and a `fingerprint()` that keys the tokenized
+cache (data/cache.py): a `ParallelCorpus` in memory (Ding), a `TfdsCorpus`
+(ArrayRecord) or a `TsvCorpus` (read by byte offset from the file).
 The dataset kind comes from `config.dataset` (train) or `config.eval_dataset`
 (dev/test, '' = the dev/test split carved out of `config.dataset`):
 
@@ -15,14 +17,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
-import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from data import tsv
+from data.files import DataError, atomic_write_bytes, cache_dir
+from data.tsv import TSV_EVAL_SIZE, TsvCorpus, split_tsv
 
 DING_PATH = "/usr/share/trans/de-en"
 # Bump when the parser changes: the prepared-corpus cache is keyed on it.
@@ -31,15 +36,24 @@ DING_PARSER_VERSION = 1
 DING_EVAL_SIZE = 1000
 # A TSV file where more than this fraction of lines is malformed is an error.
 TSV_MAX_MALFORMED = 0.5
-# Held-out pairs carved out of a TSV file when no eval set is given.
-TSV_EVAL_SIZE = 1000
 SPLITS = ("train", "dev", "test")
 # Fixed seed for held-out splits: they must not move when the training seed does.
-_SPLIT_SEED = 20170612
+_SPLIT_SEED = tsv.SPLIT_SEED
 
+__all__ = [  # also re-exported from data.files and data.tsv for older imports
+    "TSV_EVAL_SIZE",
+    "DataError",
+    "ParallelCorpus",
+    "TfdsCorpus",
+    "TsvCorpus",
+    "atomic_write_bytes",
+    "cache_dir",
+    "load_split",
+    "read_tsv",
+    "split_tsv",
+]
 
-class DataError(ValueError):
-    """A user error in the data configuration (missing file, bad format, ...)."""
+_log = logging.getLogger(__name__)
 
 
 # --- Corpus containers ------------------------------------------------------
@@ -70,6 +84,13 @@ class ParallelCorpus:
             name or self.name,
         )
 
+    def fingerprint(self) -> dict[str, Any]:
+        """A hash of the text itself (in memory, so small: ~50 ms for Ding's 85k pairs)."""
+        h = hashlib.sha256()
+        for s, t in zip(self.sources, self.targets, strict=True):
+            h.update(f"{len(s)}:{s}{len(t)}:{t}".encode())
+        return {"kind": "memory", "pairs": len(self), "sha256": h.hexdigest()}
+
 
 class TfdsCorpus:
     """Random-access view of a TFDS `data_source` (ArrayRecord) split.
@@ -78,10 +99,19 @@ class TfdsCorpus:
     corpus is never materialized (WMT has millions of pairs).
     """
 
-    def __init__(self, source: Any, source_lang: str, target_lang: str, name: str = ""):
+    def __init__(
+        self,
+        source: Any,
+        source_lang: str,
+        target_lang: str,
+        name: str = "",
+        reopen: tuple[str, str, str | None] | None = None,
+    ):
         self._source = source
         self._src, self._tgt = source_lang, target_lang
         self.name = name
+        # (tfds name, split, data_dir): how a worker process opens the same source.
+        self._reopen = reopen
 
     def __len__(self) -> int:
         return len(self._source)
@@ -89,6 +119,36 @@ class TfdsCorpus:
     def __getitem__(self, i: int) -> tuple[str, str]:
         ex = self._source[int(i)]
         return _to_str(ex[self._src]), _to_str(ex[self._tgt])
+
+    def __reduce__(self):
+        if self._reopen is None:
+            return object.__reduce__(self)
+        return (_reopen_tfds, (*self._reopen, self._src, self._tgt, self.name))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The dataset's name, version, direction and files (names, sizes, mtimes)."""
+        info = getattr(self._source, "dataset_info", None)
+        listing: list[Any] = []
+        data_dir = getattr(info, "data_dir", None)
+        if data_dir and os.path.isdir(data_dir):
+            for f in sorted(os.listdir(data_dir)):
+                st = os.stat(os.path.join(data_dir, f))
+                listing.append([f, st.st_size, st.st_mtime_ns])
+        return {
+            "kind": "tfds",
+            "name": self.name,
+            "version": str(getattr(info, "version", "")),
+            "langs": [self._src, self._tgt],
+            "pairs": len(self),
+            "files": listing,
+        }
+
+
+def _reopen_tfds(name, split, data_dir, source_lang, target_lang, corpus_name) -> TfdsCorpus:
+    import tensorflow_datasets as tfds
+
+    source = tfds.data_source(name, split=split, data_dir=data_dir)
+    return TfdsCorpus(source, source_lang, target_lang, corpus_name, (name, split, data_dir))
 
 
 def _to_str(x: Any) -> str:
@@ -184,36 +244,9 @@ def split_ding(
     return {"train": train, "dev": dev, "test": test}
 
 
-def cache_dir() -> str:
-    """`$ATTENTION_JAX_CACHE`, else `$XDG_CACHE_HOME/attention-jax`, else ~/.cache/..."""
-    if os.environ.get("ATTENTION_JAX_CACHE"):
-        return os.environ["ATTENTION_JAX_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "attention-jax")
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Writes to a temporary file in the same directory, then renames."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def _log(msg: str) -> None:
-    print(f"[data] {msg}", file=sys.stderr, flush=True)
-
-
-def ding_path(config: Any = None) -> str:
+def ding_path(config: Any) -> str:
     """The dictionary file: `config.ding_path` if set, `$ATTENTION_JAX_DING`, or the package's."""
-    path = config.get("ding_path", "") if config is not None and hasattr(config, "get") else ""
-    return path or os.environ.get("ATTENTION_JAX_DING") or DING_PATH
+    return config.ding_path or os.environ.get("ATTENTION_JAX_DING") or DING_PATH
 
 
 def prepare_ding(path: str = DING_PATH) -> dict[str, list[tuple[str, str]]]:
@@ -234,12 +267,12 @@ def prepare_ding(path: str = DING_PATH) -> dict[str, list[tuple[str, str]]]:
             with open(cache_file, encoding="utf-8") as f:
                 return {k: [tuple(p) for p in v] for k, v in json.load(f).items()}
         except (OSError, ValueError):
-            _log(f"ignoring unreadable cache {cache_file}")
-    _log(f"parsing {path} (once; cached in {cache_file})")
+            _log.warning(f"ignoring unreadable cache {cache_file}")
+    _log.info(f"parsing {path} (once; cached in {cache_file})")
     with open(path, encoding="utf-8", errors="replace") as f:
         sentences, phrases = parse_ding(f)
     splits = split_ding(sentences, phrases)
-    _log(
+    _log.info(
         f"ding: {len(sentences)} sentence pairs, {len(phrases)} phrase pairs; "
         + ", ".join(f"{k} {len(v)}" for k, v in splits.items())
     )
@@ -250,55 +283,27 @@ def prepare_ding(path: str = DING_PATH) -> dict[str, list[tuple[str, str]]]:
 # --- TSV ---------------------------------------------------------------------
 
 
-def read_tsv(path: str) -> tuple[ParallelCorpus, int]:
-    """Reads `source<TAB>target` lines; returns (corpus, number of malformed lines).
+def read_tsv(path: str) -> tuple[TsvCorpus, int]:
+    """The valid `source<TAB>target` lines of `path`; returns (corpus, malformed lines).
 
-    Malformed lines (no tab, an empty side, bytes that are not UTF-8) are
-    skipped; if they are the majority, the file is probably not what the user
-    meant and we raise `DataError`. Extra tabs go to the target side's
-    rejection too: a line must have exactly one tab.
+    Malformed lines (no tab or several, an empty side, bytes that are not
+    UTF-8) are skipped; if they are the majority, the file is probably not
+    what the user meant and we raise `DataError`. The lines are indexed once
+    (cached by path, size and mtime) and read from disk on access, so a
+    corpus of any size costs no memory (data/tsv.py).
     """
-    if not os.path.isfile(path):
-        raise DataError(f"TSV file not found: {path}")
-    sources, targets, bad, total = [], [], 0, 0
-    with open(path, "rb") as f:
-        for raw in f:
-            raw = raw.rstrip(b"\r\n")
-            if not raw.strip():
-                continue  # blank lines (e.g. a trailing newline) are not data
-            total += 1
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                bad += 1
-                continue
-            parts = line.split("\t")
-            if len(parts) != 2 or not parts[0].strip() or not parts[1].strip():
-                bad += 1
-                continue
-            sources.append(parts[0].strip())
-            targets.append(parts[1].strip())
+    index = tsv.line_index(path)
+    total, bad = index.num_lines, index.num_malformed
     if total == 0:
         raise DataError(f"TSV file {path} has no lines")
     if bad:
-        _log(f"{path}: skipped {bad} malformed line(s) of {total}")
+        _log.warning(f"{path}: skipped {bad} malformed line(s) of {total}")
     if bad > TSV_MAX_MALFORMED * total:
         raise DataError(
             f"{path}: {bad} of {total} lines are malformed (expected one "
             "`source<TAB>target` pair per line in UTF-8)"
         )
-    return ParallelCorpus(sources, targets, name=f"tsv:{path}"), bad
-
-
-def split_tsv(n: int, eval_size: int = TSV_EVAL_SIZE) -> dict[str, np.ndarray]:
-    """Deterministic train/dev/test indices for a TSV file without an eval set."""
-    k = min(eval_size, n // 20)  # at most 5% per held-out split
-    order = np.random.default_rng(_SPLIT_SEED).permutation(n)
-    return {
-        "dev": np.sort(order[:k]),
-        "test": np.sort(order[k : 2 * k]),
-        "train": np.sort(order[2 * k :]),
-    }
+    return TsvCorpus(index, name=f"tsv:{path}"), bad
 
 
 # --- TFDS --------------------------------------------------------------------
@@ -310,7 +315,7 @@ def load_tfds(name: str, split: str, config: Any) -> TfdsCorpus:
     """A TFDS translation split via `tfds.data_source` (no TensorFlow at run time)."""
     import tensorflow_datasets as tfds  # imported lazily: it is slow to import
 
-    data_dir = config.get("tfds_data_dir", "") or None
+    data_dir = config.tfds_data_dir or None
     tfds_split = _TFDS_SPLITS.get(split, split)
     try:
         source = tfds.data_source(name, split=tfds_split, data_dir=data_dir)
@@ -328,7 +333,9 @@ def load_tfds(name: str, split: str, config: Any) -> TfdsCorpus:
                 f"TFDS dataset {name!r} has languages {sorted(keys)}, not "
                 f"source_lang={src!r} / target_lang={tgt!r}"
             )
-    return TfdsCorpus(source, src, tgt, name=f"tfds:{name}/{tfds_split}")
+    return TfdsCorpus(
+        source, src, tgt, name=f"tfds:{name}/{tfds_split}", reopen=(name, tfds_split, data_dir)
+    )
 
 
 # --- Entry point ---------------------------------------------------------------
@@ -350,12 +357,16 @@ def _load(spec: str, split: str, config: Any, whole_file: bool) -> Any:
         corpus, _ = read_tsv(os.path.expanduser(spec[len("tsv:") :]))
         if whole_file:
             return corpus
-        idx = split_tsv(len(corpus))[split]
-        return corpus.subset(idx, name=f"{corpus.name}/{split}")
+        # The held-out lines were drawn with `split_tsv` when the file was indexed.
+        held_out = corpus.index.held_out
+        name = f"{corpus.name}/{split}"
+        if split == "train":
+            return TsvCorpus(corpus.index, skip=np.concatenate(list(held_out.values())), name=name)
+        return TsvCorpus(corpus.index, take=held_out[split], name=name)
     raise DataError(f"Unknown dataset {spec!r}: expected 'ding', 'tfds:NAME' or 'tsv:PATH'")
 
 
-def load_split(config: Any, split: str) -> ParallelCorpus | TfdsCorpus:
+def load_split(config: Any, split: str) -> ParallelCorpus | TfdsCorpus | TsvCorpus:
     """The 'train', 'dev' or 'test' split of the configured corpus.
 
     'train' reads `config.dataset`. 'dev'/'test' read `config.eval_dataset`
@@ -365,7 +376,7 @@ def load_split(config: Any, split: str) -> ParallelCorpus | TfdsCorpus:
     """
     if split not in SPLITS:
         raise DataError(f"split must be one of {SPLITS}, got {split!r}")
-    eval_spec = config.get("eval_dataset", "") if hasattr(config, "get") else ""
+    eval_spec = config.eval_dataset
     if split != "train" and eval_spec:
         return _load(eval_spec, split, config, whole_file=True)
     spec = config.dataset

@@ -1,9 +1,10 @@
-"""Batches for the train and eval steps: grain source -> token ids -> bucketed batches.
+"""Batches for the train and eval steps: tokenized shard -> batch plan -> padded batches.
 
-The corpus is tokenized once (through a grain `MapDataset`, optionally
-threaded) into flat numpy arrays. Each epoch then has a *batch plan*: a
+Each process's shard of the corpus is tokenized once into flat arrays,
+memory-mapped from a cache on disk (data/cache.py; built on the first run).
+Each epoch then has a *batch plan*, computed from the length arrays alone: a
 seeded shuffle of the examples, cut into batches by token budget within a
-few fixed length buckets (or packed into rows of `max_length`). A batch is
+fixed set of length buckets (or packed into rows of `max_length`). A batch is
 assembled from the flat arrays by index arithmetic, so the pipeline is cheap
 and its state is just `(epoch, position in the epoch's plan)`.
 
@@ -19,189 +20,40 @@ In a non-packed batch S == T == the bucket length; packed rows use max_length.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Iterator
 from typing import Any
 
-import grain
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from data.corpora import DataError
+from data.cache import ShardSpec, tokenized_shard
+from data.files import DataError
+from data.plans import (
+    bucket_of,
+    epoch_rng,
+    length_buckets,
+    plan_bucketed,
+    plan_packed,
+    rows_per_batch,
+)
+from data.tokenized import TokenizedCorpus, apply_long_pairs
 from data.tokenizer import BOS_ID, EOS_ID, Tokenizer
 
-# Pairs per grain element when tokenizing (SentencePiece encodes lists faster).
-_ENCODE_CHUNK = 1024
-# Open rows considered by the packer for each pair (first fit among the newest).
-_PACK_WINDOW = 16
-_MIN_BUCKET = 8
+# jax and grain are imported where they are used: the cache's worker processes
+# import this package and need neither (each would cost them ~2 s and ~200 MB).
 
+__all__ = [  # plans and the corpus format are re-exported for older imports
+    "TokenizedCorpus",
+    "TrainIterator",
+    "eval_batches",
+    "length_buckets",
+    "plan_bucketed",
+    "plan_packed",
+    "rows_per_batch",
+    "train_iterator",
+]
 
-# --- Tokenized corpus ---------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizedCorpus:
-    """Token ids of a corpus shard, stored flat (no EOS/BOS).
-
-    Example i's source ids are `src_flat[src_start[i] : src_start[i] + src_len[i]]`;
-    `index[i]` is its position in the original corpus.
-    """
-
-    src_flat: np.ndarray  # int32 [total source tokens]
-    src_start: np.ndarray  # int64 [n]
-    src_len: np.ndarray  # int32 [n]
-    tgt_flat: np.ndarray
-    tgt_start: np.ndarray
-    tgt_len: np.ndarray
-    index: np.ndarray  # int64 [n]
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-
-def _flatten(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    lens = np.fromiter((len(s) for s in seqs), dtype=np.int32, count=len(seqs))
-    starts = np.zeros(len(seqs), np.int64)
-    np.cumsum(lens[:-1], out=starts[1:])
-    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(lens.sum()))
-    return flat, starts, lens
-
-
-def tokenize_corpus(
-    corpus: Any,
-    tokenizer: Tokenizer,
-    indices: np.ndarray,
-    num_threads: int = 0,
-) -> TokenizedCorpus:
-    """Tokenizes `corpus[i]` for i in `indices` (this process's shard) with grain."""
-    indices = np.asarray(indices, np.int64)
-    source = grain.MapDataset.source(corpus)
-    ds = grain.MapDataset.source(indices).map(lambda i: source[int(i)])
-    ds = ds.batch(_ENCODE_CHUNK, batch_fn=list)
-
-    def encode(pairs: list[tuple[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
-        return (
-            tokenizer.encode_batch([p[0] for p in pairs]),
-            tokenizer.encode_batch([p[1] for p in pairs]),
-        )
-
-    ds = ds.map(encode)
-    if num_threads > 0:
-        it = ds.to_iter_dataset(grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=8))
-    else:
-        it = ds
-    src, tgt = [], []
-    for s, t in it:
-        src.extend(s)
-        tgt.extend(t)
-    return TokenizedCorpus(*_flatten(src), *_flatten(tgt), index=indices)
-
-
-# --- Buckets and plans -------------------------------------------------------------
-
-
-def length_buckets(max_length: int, buckets: Sequence[int] = ()) -> np.ndarray:
-    """Padded lengths: `buckets`, or powers of two from 8 below max_length, plus max_length."""
-    if buckets:
-        b = sorted({int(x) for x in buckets if int(x) < max_length})
-    else:
-        b, x = [], _MIN_BUCKET
-        while x < max_length:
-            b.append(x)
-            x *= 2
-    return np.array([*b, max_length], np.int64)
-
-
-def shard_indices(n: int, process_index: int, process_count: int) -> np.ndarray:
-    """The corpus indices this process reads: a strided slice, disjoint across processes."""
-    return np.arange(process_index, n, process_count, dtype=np.int64)
-
-
-def rows_per_batch(budget: int, length: int, multiple: int) -> int:
-    """Rows of `length` tokens that fit `budget`, rounded down to a multiple of `multiple`."""
-    rows = (budget // length) // multiple * multiple
-    if rows < multiple:
-        raise DataError(
-            f"batch_tokens per process ({budget}) cannot hold {multiple} rows of "
-            f"{length} tokens: raise batch_tokens or lower max_length"
-        )
-    return rows
-
-
-def _epoch_rng(seed: int, shuffle_seed: int, epoch: int, stream: int) -> np.random.Generator:
-    return np.random.default_rng([seed, shuffle_seed, epoch, stream])
-
-
-def _global_max(counts: np.ndarray, process_count: int) -> np.ndarray:
-    """Element-wise max over processes, so every process runs the same batch shapes."""
-    if process_count > 1 and jax.process_count() == process_count:
-        from jax.experimental import multihost_utils
-
-        return np.max(multihost_utils.process_allgather(counts), axis=0)
-    return counts
-
-
-def plan_bucketed(
-    lengths: np.ndarray,
-    bucket_of: np.ndarray,
-    rows: Sequence[int],
-    rng: np.random.Generator | None,
-    process_count: int = 1,
-) -> list[tuple[int, np.ndarray]]:
-    """Cuts examples into (bucket, local example indices) batches, in bucket order.
-
-    `rng` shuffles examples before they are cut (None keeps them sorted by
-    length, for eval). Every process gets the same number of batches per bucket
-    (the max over processes); the extra ones are empty filler batches.
-    """
-    n = len(lengths)
-    order = rng.permutation(n) if rng is not None else np.argsort(lengths, kind="stable")
-    member_bucket = bucket_of[order]
-    per_bucket = [order[member_bucket == k] for k in range(len(rows))]
-    counts = np.array(
-        [math.ceil(len(m) / r) for m, r in zip(per_bucket, rows, strict=True)], np.int64
-    )
-    counts = _global_max(counts, process_count)
-    plan = []
-    for k, (members, r) in enumerate(zip(per_bucket, rows, strict=True)):
-        for j in range(int(counts[k])):
-            plan.append((k, members[j * r : (j + 1) * r]))
-    return plan
-
-
-def plan_packed(
-    src_len: np.ndarray,
-    tgt_len: np.ndarray,
-    length: int,
-    rows: int,
-    rng: np.random.Generator,
-    process_count: int = 1,
-) -> list[list[list[int]]]:
-    """Packs shuffled examples into rows of `length` tokens per side.
-
-    `src_len`/`tgt_len` include EOS. Returns batches of `rows` rows, each row a
-    list of local example indices. First fit among the newest open rows keeps
-    it linear in the corpus size while filling rows well.
-    """
-    packed: list[list[int]] = []
-    used: list[tuple[int, int]] = []
-    for i in rng.permutation(len(src_len)).tolist():
-        ls, lt = int(src_len[i]), int(tgt_len[i])
-        for r in range(max(0, len(packed) - _PACK_WINDOW), len(packed)):
-            us, ut = used[r]
-            if us + ls <= length and ut + lt <= length:
-                packed[r].append(i)
-                used[r] = (us + ls, ut + lt)
-                break
-        else:
-            packed.append([i])
-            used.append((ls, lt))
-    count = math.ceil(len(packed) / rows)
-    count = int(_global_max(np.array([count], np.int64), process_count)[0])
-    return [packed[j * rows : (j + 1) * rows] for j in range(count)]
+_log = logging.getLogger(__name__)
 
 
 # --- Batch assembly ------------------------------------------------------------------
@@ -280,30 +132,54 @@ def assemble_packed(tc: TokenizedCorpus, rows: list[list[int]], num_rows: int, l
     return out
 
 
-def padding_fraction(batch: dict[str, np.ndarray]) -> float:
-    """Fraction of padding slots in src and tgt_out together."""
-    total = batch["src"].size + batch["tgt_out"].size
-    real = np.count_nonzero(batch["src"]) + np.count_nonzero(batch["tgt_out"])
-    return 1.0 - real / max(total, 1)
-
-
 # --- Training iterator ---------------------------------------------------------------
 
 
 def _resolve_process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
-    pc = jax.process_count() if process_count is None else int(process_count)
-    pi = jax.process_index() if process_index is None else int(process_index)
+    if process_index is None or process_count is None:
+        import jax
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    pi, pc = int(process_index), int(process_count)
     if not 0 <= pi < pc:
         raise ValueError(f"process_index {pi} not in [0, {pc})")
     return pi, pc
 
 
-def _effective_lengths(tc: TokenizedCorpus, max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-side lengths with EOS, capped at max_length (truncation)."""
-    return (
-        np.minimum(tc.src_len + 1, max_length).astype(np.int64),
-        np.minimum(tc.tgt_len + 1, max_length).astype(np.int64),
-    )
+def _effective_lengths(
+    tc: TokenizedCorpus, max_length: int, lo: int = 0, hi: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-side lengths with EOS, capped at max_length (truncation), of pairs lo..hi-1.
+
+    A cached shard's lengths are read from its files rather than through the
+    map, so that a pass over them leaves no mapped pages behind.
+    """
+    hi = len(tc) if hi is None else hi
+
+    def read(a: np.ndarray) -> np.ndarray:
+        if isinstance(a, np.memmap) and hi > lo:
+            offset = a.offset + lo * a.itemsize
+            a = np.fromfile(a.filename, a.dtype, count=hi - lo, offset=offset)
+        else:
+            a = np.asarray(a[lo:hi])
+        return np.minimum(a + 1, max_length)
+
+    return read(tc.src_len), read(tc.tgt_len)
+
+
+def _buckets_and_tokens(
+    tc: TokenizedCorpus, max_length: int, buckets: np.ndarray, chunk: int = 1 << 22
+) -> tuple[np.ndarray, int]:
+    """(bucket of each pair [n] uint8, source + target tokens with EOS), in chunks: all a
+    bucketed plan needs, at 1 byte per pair."""
+    out = np.empty(len(tc), np.min_scalar_type(len(buckets)))
+    tokens = 0
+    for lo in range(0, len(tc), chunk):
+        src, tgt = _effective_lengths(tc, max_length, lo, lo + chunk)
+        out[lo : lo + len(src)] = bucket_of(buckets, np.maximum(src, tgt))
+        tokens += int(src.sum(dtype=np.int64) + tgt.sum(dtype=np.int64))
+    return out, tokens
 
 
 class TrainIterator:
@@ -324,63 +200,78 @@ class TrainIterator:
         process_index: int | None = None,
         process_count: int | None = None,
         tokenized: TokenizedCorpus | None = None,
+        cache_dir: str | None = None,
     ):
+        """`cache_dir`: where the tokenized shard is cached (None = tokenize in memory).
+
+        `tokenized` skips tokenization (e.g. bench/train.py's synthetic corpus);
+        `config.long_pairs` is still applied to it.
+        """
         self.process_index, self.process_count = _resolve_process(process_index, process_count)
         self.max_length = int(config.max_length)
         self.packing = bool(config.packing)
         self.seed, self.shuffle_seed = int(config.seed), int(config.shuffle_seed)
-        if config.long_pairs not in ("drop", "truncate"):
-            raise DataError(f"long_pairs must be 'drop' or 'truncate', got {config.long_pairs!r}")
         if tokenized is None:
-            shard = shard_indices(len(corpus), self.process_index, self.process_count)
-            tokenized = tokenize_corpus(corpus, tokenizer, shard, int(config.data_workers))
-        src_len, tgt_len = tokenized.src_len + 1, tokenized.tgt_len + 1
-        keep = np.ones(len(tokenized), bool)
-        if config.long_pairs == "drop":
-            keep = (src_len <= self.max_length) & (tgt_len <= self.max_length)
-        self.num_dropped = int((~keep).sum())
-        self._tc = _select(tokenized, np.flatnonzero(keep))
+            spec = ShardSpec(
+                self.process_index, self.process_count, self.max_length, config.long_pairs
+            )
+            self._tc = tokenized_shard(
+                corpus, tokenizer, spec, cache_dir=cache_dir, workers=int(config.data_workers)
+            )  # long_pairs applied when it was tokenized
+        else:
+            self._tc = apply_long_pairs(tokenized, self.max_length, config.long_pairs)
+        self.num_dropped = self._tc.num_dropped
         if len(self._tc) == 0:
             raise DataError("no training pairs left after dropping pairs longer than max_length")
-        self.src_len, self.tgt_len = _effective_lengths(self._tc, self.max_length)
         self.budget = int(config.batch_tokens) // self.process_count
         self.buckets = length_buckets(self.max_length, tuple(config.length_buckets))
         if self.packing:
             self.rows = [rows_per_batch(self.budget, self.max_length, batch_multiple)]
         else:
             self.rows = [rows_per_batch(self.budget, int(b), batch_multiple) for b in self.buckets]
-        self._bucket_of = np.searchsorted(self.buckets, np.maximum(self.src_len, self.tgt_len))
+        # What the epoch plans need, and no more: per-side lengths to pack, buckets otherwise.
+        if self.packing:
+            self.src_len, self.tgt_len = _effective_lengths(self._tc, self.max_length)
+            self._tokens = int(self.src_len.sum(dtype=np.int64) + self.tgt_len.sum(dtype=np.int64))
+        else:
+            self._bucket_of, self._tokens = _buckets_and_tokens(
+                self._tc, self.max_length, self.buckets
+            )
         self.epoch, self.position = 0, 0
         self._real_tokens = self._slots = 0
         self._load_epoch(0)
+        _log.info(
+            f"shard {self.process_index}/{self.process_count}: {self.num_examples:,} pairs "
+            f"({self.num_dropped:,} longer than max_length dropped), "
+            f"{self.batches_per_epoch:,} batches/epoch in {len(self.shapes)} shape(s), "
+            f"padding {self.planned_padding_fraction:.1%} of the batch slots"
+        )
 
     # The epoch's batches as a grain MapDataset: random access by position.
     def _load_epoch(self, epoch: int) -> None:
+        import grain
+
+        rng = epoch_rng(self.seed, self.shuffle_seed, epoch, 0)
         if self.packing:
-            plan = plan_packed(
-                self.src_len,
-                self.tgt_len,
-                self.max_length,
-                self.rows[0],
-                _epoch_rng(self.seed, self.shuffle_seed, epoch, 0),
-                self.process_count,
+            plan: Any = plan_packed(
+                self.src_len, self.tgt_len, self.max_length, self.rows[0], rng, self.process_count
             )
-            make = lambda rows: assemble_packed(self._tc, rows, self.rows[0], self.max_length)
+            make = lambda j: assemble_packed(self._tc, plan[j], self.rows[0], self.max_length)
+            slots = len(plan) * self.rows[0] * self.max_length
         else:
-            plan = plan_bucketed(
-                np.maximum(self.src_len, self.tgt_len),
-                self._bucket_of,
-                self.rows,
-                _epoch_rng(self.seed, self.shuffle_seed, epoch, 0),
-                self.process_count,
+            plan = plan_bucketed(None, self._bucket_of, self.rows, rng, self.process_count)
+            rows, widths = np.asarray(self.rows), self.buckets
+            make = lambda j: assemble_bucketed(
+                self._tc, plan[j][1], int(rows[plan.bucket[j]]), int(widths[plan.bucket[j]])
             )
-            make = lambda kb: assemble_bucketed(
-                self._tc, kb[1], self.rows[kb[0]], int(self.buckets[kb[0]])
-            )
+            slots = int((rows[plan.bucket] * widths[plan.bucket]).sum())
+        self.planned_padding_fraction = 1.0 - self._tokens / max(2 * slots, 1)
         # The plan is in bucket order; shuffle the batches (same seed on every
         # process, and the same number of batches, so shapes agree across hosts).
-        order_seed = int(_epoch_rng(self.seed, self.shuffle_seed, epoch, 1).integers(2**31))
-        self._epoch_ds = grain.MapDataset.source(plan).shuffle(seed=order_seed).map(make)
+        order_seed = int(epoch_rng(self.seed, self.shuffle_seed, epoch, 1).integers(2**31))
+        self._epoch_ds = (
+            grain.MapDataset.source(range(len(plan))).shuffle(seed=order_seed).map(make)
+        )
         self.epoch = epoch
 
     @property
@@ -429,7 +320,8 @@ class TrainIterator:
                 f"data state was saved for {state['num_examples']} examples, this corpus "
                 f"shard has {self.num_examples}: the dataset or its config changed"
             )
-        self._load_epoch(int(state["epoch"]))
+        if int(state["epoch"]) != self.epoch:
+            self._load_epoch(int(state["epoch"]))
         self.position = int(state["position"])
 
     @property
@@ -445,22 +337,10 @@ class TrainIterator:
             "num_examples": self.num_examples,
             "num_dropped": self.num_dropped,
             "padding_fraction": self.padding_fraction,
+            "planned_padding_fraction": self.planned_padding_fraction,
             "tokens_served": int(self._real_tokens),
             "shapes": self.shapes,
         }
-
-
-def _select(tc: TokenizedCorpus, keep: np.ndarray) -> TokenizedCorpus:
-    """The examples `keep` (views into the same flat arrays)."""
-    return TokenizedCorpus(
-        tc.src_flat,
-        tc.src_start[keep],
-        tc.src_len[keep],
-        tc.tgt_flat,
-        tc.tgt_start[keep],
-        tc.tgt_len[keep],
-        tc.index[keep],
-    )
 
 
 def train_iterator(
@@ -471,12 +351,14 @@ def train_iterator(
     batch_multiple: int = 1,
     process_index: int | None = None,
     process_count: int | None = None,
+    cache_dir: str | None = None,
 ) -> TrainIterator:
     """Infinite, checkpointable iterator over this process's training batches.
 
     Each process reads corpus indices `process_index::process_count` and gets
     about `config.batch_tokens / process_count` tokens per side per batch
-    (padding included; never more). B is a multiple of `batch_multiple`.
+    (padding included; never more). B is a multiple of `batch_multiple`. The
+    shard is tokenized once into `cache_dir` (None = in memory, every time).
     """
     return TrainIterator(
         config,
@@ -485,6 +367,7 @@ def train_iterator(
         batch_multiple=batch_multiple,
         process_index=process_index,
         process_count=process_count,
+        cache_dir=cache_dir,
     )
 
 
@@ -505,35 +388,21 @@ def eval_batches(
 
     Examples longer than max_length are truncated, never dropped. Batches are
     sorted by length (little padding); the indices ([B] int64, -1 for filler
-    rows) let the caller put results back in corpus order.
+    rows) let the caller put results back in corpus order. Dev sets are small:
+    they are tokenized in memory at each call, not cached.
     """
     pi, pc = _resolve_process(process_index, process_count)
     max_length = int(config.max_length)
-    tc = tokenize_corpus(corpus, tokenizer, shard_indices(len(corpus), pi, pc))
+    spec = ShardSpec(pi, pc, max_length, "truncate")
+    tc = tokenized_shard(corpus, tokenizer, spec, cache_dir=None, workers=1)
     src_len, tgt_len = _effective_lengths(tc, max_length)
     lengths = np.maximum(src_len, tgt_len)
     buckets = length_buckets(max_length, tuple(config.length_buckets))
     budget = int(batch_tokens or config.batch_tokens) // pc
     rows = [rows_per_batch(budget, int(b), batch_multiple) for b in buckets]
-    plan = plan_bucketed(lengths, np.searchsorted(buckets, lengths), rows, None, pc)
+    plan = plan_bucketed(lengths, bucket_of(buckets, lengths), rows, None, pc)
     for k, members in plan:
         batch = assemble_bucketed(tc, members, rows[k], int(buckets[k]))
         index = np.full(rows[k], -1, np.int64)
         index[: len(members)] = tc.index[members]
         yield batch, index
-
-
-# --- Global arrays ----------------------------------------------------------------------
-
-
-def to_global_batch(
-    batch: dict[str, np.ndarray], mesh: Mesh, batch_axes: Sequence[str] = ("data", "fsdp")
-) -> dict[str, jax.Array]:
-    """Per-process batches -> global jax.Arrays sharded along dim 0 over `batch_axes`.
-
-    Every process must pass arrays of the same shape; the global batch has
-    process_count times as many rows.
-    """
-    axes = tuple(a for a in batch_axes if a in mesh.axis_names)
-    sharding = NamedSharding(mesh, PartitionSpec(axes if axes else None))
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}

@@ -7,17 +7,18 @@ decode.py. Ids: 0 pad, 1 eos, 2 bos, 3 unk (the model library uses the same).
 
 from __future__ import annotations
 
+import hashlib
 import io
+import logging
 import os
-import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import sentencepiece as spm
 
-from data.corpora import DataError, atomic_write_bytes
+from data.files import DataError, atomic_write_bytes
 
 PAD_ID = 0
 EOS_ID = 1
@@ -28,13 +29,18 @@ TOKENIZER_FILENAME = "tokenizer.model"
 # scripts) round-trip exactly instead of becoming <unk>.
 _NUM_BYTE_PIECES = 256
 
+_log = logging.getLogger(__name__)
+
 
 class Tokenizer:
     """A SentencePiece model with our special ids. Thread-safe for encoding."""
 
-    def __init__(self, proto: bytes, path: str = ""):
-        self._sp = spm.SentencePieceProcessor(model_proto=proto)
-        self.path = path
+    def __init__(self, proto: bytes, path: str = "", num_threads: int = -1):
+        """`num_threads` for batch encoding: -1 = SentencePiece's default (all cores)."""
+        self._sp = spm.SentencePieceProcessor(model_proto=proto, num_threads=num_threads)
+        self.proto, self.path = proto, path
+        # Keys the tokenized-corpus cache: another model means other ids.
+        self.fingerprint = hashlib.sha256(proto).hexdigest()
         ids = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
         if ids != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
             raise DataError(f"{path or 'tokenizer'}: special ids {ids} != (0, 1, 2, 3)")
@@ -70,20 +76,36 @@ class Tokenizer:
         return self._sp.id_to_piece(int(i))
 
 
-def sample_training_text(corpus: Any, sample_size: int, seed: int) -> list[str]:
-    """A seeded sample of about `sample_size` sentences, both sides of each pair."""
+# Pairs read from the corpus at a time while streaming the tokenizer's sample.
+_SAMPLE_READ = 4096
+
+
+def iter_training_text(corpus: Any, sample_size: int, seed: int) -> Iterator[str]:
+    """A seeded sample of about `sample_size` sentences, both sides of each pair.
+
+    Streamed in corpus order: SentencePiece keeps its own copy, so holding the
+    sample in Python as well would double the memory of tokenizer training.
+    """
     n = len(corpus)
     num_pairs = min(n, max(1, sample_size // 2))
     idx = np.sort(np.random.default_rng(seed).choice(n, size=num_pairs, replace=False))
-    texts = []
-    for i in idx:
-        src, tgt = corpus[int(i)]
-        texts.extend(t for t in (src, tgt) if t)
-    return texts
+    for lo in range(0, len(idx), _SAMPLE_READ):
+        chunk = idx[lo : lo + _SAMPLE_READ]
+        if hasattr(corpus, "pairs"):  # a file read in spans, not line by line
+            pairs = corpus.pairs(chunk)
+        else:
+            pairs = [corpus[int(i)] for i in chunk]
+        for src, tgt in pairs:
+            yield from (t for t in (src, tgt) if t)
+
+
+def sample_training_text(corpus: Any, sample_size: int, seed: int) -> list[str]:
+    """`iter_training_text` as a list."""
+    return list(iter_training_text(corpus, sample_size, seed))
 
 
 def train_tokenizer(
-    texts: Sequence[str],
+    texts: Iterable[str],
     vocab_size: int,
     model_type: str = "unigram",
 ) -> bytes:
@@ -92,8 +114,6 @@ def train_tokenizer(
     Single-threaded so that the result depends only on the input (SentencePiece
     merges per-thread statistics in a scheduling-dependent order).
     """
-    if model_type not in ("unigram", "bpe"):
-        raise DataError(f"tokenizer_type must be 'unigram' or 'bpe', got {model_type!r}")
     min_vocab = _NUM_BYTE_PIECES + 4 + 1
     if vocab_size < min_vocab:
         raise DataError(f"vocab_size must be at least {min_vocab}, got {vocab_size}")
@@ -137,19 +157,24 @@ def get_tokenizer(config: Any, workdir: str, corpus: Any) -> Tokenizer:
             )
         return tok
     t0 = time.time()
-    texts = sample_training_text(corpus, config.tokenizer_sample_size, config.seed)
-    proto = train_tokenizer(texts, config.vocab_size, config.tokenizer_type)
+    count = [0]
+
+    def counted(texts: Iterable[str]) -> Iterator[str]:
+        for t in texts:
+            count[0] += 1
+            yield t
+
+    texts = iter_training_text(corpus, config.tokenizer_sample_size, config.seed)
+    proto = train_tokenizer(counted(texts), config.vocab_size, config.tokenizer_type)
     tok = Tokenizer(proto, path=path)
     if tok.vocab_size != config.vocab_size:
         raise DataError(
-            f"the training text ({len(texts)} sentences) supports only {tok.vocab_size} "
+            f"the training text ({count[0]} sentences) supports only {tok.vocab_size} "
             f"pieces, fewer than config.vocab_size={config.vocab_size}: lower vocab_size"
         )
     atomic_write_bytes(path, proto)
-    print(
-        f"[data] trained {config.tokenizer_type} tokenizer ({tok.vocab_size} pieces) on "
-        f"{len(texts)} sentences in {time.time() - t0:.1f}s -> {path}",
-        file=sys.stderr,
-        flush=True,
+    _log.info(
+        f"trained {config.tokenizer_type} tokenizer ({tok.vocab_size} pieces) on "
+        f"{count[0]} sentences in {time.time() - t0:.1f}s -> {path}"
     )
     return tok

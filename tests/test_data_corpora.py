@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
+from configs import default
 from data import DataError, corpora, load_split
 
 REAL_DING = corpora.DING_PATH
@@ -18,15 +19,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def make_config(**kw) -> ConfigDict:
-    c = ConfigDict(
-        dict(
-            dataset="ding",
-            eval_dataset="",
-            source_lang="de",
-            target_lang="en",
-            tfds_data_dir="",
-        )
-    )
+    c = default.get_config()
     c.update(kw)
     return c
 

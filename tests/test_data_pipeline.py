@@ -1,5 +1,6 @@
 """Batching: coverage per epoch, token budget, packing, resume, sharding, eval order."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -7,10 +8,11 @@ import sys
 
 import numpy as np
 import pytest
-from ml_collections import ConfigDict
 
-from data import BOS_ID, EOS_ID, eval_batches, to_global_batch, train_iterator
+from configs import default
+from data import BOS_ID, EOS_ID, eval_batches, train_iterator
 from data.corpora import ParallelCorpus
+from training.mesh import shard_batch
 
 
 class WordTokenizer:
@@ -40,18 +42,8 @@ def make_corpus(n=300, seed=0, max_words=40):
 
 
 def config(**kw):
-    c = ConfigDict(
-        dict(
-            max_length=32,
-            long_pairs="drop",
-            batch_tokens=512,
-            length_buckets=(),
-            packing=False,
-            shuffle_seed=0,
-            seed=0,
-            data_workers=0,
-        )
-    )
+    c = default.get_config()
+    c.update(dict(max_length=32, long_pairs="drop", batch_tokens=512, packing=False))
     c.update(kw)
     return c
 
@@ -119,9 +111,9 @@ def test_every_pair_once_per_epoch_and_budget(packing):
                     n = len(t)
                     np.testing.assert_array_equal(b["tgt_in"][r][1 : n + 1], t)
         assert sorted(seen) == sorted(kept)
-    # Bucketed shapes come from the fixed set (8, 16, 32); packing uses one shape.
+    # Bucketed shapes come from the fixed set (8, 12, ..., 28, 32); packing uses one shape.
     assert shapes <= set(it.shapes)
-    assert {s[1] for s in it.shapes} == ({32} if packing else {8, 16, 32})
+    assert {s[1] for s in it.shapes} == ({32} if packing else set(range(8, 33, 4)))
     assert it.stats()["num_dropped"] == len(corpus) - len(kept)
 
 
@@ -239,22 +231,22 @@ def test_eval_batches_every_example_once_in_recoverable_order(process_count):
     assert sorted(found) == list(range(len(corpus)))
 
 
-def test_to_global_batch_single_device():
+def test_shard_batch_single_device():
     import jax
 
-    mesh = jax.make_mesh((1, 1), ("data", "fsdp"))
+    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"))
     batch = next(train_iterator(config(), TOK, make_corpus()))
-    out = to_global_batch(batch, mesh)
+    out = shard_batch(batch, mesh)
     for k in batch:
         np.testing.assert_array_equal(np.asarray(out[k]), batch[k])
 
 
 _EIGHT_DEVICES = """
 import numpy as np, jax
-from data import to_global_batch
-mesh = jax.make_mesh((4, 2), ("data", "fsdp"))
+from training.mesh import shard_batch
+mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "tensor"))
 batch = {"src": np.arange(16 * 8, dtype=np.int32).reshape(16, 8)}
-out = to_global_batch(batch, mesh)["src"]
+out = shard_batch(batch, mesh)["src"]
 assert out.shape == (16, 8), out.shape
 assert len(out.sharding.device_set) == 8
 assert {s.data.shape for s in out.addressable_shards} == {(2, 8)}
@@ -263,7 +255,7 @@ print("ok")
 """
 
 
-def test_to_global_batch_on_eight_fake_devices():
+def test_shard_batch_on_eight_fake_devices():
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
@@ -281,3 +273,88 @@ def test_budget_too_small_is_a_clear_error():
 
     with pytest.raises(DataError, match="batch_tokens"):
         train_iterator(config(batch_tokens=64), TOK, make_corpus(), batch_multiple=4)
+
+
+# --- Buckets and plans at scale -------------------------------------------------------------
+
+
+def test_default_buckets_are_fine_and_few():
+    from data.pipeline import length_buckets
+
+    for max_length, count in ((64, 13), (256, 25)):
+        b = length_buckets(max_length).tolist()
+        assert len(b) == count and b[-1] == max_length and b == sorted(set(b))
+        assert b[:11] == list(range(8, 49, 4))
+        # From 24 tokens on, each width is at most 1/6 above the one before.
+        wide = [x for x in b if x >= 24]
+        assert all(y - x <= x / 6 for x, y in itertools.pairwise(wide))
+    assert length_buckets(64, (16, 100)).tolist() == [16, 64]
+
+
+def wmt_like_corpus(n: int, max_length: int, seed: int = 0):
+    """Token lengths like WMT pairs (log-normal source, median 25; target ~1.1x), random ids."""
+    from data.pipeline import TokenizedCorpus
+
+    rng = np.random.default_rng(seed)
+    src = np.clip(rng.lognormal(np.log(25), 0.6, n), 1, max_length - 1).astype(np.int16)
+    tgt = np.clip(np.round(src * rng.normal(1.1, 0.15, n)), 1, max_length - 1).astype(np.int16)
+    flat = lambda lens: (
+        rng.integers(4, 1000, int(lens.sum())).astype(np.uint16),
+        np.concatenate([[0], np.cumsum(lens[:-1], dtype=np.int64)]),
+    )
+    (sf, ss), (tf, ts) = flat(src), flat(tgt)
+    return TokenizedCorpus(sf, ss, src, tf, ts, tgt, np.arange(n, dtype=np.int64))
+
+
+def test_bucketed_padding_on_wmt_like_lengths():
+    """The default buckets pad a WMT-like corpus <= 10% at tiny's shapes (powers of two: 28%)."""
+    from data.pipeline import TrainIterator
+
+    tc = wmt_like_corpus(200_000, 64)
+    c = config(max_length=64, batch_tokens=1024)
+    it = TrainIterator(c, None, None, tokenized=tc)
+    assert it.planned_padding_fraction <= 0.10 and len(it.shapes) == 13
+    real = slots = 0
+    for _ in range(200):
+        b = next(it)
+        real += np.count_nonzero(b["src"]) + np.count_nonzero(b["tgt_out"])
+        slots += b["src"].size + b["tgt_out"].size
+    assert 1 - real / slots == pytest.approx(it.planned_padding_fraction, abs=0.03)
+    old = TrainIterator(
+        config(max_length=64, batch_tokens=1024, length_buckets=(8, 16, 32)),
+        None,
+        None,
+        tokenized=tc,
+    )
+    assert old.planned_padding_fraction > 0.25
+
+
+def reference_first_fit(order, src_len, tgt_len, length, window=16):
+    """The packer as it was before plans became compact arrays: lists of rows."""
+    packed, used = [], []
+    for i in order.tolist():
+        ls, lt = int(src_len[i]), int(tgt_len[i])
+        for r in range(max(0, len(packed) - window), len(packed)):
+            us, ut = used[r]
+            if us + ls <= length and ut + lt <= length:
+                packed[r].append(i)
+                used[r] = (us + ls, ut + lt)
+                break
+        else:
+            packed.append([i])
+            used.append((ls, lt))
+    return packed
+
+
+def test_packed_plan_equals_the_reference_first_fit(monkeypatch):
+    from data import plans
+
+    rng = np.random.default_rng(0)
+    src_len = rng.integers(1, 33, 5000)
+    tgt_len = rng.integers(1, 33, 5000)
+    monkeypatch.setattr(plans, "_PACK_CHUNK", 777)  # the packer's state crosses chunks
+    plan = plans.plan_packed(src_len, tgt_len, 32, 8, np.random.default_rng(5))
+    order = plans._shuffled(5000, np.random.default_rng(5))
+    rows = reference_first_fit(order, src_len, tgt_len, 32)
+    assert [r for j in range(len(plan)) for r in plan[j]] == rows
+    assert len(plan) == -(-len(rows) // 8)

@@ -1,0 +1,174 @@
+"""Files the data pipeline writes: cache locations, atomic writes and directory publication.
+
+Every cache (the Ding parse, a TSV line index, a tokenized corpus shard) is
+built in a private temporary directory next to its final one and renamed into
+place when complete, so a reader sees either nothing or a finished build:
+
+    tmp = temp_dir(final)                 # '.NAME.tmp-HOST-PID-RANDOM', unique per process
+    ... write files, manifest.json last ...
+    publish_dir(tmp, final)               # rename; if another process won, use its copy
+
+A build killed midway (even by SIGKILL) leaves only its temporary directory,
+which no reader trusts and `remove_stale_temps` deletes later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from typing import Any
+
+MANIFEST = "manifest.json"
+# Another host's temporary directory untouched for this long belongs to a dead build
+# (we cannot ask another host whether its pid is alive).
+_FOREIGN_TEMP_AGE_S = 3600
+
+_log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A user error in the data configuration (missing file, bad format, ...)."""
+
+
+def cache_dir() -> str:
+    """`$ATTENTION_JAX_CACHE`, else `$XDG_CACHE_HOME/attention-jax`, else ~/.cache/..."""
+    if os.environ.get("ATTENTION_JAX_CACHE"):
+        return os.environ["ATTENTION_JAX_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "attention-jax")
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Writes to a temporary file in the same directory, then renames."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_").replace("-", "_") or "host"
+
+
+def temp_dir(final: str) -> str:
+    """Creates and returns a private build directory next to `final`.
+
+    The name carries host and pid, so processes of a multi-host job that share
+    a filesystem never write into each other's builds.
+    """
+    parent, name = os.path.split(os.path.abspath(final))
+    os.makedirs(parent, exist_ok=True)
+    path = os.path.join(parent, f".{name}.tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    os.makedirs(path)
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(final: str) -> None:
+    """Deletes temporary builds of `final` left by dead processes (e.g. SIGKILLed).
+
+    On this host a build is dead when its pid is; another host's build when it
+    has not been touched for an hour.
+    """
+    parent, name = os.path.split(os.path.abspath(final))
+    prefix = f".{name}.tmp-"
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        return
+    host = _host()
+    for entry in entries:
+        if not entry.startswith(prefix):
+            continue
+        path = os.path.join(parent, entry)
+        parts = entry[len(prefix) :].split("-")
+        try:
+            same_host, pid = parts[0] == host, int(parts[1])
+            age = time.time() - max(
+                (os.path.getmtime(os.path.join(path, f)) for f in os.listdir(path)),
+                default=os.path.getmtime(path),
+            )
+        except (IndexError, ValueError, OSError):
+            continue
+        if (same_host and not _pid_alive(pid)) or (not same_host and age > _FOREIGN_TEMP_AGE_S):
+            _log.info(f"removing the unfinished build {path}")
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def fsync_dir(path: str) -> None:
+    """Flushes the files of a build directory and the directory itself to disk."""
+    for entry in os.listdir(path):
+        with open(os.path.join(path, entry), "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
+    """The manifest is written last: a directory without one is not a finished build."""
+    with open(os.path.join(directory, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+
+
+def read_manifest(directory: str) -> dict[str, Any] | None:
+    """The manifest of a published directory, or None if absent or unreadable."""
+    try:
+        with open(os.path.join(directory, MANIFEST), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def publish_dir(tmp: str, final: str) -> None:
+    """Renames the finished build `tmp` to `final` (atomic on POSIX filesystems).
+
+    If another process published `final` first, its copy is kept (it was built
+    from the same key, so it has the same content) and ours is deleted. A
+    `final` without a readable manifest (damaged by hand) is moved aside.
+    """
+    fsync_dir(tmp)
+    for _ in range(2):
+        try:
+            os.rename(tmp, final)
+            return
+        except OSError:
+            if not os.path.isdir(final):
+                raise
+            if read_manifest(final) is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            move_aside(final)
+    raise DataError(f"cannot publish {final}: it keeps being replaced by another process")
+
+
+def move_aside(path: str) -> None:
+    """Renames a damaged cache directory out of the way (kept for inspection)."""
+    aside = f"{path}.damaged-{int(time.time())}-{secrets.token_hex(2)}"
+    _log.warning(f"moving the damaged cache {path} aside to {aside}; it will be rebuilt")
+    with contextlib.suppress(FileNotFoundError):  # another process moved it first
+        os.rename(path, aside)

@@ -1,0 +1,227 @@
+"""Batch plans: which examples go into which batch of an epoch, from the length arrays alone.
+
+    buckets = length_buckets(max_length)                    # the fixed set of padded widths
+    plan = plan_bucketed(None, bucket_of, rows, rng)        # batch j -> (bucket, example indices)
+    plan = plan_packed(src_len, tgt_len, max_length, rows, rng)   # batch j -> rows of examples
+
+A plan is a pure function of the lengths and the seeded generator, so an
+epoch's batches can be recomputed exactly on resume; it holds a few bytes per
+example (int32 indices), never the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from data.files import DataError
+
+# Open rows considered by the packer for each pair (first fit among the newest).
+_PACK_WINDOW = 16
+# The narrowest bucket, and the step between bucket widths up to 12 steps wide
+# (48 tokens); from there the step doubles whenever the width doubles.
+_MIN_BUCKET = 8
+_BUCKET_STEP = 4
+# Pairs handed to the packer's Python loop at a time (bounds its list memory).
+_PACK_CHUNK = 1 << 20
+
+
+def length_buckets(max_length: int, buckets: Sequence[int] = ()) -> np.ndarray:
+    """Padded lengths: `buckets` below max_length, plus max_length.
+
+    Default: 8, 12, ..., 48 (steps of 4), then 56, ..., 96 (8), 112, ..., 192
+    (16), 224, 256, ... (32): from 24 tokens on each width is at most 1/6 above
+    the one before, so the longer side of a pair pads ~5% on average. 13 shapes
+    for max_length 64, 25 for 256; a WMT-like corpus pads 9.9% / 11.9% of its
+    slots (powers of two: 28% / 34%; docs/data.md compares schemes).
+    """
+    if buckets:
+        b = sorted({int(x) for x in buckets if int(x) < max_length})
+    else:
+        b, width, step = [], _MIN_BUCKET, _BUCKET_STEP
+        while width < max_length:
+            b.append(width)
+            if width >= 12 * step:
+                step *= 2
+            width += step
+    return np.array([*b, max_length], np.int64)
+
+
+def bucket_of(buckets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Index of the narrowest bucket that holds each length, as uint8 (a lookup table:
+    no int64 temporary the size of the corpus)."""
+    table = np.searchsorted(buckets, np.arange(int(buckets[-1]) + 1))
+    return table.astype(np.min_scalar_type(len(buckets)))[lengths]
+
+
+def rows_per_batch(budget: int, length: int, multiple: int) -> int:
+    """Rows of `length` tokens that fit `budget`, rounded down to a multiple of `multiple`."""
+    rows = (budget // length) // multiple * multiple
+    if rows < multiple:
+        raise DataError(
+            f"batch_tokens per process ({budget}) cannot hold {multiple} rows of "
+            f"{length} tokens: raise batch_tokens or lower max_length"
+        )
+    return rows
+
+
+def epoch_rng(seed: int, shuffle_seed: int, epoch: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, shuffle_seed, epoch, stream])
+
+
+def _global_max(counts: np.ndarray, process_count: int) -> np.ndarray:
+    """Element-wise max over processes, so every process runs the same batch shapes."""
+    import jax  # here: the cache's worker processes import this package without JAX
+
+    if process_count > 1 and jax.process_count() == process_count:
+        from jax.experimental import multihost_utils
+
+        return np.max(multihost_utils.process_allgather(counts), axis=0)
+    return counts
+
+
+def _shuffled(n: int, rng: np.random.Generator) -> np.ndarray:
+    """A seeded permutation of range(n), int32 when it fits (half of int64's memory)."""
+    order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    rng.shuffle(order)
+    return order
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """An epoch's bucketed batches: batch j is `members[start[j]:stop[j]]` in bucket[j]."""
+
+    bucket: np.ndarray  # int64 [num_batches]
+    start: np.ndarray  # int64 [num_batches]
+    stop: np.ndarray  # int64 [num_batches]
+    members: np.ndarray  # local example indices, batch after batch
+
+    def __len__(self) -> int:
+        return len(self.bucket)
+
+    def __getitem__(self, j: int) -> tuple[int, np.ndarray]:
+        """(bucket, local example indices) of batch j (empty for a filler batch)."""
+        return int(self.bucket[j]), self.members[self.start[j] : self.stop[j]]
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        return (self[j] for j in range(len(self)))
+
+
+def plan_bucketed(
+    lengths: np.ndarray,
+    bucket_of: np.ndarray,
+    rows: Sequence[int],
+    rng: np.random.Generator | None,
+    process_count: int = 1,
+) -> BucketPlan:
+    """Cuts examples into (bucket, local example indices) batches, in bucket order.
+
+    Each bucket's members are shuffled with `rng` before they are cut (None:
+    sorted by `lengths`, for eval). Every process gets the same number of
+    batches per bucket (the max over processes); the extra ones are empty
+    filler batches. Memory: 4 bytes per example (int32 members) and a
+    bucket-sized temporary, whatever the corpus size.
+    """
+    n, num_buckets = len(bucket_of), len(rows)
+    sizes = np.bincount(bucket_of, minlength=num_buckets).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    members = np.empty(n, np.int32 if n < 2**31 else np.int64)
+    for k in range(num_buckets):
+        m = np.flatnonzero(bucket_of == k).astype(members.dtype)
+        if rng is not None:
+            rng.shuffle(m)
+        else:
+            m = m[np.argsort(lengths[m], kind="stable")]
+        members[offsets[k] : offsets[k] + sizes[k]] = m
+    rows_k = np.asarray(rows, np.int64)
+    counts = _global_max(-(-sizes // rows_k), process_count)
+    bucket = np.repeat(np.arange(len(rows_k)), counts)
+    j = np.arange(len(bucket)) - np.repeat(np.cumsum(counts) - counts, counts)
+    size_b, rows_b, off_b = sizes[bucket], rows_k[bucket], offsets[bucket]
+    start = off_b + np.minimum(j * rows_b, size_b)
+    stop = off_b + np.minimum((j + 1) * rows_b, size_b)
+    return BucketPlan(bucket, start, stop, members)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedPlan:
+    """An epoch's packed batches: batch j holds rows j*rows_per_batch, ...; row r holds
+    the examples `members[row_start[r]:row_start[r + 1]]`."""
+
+    members: np.ndarray  # local example indices, row after row
+    row_start: np.ndarray  # int64 [num_rows + 1]
+    rows_per_batch: int
+    num_batches: int
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, j: int) -> list[list[int]]:
+        """Batch j's rows, each a list of local example indices (fewer rows at the end)."""
+        num_rows = len(self.row_start) - 1
+        first, last = j * self.rows_per_batch, min((j + 1) * self.rows_per_batch, num_rows)
+        rs = self.row_start
+        return [self.members[rs[r] : rs[r + 1]].tolist() for r in range(first, last)]
+
+
+def _first_fit(src_len: list[int], tgt_len: list[int], length: int, state: list[Any]) -> list[int]:
+    """Row id of each pair, first fit among the newest _PACK_WINDOW open rows.
+
+    `state` = [open rows' used source tokens, used target tokens, ids, rows so
+    far] carries over between chunks. A plain loop: each pair depends on where
+    the ones before it went.
+    """
+    used_s, used_t, ids, num_rows = state
+    out = [0] * len(src_len)
+    for k, (ls, lt) in enumerate(zip(src_len, tgt_len, strict=True)):
+        for w in range(len(ids)):
+            if used_s[w] + ls <= length and used_t[w] + lt <= length:
+                used_s[w] += ls
+                used_t[w] += lt
+                out[k] = ids[w]
+                break
+        else:
+            used_s.append(ls)
+            used_t.append(lt)
+            ids.append(num_rows)
+            out[k] = num_rows
+            num_rows += 1
+            if len(ids) > _PACK_WINDOW:
+                del used_s[0], used_t[0], ids[0]
+    state[3] = num_rows
+    return out
+
+
+def plan_packed(
+    src_len: np.ndarray,
+    tgt_len: np.ndarray,
+    length: int,
+    rows: int,
+    rng: np.random.Generator,
+    process_count: int = 1,
+) -> PackedPlan:
+    """Packs shuffled examples into rows of `length` tokens per side.
+
+    `src_len`/`tgt_len` include EOS. First fit among the newest open rows keeps
+    it linear in the corpus size while filling rows well (~2 µs per pair).
+    """
+    order = _shuffled(len(src_len), rng)
+    row_of = np.empty(len(order), np.int32)
+    state: list[Any] = [[], [], [], 0]
+    for lo in range(0, len(order), _PACK_CHUNK):
+        idx = order[lo : lo + _PACK_CHUNK]
+        row_of[lo : lo + len(idx)] = _first_fit(
+            src_len[idx].tolist(), tgt_len[idx].tolist(), length, state
+        )
+    num_rows = state[3]
+    # Group by row, keeping each row's pairs in the order they were placed.
+    members = order[np.argsort(row_of, kind="stable")]
+    row_start = np.zeros(num_rows + 1, np.int64)
+    np.cumsum(np.bincount(row_of, minlength=num_rows), out=row_start[1:])
+    count = math.ceil(num_rows / rows)
+    count = int(_global_max(np.array([count], np.int64), process_count)[0])
+    return PackedPlan(members, row_start, rows, count)

@@ -1,0 +1,330 @@
+"""The tokenized-corpus cache: batches equal the uncached ones, the key (rebuilt exactly
+when the corpus file, tokenizer, max_length or long_pairs change), SIGKILL mid-build,
+two processes building disjoint shards at once, parallel workers, exact resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from configs import default
+from data import cache, files, get_tokenizer, load_split, train_iterator
+from data.cache import ShardSpec, tokenized_shard
+from data.corpora import ParallelCorpus, TfdsCorpus
+from data.tokenized import FIELDS
+from tests.conftest import write_reversal_tsv
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTENTION_JAX_CACHE", str(tmp_path / "user-cache"))
+
+
+def config(tsv: str = "", **kw):
+    c = default.get_config()
+    c.update(
+        dict(
+            dataset=f"tsv:{tsv}",
+            vocab_size=300,
+            tokenizer_sample_size=2000,
+            max_length=16,
+            batch_tokens=256,
+            packing=False,
+        )
+    )
+    c.update(kw)
+    return c
+
+
+@pytest.fixture(scope="module")
+def corpus_tsv(tmp_path_factory):
+    return write_reversal_tsv(
+        tmp_path_factory.mktemp("data") / "pairs.tsv", num_pairs=3000, max_words=9, seed=0
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus_tsv, tmp_path_factory):
+    c = config(corpus_tsv)
+    return get_tokenizer(c, str(tmp_path_factory.mktemp("wd")), load_split(c, "train"))
+
+
+def same_arrays(a, b):
+    for f in FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(a, f)), np.asarray(getattr(b, f)), f)
+    assert a.num_dropped == b.num_dropped
+
+
+def count_builds(monkeypatch) -> list:
+    builds = []
+    real = cache._build
+    monkeypatch.setattr(cache, "_build", lambda *a: builds.append(a[2]) or real(*a))
+    return builds
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_batches_from_the_cache_equal_batches_without_it(corpus_tsv, tokenizer, tmp_path, packing):
+    c = config(corpus_tsv, packing=packing, max_length=12)  # some pairs dropped
+    corpus = load_split(c, "train")
+    cached = train_iterator(c, tokenizer, corpus, cache_dir=str(tmp_path / "cache"))
+    mapped = train_iterator(c, tokenizer, corpus, cache_dir=str(tmp_path / "cache"))
+    plain = train_iterator(c, tokenizer, corpus)
+    assert isinstance(mapped._tc.src_flat, np.memmap) and mapped._tc.src_flat.dtype == np.uint16
+    assert cached.num_dropped == plain.num_dropped > 0
+    same_arrays(mapped._tc, plain._tc)
+    for _ in range(plain.batches_per_epoch + 3):  # across an epoch boundary
+        want, got1, got2 = next(plain), next(cached), next(mapped)
+        assert want.keys() == got1.keys() == got2.keys()
+        for k in want:
+            assert got1[k].dtype == np.int32
+            np.testing.assert_array_equal(got1[k], want[k])
+            np.testing.assert_array_equal(got2[k], want[k])
+
+
+def test_cache_is_rebuilt_exactly_when_its_inputs_change(
+    corpus_tsv, tokenizer, tmp_path, monkeypatch
+):
+    builds = count_builds(monkeypatch)
+    path = str(tmp_path / "pairs.tsv")
+    with open(corpus_tsv) as f, open(path, "w") as g:
+        g.write(f.read())
+    root = str(tmp_path / "cache")
+
+    def shard(c, tok=tokenizer):
+        spec = ShardSpec(0, 1, c.max_length, c.long_pairs)
+        return tokenized_shard(load_split(c, "train"), tok, spec, cache_dir=root)
+
+    base = shard(config(path))
+    shard(config(path))
+    assert len(builds) == 1  # same inputs: mapped, not rebuilt
+    shard(config(path, max_length=12))
+    shard(config(path, long_pairs="truncate"))
+    assert len(builds) == 3
+    other_tok = get_tokenizer(
+        config(path, seed=1), str(tmp_path / "wd"), load_split(config(path), "train")
+    )
+    assert other_tok.fingerprint != tokenizer.fingerprint
+    shard(config(path), other_tok)
+    assert len(builds) == 4
+    shard(config(path), tokenizer)  # back to the first: still there
+    assert len(builds) == 4
+    with open(path, "a") as f:  # the corpus file changes
+        f.write("aaa bbb\tbbb aaa\n")
+    os.utime(path, ns=(1, 1))
+    changed = shard(config(path))
+    assert len(builds) == 5 and len(changed) > 0
+    # Every shard directory has a manifest naming its key; no temporary directory is left.
+    entries = os.listdir(root)
+    assert len(entries) == 5 and not [e for e in entries if e.startswith(".")]
+    assert all(files.read_manifest(os.path.join(root, e))["key"]["version"] for e in entries)
+    assert len(base) > 0
+
+
+def test_ding_and_tfds_corpora_are_cached_too(tokenizer, tmp_path, monkeypatch):
+    builds = count_builds(monkeypatch)
+    root = str(tmp_path / "cache")
+    spec = ShardSpec(0, 1, 16, "drop")
+    pairs = [(f"abc def {i}", f"def abc {i}") for i in range(50)]
+    ding = ParallelCorpus([p[0] for p in pairs], [p[1] for p in pairs], name="ding/train")
+    a = tokenized_shard(ding, tokenizer, spec, cache_dir=root)
+    b = tokenized_shard(ding, tokenizer, spec, cache_dir=root)
+    edited = ParallelCorpus([*ding.sources[:-1], "changed"], ding.targets, name="ding/train")
+    tokenized_shard(edited, tokenizer, spec, cache_dir=root)
+    assert len(builds) == 2
+    same_arrays(a, b)
+
+    class Source:  # a tfds.data_source stand-in (ArrayRecord: random access to dicts)
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return {"de": f"abc {i}".encode(), "en": f"def {i}".encode()}
+
+    tfds = TfdsCorpus(Source(), "en", "de", name="tfds:x/train")
+    c = tokenized_shard(tfds, tokenizer, spec, cache_dir=root)
+    tokenized_shard(tfds, tokenizer, spec, cache_dir=root)
+    assert len(builds) == 3
+    same_arrays(c, tokenized_shard(tfds, tokenizer, spec, cache_dir=None))
+
+
+_KILLED_BUILD = textwrap.dedent(
+    """
+    import sys, time
+    from data import cache, load_split, tokenized
+    from data.tokenizer import Tokenizer
+    from configs import default
+
+    tsv, tok_path, root = sys.argv[1:4]
+    c = default.get_config()
+    c.dataset, c.max_length = "tsv:" + tsv, 16
+    cache.CHUNK_PAIRS = 64  # many small chunks, each slowed down: a long build to kill
+    encode = tokenized.encode_chunk
+    cache.encode_chunk = lambda *a, **k: (time.sleep(0.1), encode(*a, **k))[1]
+    cache.tokenized_shard(load_split(c, "train"), Tokenizer.load(tok_path),
+                          cache.ShardSpec(0, 1, 16, "drop"), cache_dir=root, workers=1)
+    print("finished")
+    """
+)
+
+
+def test_a_build_killed_midway_leaves_nothing_a_later_run_trusts(
+    corpus_tsv, tokenizer, tmp_path, monkeypatch
+):
+    root = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_BUILD, corpus_tsv, tokenizer.path, str(root)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill once some token ids are on disk
+        temps = [d for d in (os.listdir(root) if root.exists() else []) if ".tmp-" in d]
+        if temps and os.path.getsize(root / temps[0] / "src.bin") > 0:
+            break
+        assert child.poll() is None, child.communicate()
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.communicate()
+    entries = os.listdir(root)
+    assert len(entries) == 1 and ".tmp-" in entries[0]  # only the private build directory
+
+    c = config(corpus_tsv)
+    spec = ShardSpec(0, 1, 16, "drop")
+    corpus = load_split(c, "train")
+    builds = count_builds(monkeypatch)
+    want = tokenized_shard(corpus, tokenizer, spec, cache_dir=None)
+    same_arrays(tokenized_shard(corpus, tokenizer, spec, cache_dir=str(root)), want)
+    assert len(builds) == 1  # rebuilt, not resumed from the killed build's files
+    (final,) = os.listdir(root)  # the dead process's directory is gone
+    assert ".tmp-" not in final
+
+    # A published shard damaged later (here: truncated) is moved aside and rebuilt.
+    # (Nothing maps it any more: truncating a mapped file would crash its reader.)
+    with open(root / final / "tgt.bin", "r+b") as f:
+        f.truncate(10)
+    same_arrays(tokenized_shard(corpus, tokenizer, spec, cache_dir=str(root)), want)
+    assert len(builds) == 2
+    assert sorted(".damaged-" in e for e in os.listdir(root)) == [False, True]
+
+
+def test_stale_temporaries_of_other_hosts_are_removed_after_an_hour(tmp_path):
+    final = str(tmp_path / "shard")
+    young, old = (tmp_path / f".shard.tmp-otherhost-{p}-abcd" for p in (1, 2))
+    for d in (young, old):
+        d.mkdir()
+        (d / "src.bin").write_bytes(b"12")
+    os.utime(old / "src.bin", (time.time() - 7200,) * 2)
+    files.remove_stale_temps(final)
+    assert young.exists() and not old.exists()
+
+
+_SHARD_BUILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from data import cache, load_split
+    from data.tokenizer import Tokenizer
+    from configs import default
+
+    tsv, tok_path, root, index = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    c = default.get_config()
+    c.dataset = "tsv:" + tsv
+    tc = cache.tokenized_shard(load_split(c, "train"), Tokenizer.load(tok_path),
+                               cache.ShardSpec(index, 2, 16, "truncate"), cache_dir=root)
+    print(json.dumps(np.asarray(tc.index).tolist()))
+    """
+)
+
+
+def test_two_processes_build_their_own_shards_into_one_directory(corpus_tsv, tokenizer, tmp_path):
+    root = str(tmp_path / "shared")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SHARD_BUILD, corpus_tsv, tokenizer.path, root, str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    got = [json.loads(o[0]) for o in outs]
+    n = len(load_split(config(corpus_tsv), "train"))
+    assert got[0] == list(range(0, n, 2)) and got[1] == list(range(1, n, 2))  # disjoint, all
+    assert sorted(os.listdir(root)) == sorted(
+        e for e in os.listdir(root) if e.endswith(("s00000of00002", "s00001of00002"))
+    )
+    corpus = load_split(config(corpus_tsv), "train")
+    for i in (0, 1):
+        spec = ShardSpec(i, 2, 16, "truncate")
+        same_arrays(
+            tokenized_shard(corpus, tokenizer, spec, cache_dir=root),
+            tokenized_shard(corpus, tokenizer, spec, cache_dir=None),
+        )
+
+
+def test_worker_processes_give_the_same_arrays(corpus_tsv, tokenizer, monkeypatch, caplog):
+    corpus = load_split(config(corpus_tsv), "train")
+    spec = ShardSpec(0, 1, 16, "drop")
+    alone = tokenized_shard(corpus, tokenizer, spec, cache_dir=None, workers=1)
+    monkeypatch.setattr(cache, "PARALLEL_MIN_PAIRS", 0)
+    monkeypatch.setattr(cache, "CHUNK_PAIRS", 200)
+    monkeypatch.setattr(cache, "_LOG_EVERY_S", 0.0)  # a progress line after every chunk
+    with caplog.at_level("INFO", logger="data"):
+        pooled = tokenized_shard(corpus, tokenizer, spec, cache_dir=None, workers=2)
+    same_arrays(pooled, alone)
+    assert any("pairs/s" in r.getMessage() for r in caplog.records)
+
+
+def test_resume_from_a_mapped_cache_is_exact(corpus_tsv, tokenizer, tmp_path):
+    c = config(corpus_tsv)
+    corpus = load_split(c, "train")
+    root = str(tmp_path / "cache")
+    it = train_iterator(c, tokenizer, corpus, cache_dir=root)
+    for _ in range(it.batches_per_epoch - 2):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    want = [next(it) for _ in range(5)]
+    resumed = train_iterator(c, tokenizer, corpus, cache_dir=root)
+    resumed.set_state(state)
+    for w in want:
+        got = next(resumed)
+        for k in w:
+            np.testing.assert_array_equal(got[k], w[k])
+
+
+class BigVocab:
+    """A tokenizer whose ids do not fit uint16."""
+
+    vocab_size, fingerprint = 70_000, "big-vocab"
+
+    def encode_batch(self, texts):
+        return [[69_999, 4 + len(t)] for t in texts]
+
+
+def test_ids_are_uint16_when_they_fit_else_int32(tmp_path):
+    corpus = ParallelCorpus(["a b", "c"], ["d", "e f"], name="mem")
+    spec = ShardSpec(0, 1, 8, "drop")
+    tc = tokenized_shard(corpus, BigVocab(), spec, cache_dir=str(tmp_path))
+    assert tc.src_flat.dtype == np.int32 and tc.src_flat.tolist() == [69_999, 7, 69_999, 5]
+    BigVocab.vocab_size = 65_536  # claims to fit, but emits 69_999: a clear error
+    try:
+        with pytest.raises(files.DataError, match="out of range"):
+            tokenized_shard(corpus, BigVocab(), spec, cache_dir=None)
+    finally:
+        BigVocab.vocab_size = 70_000
