@@ -11,6 +11,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -149,11 +150,16 @@ def get_tokenizer(config: Any, workdir: str, corpus: Any) -> Tokenizer:
     path = os.path.join(workdir, TOKENIZER_FILENAME)
     if os.path.isfile(path):
         tok = Tokenizer.load(path)
-        if tok.vocab_size != config.vocab_size:
+        if tok.vocab_size > config.vocab_size:  # its ids would not fit the embedding
             raise DataError(
                 f"{path} has a vocabulary of {tok.vocab_size}, but config.vocab_size is "
                 f"{config.vocab_size}: use a fresh workdir or set "
                 f"--config.vocab_size={tok.vocab_size}"
+            )
+        if tok.vocab_size < config.vocab_size:
+            _log.info(
+                f"{path} has {tok.vocab_size} pieces, config.vocab_size {config.vocab_size}: "
+                f"ids >= {tok.vocab_size} are never produced"
             )
         return tok
     t0 = time.time()
@@ -165,12 +171,25 @@ def get_tokenizer(config: Any, workdir: str, corpus: Any) -> Tokenizer:
             yield t
 
     texts = iter_training_text(corpus, config.tokenizer_sample_size, config.seed)
-    proto = train_tokenizer(counted(texts), config.vocab_size, config.tokenizer_type)
-    tok = Tokenizer(proto, path=path)
-    if tok.vocab_size != config.vocab_size:
+    try:
+        proto = train_tokenizer(counted(texts), config.vocab_size, config.tokenizer_type)
+    except RuntimeError as e:  # SentencePiece: "Vocabulary size is smaller than required_chars"
+        need = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+        if not need:
+            raise
         raise DataError(
-            f"the training text ({count[0]} sentences) supports only {tok.vocab_size} "
-            f"pieces, fewer than config.vocab_size={config.vocab_size}: lower vocab_size"
+            f"config.vocab_size={config.vocab_size} is too small for this corpus: its "
+            f"characters, the {_NUM_BYTE_PIECES} byte pieces and the special ids need at least "
+            f"{need.group(1)} pieces; set --config.vocab_size={need.group(1)} or more"
+        ) from None
+    tok = Tokenizer(proto, path=path)
+    if tok.vocab_size < config.vocab_size:
+        # hard_vocab_limit=False: SentencePiece stopped at the most pieces this text has.
+        _log.warning(
+            f"the tokenizer's training text ({count[0]} sentences) supports only "
+            f"{tok.vocab_size} pieces, fewer than config.vocab_size={config.vocab_size}: "
+            f"training on with {tok.vocab_size}; the model keeps {config.vocab_size} output "
+            f"rows and never produces ids >= {tok.vocab_size}"
         )
     atomic_write_bytes(path, proto)
     _log.info(

@@ -88,8 +88,34 @@ def test_training_deterministic_saved_and_reused(tmp_path):
     # Second call loads: an empty corpus would make training impossible.
     again = get_tokenizer(config(), str(tmp_path / "a"), ParallelCorpus([], []))
     assert again.encode("Fähre") == a.encode("Fähre")
-    with pytest.raises(DataError, match="vocab_size"):
-        get_tokenizer(config(vocab_size=330), str(tmp_path / "a"), corpus())
+    # A saved tokenizer larger than the config's vocabulary cannot be used (its ids would
+    # not fit the embedding); a smaller one can (ids beyond it are never produced).
+    with pytest.raises(DataError, match=r"vocabulary of 320, but config\.vocab_size is 310"):
+        get_tokenizer(config(vocab_size=310), str(tmp_path / "a"), corpus())
+    assert get_tokenizer(config(vocab_size=330), str(tmp_path / "a"), corpus()).vocab_size == 320
+
+
+def test_a_vocabulary_below_what_the_corpus_needs_names_the_minimum(tmp_path):
+    with pytest.raises(DataError) as e:
+        get_tokenizer(config(vocab_size=262), str(tmp_path / "a"), corpus())
+    msg = str(e.value)
+    need = int(msg.split("need at least ")[1].split()[0])
+    assert f"set --config.vocab_size={need} or more" in msg and "\n" not in msg
+    assert 262 < need <= 320
+    assert get_tokenizer(config(vocab_size=need), str(tmp_path / "b"), corpus()).vocab_size == need
+    with pytest.raises(DataError):
+        get_tokenizer(config(vocab_size=need - 1), str(tmp_path / "c"), corpus())
+
+
+def test_a_vocabulary_above_what_the_corpus_supports_trains_at_the_most_it_has(tmp_path, capsys):
+    tok = get_tokenizer(config(vocab_size=8000), str(tmp_path), corpus())
+    assert 320 < tok.vocab_size < 8000
+    err = capsys.readouterr().err
+    assert f"supports only {tok.vocab_size} pieces, fewer than config.vocab_size=8000" in err
+    assert os.path.isfile(os.path.join(tmp_path, "tokenizer.model"))  # saved; resumes load it
+    assert (
+        get_tokenizer(config(vocab_size=8000), str(tmp_path), corpus()).vocab_size == tok.vocab_size
+    )
 
 
 def test_bpe_option(tmp_path):

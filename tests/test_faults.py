@@ -159,6 +159,62 @@ def test_a_model_structure_change_names_the_fields(base, corpus, tmp_path):
     assert "fresh --workdir" in str(e.value)
 
 
+# --- Vocabulary sizes --------------------------------------------------------------------
+
+
+def test_a_vocabulary_too_small_for_the_corpus_is_one_line_naming_the_minimum(corpus, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--config=tests/small_config.py",
+            f"--workdir={tmp_path}",
+            f"--config.dataset={corpus}",
+            "--config.vocab_size=262",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "config.vocab_size=262 is too small for this corpus" in line
+    assert "need at least" in line and "or more" in line
+
+
+def test_a_vocabulary_larger_than_the_corpus_supports_trains_and_decodes(corpus, tmp_path, capfd):
+    from data import Tokenizer
+
+    w = tmp_path / "w"
+    summary = train_and_evaluate(cfg(corpus, vocab_size=3000, num_train_steps=10), str(w))
+    tok = Tokenizer.load(str(w / "tokenizer.model"))
+    assert summary["step"] == 10 and tok.vocab_size < 3000
+    assert f"supports only {tok.vocab_size} pieces" in capfd.readouterr().err
+    # The model has 3000 output rows; decode.py (like the evaluation) never emits the
+    # ids the tokenizer lacks, even from a barely trained model.
+    with open(corpus[len("tsv:") :]) as f:
+        sources = "".join(line.split("\t")[0] + "\n" for line in f.readlines()[:20])
+    proc = subprocess.run(
+        [sys.executable, "decode.py", f"--workdir={w}", "--output_format=jsonl", "--n_best=2"],
+        input=sources,
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens = [
+        t
+        for line in proc.stdout.splitlines()
+        for h in json.loads(line)["hypotheses"]
+        for t in h["tokens"]
+    ]
+    assert tokens and max(tokens) < tok.vocab_size
+
+
 # --- NaN / Inf -----------------------------------------------------------------------
 
 
