@@ -1,15 +1,16 @@
-"""Tiny: trains in about 10 minutes on 2 CPU cores on the embedded 'ding' corpus.
+"""Tiny: trains in about 8 minutes on 2 CPU cores on the embedded 'ding' corpus.
 
     make train            # = python train.py --config=configs/tiny.py --workdir=workdir/tiny
 
-Measured from a fresh clone on the 2-core CPU box (jax 0.10.2), `make train`:
-9 min 38 s in all -- venv setup and the Ding package ~1 min, corpus parse and
-tokenizer 35 s, 1400 packed steps of 1024 tokens (1.25M target tokens, ~3,200
-tokens/s) in 6.7 min, evals 1 min. Dev set (1000 pairs, beam 4): BLEU 1.63,
-chrF 15.2, token accuracy 35%; test set (`make decode`): BLEU 1.84, chrF 15.8.
-A smoke test of the whole pipeline, not a usable translator: it gets sentence
-openings, word order and some content words ("Wir müssen einige Tests
-durchführen" -> "We need to have a tested by the test too.").
+Measured on the 2-core CPU box (AMD EPYC, jax 0.10.2), `make train`: 7 min 44 s
+in all -- pip and the Ding package ~1 min, corpus parse, tokenizer and
+tokenized cache 25 s, 1400 packed steps of 1024 tokens (1.25M target tokens,
+~3,300 tokens/s) in 6.1 min, evals 1 min. Dev set (1000 pairs, beam 4): BLEU
+2.20, chrF 15.8, token accuracy 35%; test set (`make decode`): BLEU 1.42, chrF
+16.0. A smoke test of the whole pipeline, not a usable translator: it gets
+sentence openings, word order and some content words ("Das Haus ist sehr
+alt." -> "The house is very old."; "Wir müssen einige Tests durchführen" ->
+"We must have to have a test of the test of the test.").
 
 Why these sizes (each measured on the 2-core box as dev loss after the same
 ~7 minutes of training, `docs/training.md`): ten CPU minutes are ~1.5 epochs of

@@ -400,6 +400,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     _log.info(
         f"done: step {step} ({step - start} this run), {totals.tokens_seen / 1e6:.2f}M target "
         f"tokens in {totals.train_seconds / 60:.1f} min of training "
-        f"({summary['total_seconds'] / 60:.1f} min total); best dev BLEU {run.best_bleu}"
+        f"({summary['total_seconds'] / 60:.1f} min total); best dev BLEU "
+        + ("-" if run.best_bleu is None else f"{run.best_bleu:.2f}")
     )
     return summary
