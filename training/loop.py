@@ -120,6 +120,36 @@ class _Run:
     last_saved: int = 0  # step of the newest checkpoint, and when it was started
     saved_at: float = dataclasses.field(default_factory=time.time)
 
+    @classmethod
+    def start(
+        cls,
+        workdir: str,
+        setup: steps.TrainSetup,
+        tokenizer: data.Tokenizer,
+        dev: Any,
+        train_iter: ShardedInput,
+        manager: ckpt.Checkpoints,
+        eval_step: Any,
+        totals: RunTotals,
+        step: int,
+    ) -> _Run:
+        """The bookkeeping of a run that starts at `step` (outputs written by process 0)."""
+        config, is_main = setup.config, jax.process_index() == 0
+        window = metrics.TrainWindow(
+            config_lib.model_config(config),
+            metrics.peak_flops_per_device(config),
+            jax.device_count(),
+        )
+        nonfinite = metrics.NonFinite(
+            config.nonfinite_policy, config.max_consecutive_nonfinite, totals.nonfinite_steps
+        )
+        writer = metrics.MetricWriter(workdir, enabled=is_main)
+        progress = metrics.Progress(config.num_train_steps, step, enabled=is_main)
+        return cls(
+            setup, tokenizer, dev, train_iter, manager, writer, progress, eval_step, totals,
+            window, nonfinite, last_saved=step,
+        )  # fmt: skip
+
     def flush(self, step: int, *, log_row: bool = True) -> None:
         """Close the metrics window at `step`: add it to the totals, apply the non-finite
         policy (TrainingError), and write its row to metrics.jsonl and the progress line."""
@@ -197,6 +227,16 @@ class _Run:
         )
         self.best_bleu = max(self.best_bleu or 0.0, ev["eval_bleu"])
         return ev
+
+
+def _tokenizer(config: ml_collections.ConfigDict, workdir: str, corpus: Any) -> data.Tokenizer:
+    """WORKDIR/tokenizer.model: process 0 trains it if missing, the others then load it."""
+    if jax.process_index() == 0:
+        tokenizer = data.get_tokenizer(config, workdir, corpus)
+    distributed.sync("tokenizer")
+    if jax.process_index() != 0:
+        tokenizer = data.get_tokenizer(config, workdir, corpus)
+    return tokenizer
 
 
 def _fresh_optimizer(setup: steps.TrainSetup, state: steps.TrainState) -> steps.TrainState:
@@ -300,11 +340,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     # --- Data ------------------------------------------------------------------------
     train_corpus, dev = data.load_split(config, "train"), data.load_split(config, "dev")
-    if is_main:  # process 0 trains the tokenizer; the others then load it
-        tokenizer = data.get_tokenizer(config, workdir, train_corpus)
-    distributed.sync("tokenizer")
-    if not is_main:
-        tokenizer = data.get_tokenizer(config, workdir, train_corpus)
+    tokenizer = _tokenizer(config, workdir, train_corpus)
 
     # --- Mesh, model and optimizer -------------------------------------------------------
     mesh = make_mesh(config)
@@ -331,26 +367,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     # --- Loop --------------------------------------------------------------------------
     total, step = config.num_train_steps, int(jax.device_get(state.step))
     start = step
-    run = _Run(
-        setup,
-        tokenizer,
-        dev,
-        train_iter,
-        manager,
-        metrics.MetricWriter(workdir, enabled=is_main),
-        metrics.Progress(total, step, enabled=is_main),
-        eval_step,
-        totals,
-        metrics.TrainWindow(
-            config_lib.model_config(config),
-            metrics.peak_flops_per_device(config),
-            jax.device_count(),
-        ),
-        metrics.NonFinite(
-            config.nonfinite_policy, config.max_consecutive_nonfinite, totals.nonfinite_steps
-        ),
-        last_saved=step,
-    )
+    run = _Run.start(workdir, setup, tokenizer, dev, train_iter, manager, eval_step, totals, step)
     preempted = False
     stop = distributed.StopRequest()
     with stop, distributed.PeerWatchdog(config.peer_timeout_seconds), manager:
