@@ -50,6 +50,23 @@ def synthetic_corpus(n: int, vocab: int, max_length: int, seed: int = 0):
     )
 
 
+def _draw_batches(it, steps: int, max_shapes: int) -> list:
+    """`steps` batches in the iterator's order; with max_shapes > 0, only batches of the
+    max_shapes most frequent [B, S] shapes among the first 4 * steps (bounds compiles)."""
+    if max_shapes <= 0:
+        return [next(it) for _ in range(steps)]
+    from collections import Counter
+
+    pool = [next(it) for _ in range(4 * steps)]
+    common = {s for s, _ in Counter(b["src"].shape for b in pool).most_common(max_shapes)}
+    kept = [b for b in pool if b["src"].shape in common]
+    while len(kept) < steps:
+        b = next(it)
+        if b["src"].shape in common:
+            kept.append(b)
+    return kept[:steps]
+
+
 def peak_memory_bytes() -> tuple[int | None, str]:
     import jax
 
@@ -84,7 +101,7 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
     it = TrainIterator(
         config, None, None, batch_multiple=mesh_lib.batch_divisor(mesh), tokenized=corpus
     )
-    host = [next(it) for _ in range(args.steps)]
+    host = _draw_batches(it, args.steps, args.max_shapes)
     batches = [mesh_lib.shard_batch(b, mesh) for b in host]
     cfg = config_lib.model_config(config)
     flops = [
@@ -151,6 +168,13 @@ def main(argv=None) -> None:
     p.add_argument("--batch_tokens", type=int, default=0, help="0 = the config's")
     p.add_argument("--max_length", type=int, default=0, help="0 = the config's")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--max_shapes",
+        type=int,
+        default=0,
+        help="time only batches of the N most frequent bucket shapes (0 = all): bounds "
+        "the compiles of a big model with many buckets",
+    )
     p.add_argument("--corpus_pairs", type=int, default=20000)
     p.add_argument("--dtype", default="", help="'' = bfloat16 on accelerators, float32 on CPU")
     p.add_argument("--attention_impl", default="auto")
