@@ -20,9 +20,15 @@ def _compilation_cache(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _log_to_stderr():
     """The project's log lines on stderr, as train.py and decode.py print them."""
+    import logging
+
     from training import log
 
     log.setup()
+    # Also up to the root logger, where pytest's caplog listens on every pytest version
+    # (pytest < 9 does not attach it to loggers that do not propagate).
+    for name in log.TAGS:
+        logging.getLogger(name).propagate = True
 
 
 @pytest.fixture(autouse=True)

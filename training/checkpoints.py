@@ -314,34 +314,37 @@ class Checkpoints:
     ) -> tuple[steps.TrainState, dict[str, Any]]:
         """Params, step, RNG streams and data position of `step`; opt_state is None.
 
-        For a resume whose optimizer state changed structure (config.reset_optimizer).
+        For a resume whose optimizer state changed structure (config.reset_optimizer):
+        the old optimizer state is read in the structure the checkpoint's metadata
+        gives (replicated: a one-time cost), then dropped.
         """
         target = _abstract_storable(abstract_state)
-        partial = {"step": target.step, "rngs": target.rngs}
-        restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), partial)
+        mesh = getattr(jax.tree.leaves(target.params)[0].sharding, "mesh", None)
+        placed = (
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            if mesh is not None
+            else jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        )
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            path = epath.Path(self.directory) / str(step) / "train"
+            meta = _retry(lambda: handler.metadata(path))
+        finally:
+            handler.close()
+        old_opt = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=placed),
+            getattr(meta, "tree", meta)["opt_state"],
+        )
+        train = {"step": target.step, "opt_state": old_opt, "rngs": target.rngs}
         args = ocp.args.Composite(
             params=ocp.args.StandardRestore(target.params),
-            train=ocp.args.PyTreeRestore(
-                item=partial, restore_args=restore_args, partial_restore=True
-            ),
+            train=ocp.args.StandardRestore(train),
             data=ocp.args.JsonRestore(),
         )
-        # A manager binds each item to the handler of its first use: a partial restore
-        # (PyTree handler) goes through a second, read-only one, so that this one keeps
-        # saving "train" with the standard handler.
-        reader = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(create=False),
-            item_names=("params", "train", "data"),
-        )
-        try:
-            out = _retry(lambda: reader.restore(step, args=args))
-        finally:
-            reader.close()
+        out = _retry(lambda: self.manager.restore(step, args=args))
         t = out["train"]
         stored = steps.TrainState(t["step"], out["params"], None, t["rngs"])
-        abstract = abstract_state.replace(opt_state=None)
-        return _from_storable(stored, abstract), out["data"]
+        return _from_storable(stored, abstract_state.replace(opt_state=None)), out["data"]
 
     def _quarantine(self, step: int) -> None:
         """Move step `step` out of checkpoints/ (process 0), then reload the step list."""
