@@ -129,6 +129,10 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(overrides, 
     with open(two / "checkpoints" / "6" / "data" / "metadata") as f:
         data_item = json.load(f)
     assert len(data_item["iterators"]) == 2
+    # Token counts (tokens/s, MFU, tokens_seen) cover every process's rows: the same
+    # global batches give the same count on 2 processes as on 1.
+    with open(one / "checkpoints" / "6" / "data" / "metadata") as f:
+        assert data_item["tokens_seen"] == json.load(f)["tokens_seen"] > 0
     resumed = tmp_path / "resumed"
     shutil.copytree(two, resumed)
     run_processes(1, resumed, {**overrides, "num_train_steps": 8})
