@@ -12,7 +12,7 @@ the padding of several bucket schemes on Ding's lengths.
 
 `--mode=wmt` writes a synthetic WMT-like TSV of N pairs per size (Zipf words,
 log-normal sentence lengths, a fixed seed; reused if present) under --dir,
-then for each N: trains the base tokenizer (37k pieces, 2M-sentence sample)
+then for each N: trains the base tokenizer (37k pieces, its 250k-sentence sample)
 in its own process; runs `train.py` (configs/base.py data settings, a small
 model so that a CPU step is quick, see `train_command`) once from scratch
 (builds the cache) and once more on the same workdir (a restart), each under
@@ -40,6 +40,7 @@ import numpy as np
 
 import data
 from bench import common
+from data.plans import length_buckets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Target tokens/s of the tiny train step on the 2-core CPU box (docs/PERFORMANCE.md).
@@ -71,7 +72,8 @@ SCHEMES = {
     "powers of two from 8 (before)": lambda L: [8 * 2**i for i in range(10) if 8 * 2**i < L],
     "multiples of 8": lambda L: list(range(8, L, 8)),
     "multiples of 16": lambda L: list(range(16, L, 16)),
-    "default (8 to 48 by 4, then ~1/6 steps)": lambda L: [],
+    "rule (8 to 48 by 4, then ~1/6 steps)": lambda L: length_buckets(L).tolist(),
+    "fitted to the corpus (default)": lambda L: [],
 }
 
 
@@ -139,9 +141,11 @@ def ding_main(args) -> None:
     # The same schemes on WMT-like token lengths (bench/train.py's synthetic corpus).
     from bench.train import synthetic_corpus
 
-    for name, max_length, budget in (("wmt_like_64", 64, 1024), ("wmt_like_256", 256, 25000)):
-        c = config.copy_and_resolve_references()
-        c.max_length, c.batch_tokens = max_length, budget
+    # tiny's batches and shape count at max_length 64, base's at 256.
+    base = importlib.import_module("configs.base").get_config()
+    for name, c in (("wmt_like_64", config), ("wmt_like_256", base)):
+        c = c.copy_and_resolve_references()
+        c.packing, max_length = False, c.max_length
         tc = synthetic_corpus(2_000_000, c.vocab_size, max_length)
         meta["padding_by_scheme"][name] = padding_by_scheme(c, tc)
     cols = ["pipeline", "setup_s", "tokens_per_s", "slots_per_s", "batches_per_s"]
@@ -197,7 +201,7 @@ def write_synthetic_tsv(path: str, n: int, seed: int = 0, chunk: int = 50_000) -
 
 
 def train_command(tsv: str, dev: str, workdir: str, steps: int, extra=()) -> list[str]:
-    """train.py with configs/base.py's data settings (vocab 37000, max_length 256, 2M-sentence
+    """train.py with configs/base.py's data settings (vocab 37000, max_length 256, 250k-sentence
     tokenizer sample, bucketed) and a small model (d_model 64, 1+1 layers) with 1024-token
     batches, so that a CPU step takes a fraction of a second: the runs measure the input
     side, not the model."""
@@ -271,9 +275,11 @@ def _first_runs(row: dict, tsv: str, dev: str, workdir: str, logs: str, args) ->
     if args.reuse_tokenizer and os.path.isfile(saved):
         shutil.copy(saved, os.path.join(workdir, "tokenizer.model"))
     code = (
-        "import sys; from configs import base; import data; from training import log; log.setup(); "
+        # JAX's backend is up first, as in train.py, so the peak RSS is train.py's.
+        "import jax; jax.devices(); from configs import base; import data; "
+        "from training import log; log.setup(); "
         f"c = base.get_config(); c.dataset = 'tsv:{tsv}'; c.eval_dataset = 'tsv:{dev}'; "
-        f"c.tokenizer_sample_size = {args.tokenizer_sample_size}; "
+        f"c.tokenizer_sample_size = {args.tokenizer_sample_size} or c.tokenizer_sample_size; "
         f"data.get_tokenizer(c, '{workdir}', data.load_split(c, 'train'))"
     )
     row["load_before_tokenizer"] = _load()
@@ -296,7 +302,8 @@ def _first_runs(row: dict, tsv: str, dev: str, workdir: str, logs: str, args) ->
 
 
 def _extra(args) -> list[str]:
-    return [f"--config.tokenizer_sample_size={args.tokenizer_sample_size}"]
+    n = args.tokenizer_sample_size
+    return [f"--config.tokenizer_sample_size={n}"] if n else []
 
 
 def _restart(row: dict, tsv: str, dev: str, workdir: str, logs: str, args) -> None:
@@ -398,7 +405,9 @@ def main() -> None:
     parser.add_argument("--pairs", default="1000000,4500000,20000000", help="wmt: corpus sizes")
     parser.add_argument("--dir", default="/tmp/bench-wmt", help="wmt: corpora and workdirs")
     parser.add_argument("--seed", type=int, default=0, help="wmt: corpus seed")
-    parser.add_argument("--tokenizer_sample_size", type=int, default=2_000_000)
+    parser.add_argument(
+        "--tokenizer_sample_size", type=int, default=0, help="wmt: 0 = configs/base.py's"
+    )
     parser.add_argument("--keep", action="store_true", help="wmt: keep corpora and workdirs")
     parser.add_argument(
         "--reuse_tokenizer", action="store_true", help="wmt: reuse DIR/tokenizer-N.model if there"

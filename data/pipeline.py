@@ -31,6 +31,8 @@ from data.files import DataError
 from data.plans import (
     bucket_of,
     epoch_rng,
+    fit_buckets,
+    global_histogram,
     length_buckets,
     plan_bucketed,
     plan_packed,
@@ -46,10 +48,12 @@ __all__ = [  # plans and the corpus format are re-exported for older imports
     "TokenizedCorpus",
     "TrainIterator",
     "eval_batches",
+    "fit_widths",
     "length_buckets",
     "plan_bucketed",
     "plan_packed",
     "rows_per_batch",
+    "shard_histogram",
     "train_iterator",
 ]
 
@@ -168,6 +172,47 @@ def _effective_lengths(
     return read(tc.src_len), read(tc.tgt_len)
 
 
+def _length_histogram(tc: TokenizedCorpus, max_length: int, chunk: int = 1 << 22) -> np.ndarray:
+    """[max_length + 1] int64: how many pairs have a longer side (with EOS) of each length."""
+    out = np.zeros(max_length + 1, np.int64)
+    for lo in range(0, len(tc), chunk):
+        src, tgt = _effective_lengths(tc, max_length, lo, lo + chunk)
+        out += np.bincount(np.maximum(src, tgt), minlength=max_length + 1)
+    return out
+
+
+def fit_widths(
+    config: Any, histogram: np.ndarray, budget: int, batch_multiple: int, num_shards: int
+) -> np.ndarray:
+    """At most config.num_length_buckets widths fitted to `histogram` (all shards' pairs by
+    longer side), for batches of `budget` tokens per shard."""
+    # Rows of a global batch of each width (index 0 is never used: no pair is empty).
+    rows = [1] + [
+        rows_per_batch(budget, w, batch_multiple) * num_shards
+        for w in range(1, int(config.max_length) + 1)
+    ]
+    return fit_buckets(histogram, np.array(rows), int(config.num_length_buckets))
+
+
+def shard_histogram(
+    config: Any,
+    tokenizer: Tokenizer,
+    corpus: Any,
+    *,
+    process_index: int,
+    process_count: int,
+    cache_dir: str | None,
+) -> np.ndarray:
+    """The length histogram `fit_widths` needs, of shard `process_index` of `process_count`
+    (built into the cache if needed, as `train_iterator` would)."""
+    max_length = int(config.max_length)
+    spec = ShardSpec(process_index, process_count, max_length, config.long_pairs)
+    tc = tokenized_shard(
+        corpus, tokenizer, spec, cache_dir=cache_dir, workers=int(config.data_workers)
+    )
+    return _length_histogram(tc, max_length)
+
+
 def _buckets_and_tokens(
     tc: TokenizedCorpus, max_length: int, buckets: np.ndarray, chunk: int = 1 << 22
 ) -> tuple[np.ndarray, int]:
@@ -201,11 +246,14 @@ class TrainIterator:
         process_count: int | None = None,
         tokenized: TokenizedCorpus | None = None,
         cache_dir: str | None = None,
+        widths: Any = None,
     ):
         """`cache_dir`: where the tokenized shard is cached (None = tokenize in memory).
 
         `tokenized` skips tokenization (e.g. bench/train.py's synthetic corpus);
-        `config.long_pairs` is still applied to it.
+        `config.long_pairs` is still applied to it. `widths`: the bucket widths
+        (e.g. fitted once for several shards read by one process); None = as the
+        config says.
         """
         self.process_index, self.process_count = _resolve_process(process_index, process_count)
         self.max_length = int(config.max_length)
@@ -224,19 +272,17 @@ class TrainIterator:
         if len(self._tc) == 0:
             raise DataError("no training pairs left after dropping pairs longer than max_length")
         self.budget = int(config.batch_tokens) // self.process_count
-        self.buckets = length_buckets(self.max_length, tuple(config.length_buckets))
-        if self.packing:
-            self.rows = [rows_per_batch(self.budget, self.max_length, batch_multiple)]
-        else:
-            self.rows = [rows_per_batch(self.budget, int(b), batch_multiple) for b in self.buckets]
         # What the epoch plans need, and no more: per-side lengths to pack, buckets otherwise.
         if self.packing:
+            self.buckets = np.array([self.max_length], np.int64)
             self.src_len, self.tgt_len = _effective_lengths(self._tc, self.max_length)
             self._tokens = int(self.src_len.sum(dtype=np.int64) + self.tgt_len.sum(dtype=np.int64))
         else:
+            self.buckets = self._widths(config, batch_multiple, widths)
             self._bucket_of, self._tokens = _buckets_and_tokens(
                 self._tc, self.max_length, self.buckets
             )
+        self.rows = [rows_per_batch(self.budget, int(b), batch_multiple) for b in self.buckets]
         self.epoch, self.position = 0, 0
         self._real_tokens = self._slots = 0
         self._load_epoch(0)
@@ -245,7 +291,19 @@ class TrainIterator:
             f"({self.num_dropped:,} longer than max_length dropped), "
             f"{self.batches_per_epoch:,} batches/epoch in {len(self.shapes)} shape(s), "
             f"padding {self.planned_padding_fraction:.1%} of the batch slots"
+            + ("" if self.packing else f"; widths {','.join(map(str, self.buckets))}")
         )
+
+    def _widths(self, config: Any, batch_multiple: int, widths: Any) -> np.ndarray:
+        """The bucket widths: `widths`, else config.length_buckets, else widths fitted to
+        the length histogram of every process's shard (so all agree)."""
+        if widths is not None:
+            return np.asarray(widths, np.int64)
+        if config.length_buckets:
+            return length_buckets(self.max_length, tuple(config.length_buckets))
+        histogram = _length_histogram(self._tc, self.max_length)
+        histogram = global_histogram(histogram, self.process_count)
+        return fit_widths(config, histogram, self.budget, batch_multiple, self.process_count)
 
     # The epoch's batches as a grain MapDataset: random access by position.
     def _load_epoch(self, epoch: int) -> None:
@@ -259,7 +317,9 @@ class TrainIterator:
             make = lambda j: assemble_packed(self._tc, plan[j], self.rows[0], self.max_length)
             slots = len(plan) * self.rows[0] * self.max_length
         else:
-            plan = plan_bucketed(None, self._bucket_of, self.rows, rng, self.process_count)
+            plan = plan_bucketed(
+                None, self._bucket_of, self.rows, rng, self.process_count, carry_over=True
+            )
             rows, widths = np.asarray(self.rows), self.buckets
             make = lambda j: assemble_bucketed(
                 self._tc, plan[j][1], int(rows[plan.bucket[j]]), int(widths[plan.bucket[j]])
@@ -352,6 +412,7 @@ def train_iterator(
     process_index: int | None = None,
     process_count: int | None = None,
     cache_dir: str | None = None,
+    widths: Any = None,
 ) -> TrainIterator:
     """Infinite, checkpointable iterator over this process's training batches.
 
@@ -359,6 +420,7 @@ def train_iterator(
     about `config.batch_tokens / process_count` tokens per side per batch
     (padding included; never more). B is a multiple of `batch_multiple`. The
     shard is tokenized once into `cache_dir` (None = in memory, every time).
+    `widths`: bucket widths to use instead of the config's.
     """
     return TrainIterator(
         config,
@@ -368,6 +430,7 @@ def train_iterator(
         process_index=process_index,
         process_count=process_count,
         cache_dir=cache_dir,
+        widths=widths,
     )
 
 

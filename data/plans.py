@@ -1,6 +1,7 @@
 """Batch plans: which examples go into which batch of an epoch, from the length arrays alone.
 
-    buckets = length_buckets(max_length)                    # the fixed set of padded widths
+    buckets = fit_buckets(histogram, rows, count)           # widths fitted to the corpus
+    buckets = length_buckets(max_length, widths)            # or given ones (eval: a rule)
     plan = plan_bucketed(None, bucket_of, rows, rng)        # batch j -> (bucket, example indices)
     plan = plan_packed(src_len, tgt_len, max_length, rows, rng)   # batch j -> rows of examples
 
@@ -51,6 +52,56 @@ def length_buckets(max_length: int, buckets: Sequence[int] = ()) -> np.ndarray:
     return np.array([*b, max_length], np.int64)
 
 
+def fit_buckets(histogram: np.ndarray, rows: np.ndarray, count: int) -> np.ndarray:
+    """At most `count` widths whose batches use the fewest slots in an epoch.
+
+    histogram[w]: pairs whose longer side (EOS/BOS included) is w tokens; rows[w]:
+    rows of a batch of width w. Each pair goes to the narrowest width that holds
+    it, and a width's n pairs fill ceil(n / rows[w]) batches of rows[w] * w
+    slots: the sum over widths is minimized exactly by dynamic programming over
+    the widths from the shortest pair's length to the longest's (which is the
+    widest). A width that saves less than its partly filled last batch costs is
+    left out, so a small corpus gets few shapes. Integer arithmetic and
+    first-minimum ties: every process fitting the same histogram gets the same
+    widths. O(count * L^2) for L candidate widths: ~0.2 s for 30 widths at 256.
+    """
+    h = np.asarray(histogram, np.int64)
+    if not h.any() or count < 1:
+        raise DataError("cannot fit length buckets: no lengths, or count < 1")
+    # Candidate widths: every length from the shortest pair to the longest (a width
+    # that holds no pair is never chosen: it costs nothing and saves nothing).
+    cand = np.arange(np.flatnonzero(h)[0], np.flatnonzero(h)[-1] + 1)
+    covered = np.cumsum(h)[cand]  # pairs whose longer side is <= cand[i]
+
+    def slots(i: int, n: Any) -> Any:  # of n pairs in batches of width cand[i]
+        r = int(rows[cand[i]])
+        return -(-n // r) * r * cand[i]
+
+    m, k_max = len(cand), min(int(count), len(cand))
+    # best[i]: fewest slots for the pairs up to cand[i] with at most k widths, the
+    # widest being cand[i]; prev[k, i]: index of the width below it (-1: none,
+    # -2: the best with k - 1 widths, which a k-th width does not beat).
+    best = np.array([slots(i, covered[i]) for i in range(m)], np.int64)
+    prev = np.full((k_max + 1, m), -2, np.int64)
+    prev[1] = -1
+    for k in range(2, k_max + 1):
+        new = best.copy()
+        for i in range(k - 1, m):
+            cost = best[:i] + slots(i, covered[i] - covered[:i])
+            j = int(np.argmin(cost))
+            if cost[j] < new[i]:
+                new[i], prev[k, i] = cost[j], j
+        best = new
+    widths, k, i = [], k_max, m - 1
+    while i >= 0:
+        if prev[k, i] == -2:
+            k -= 1
+            continue
+        widths.append(int(cand[i]))
+        i, k = int(prev[k, i]), k - 1
+    return np.array(widths[::-1], np.int64)
+
+
 def bucket_of(buckets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Index of the narrowest bucket that holds each length, as uint8 (a lookup table:
     no int64 temporary the size of the corpus)."""
@@ -73,15 +124,21 @@ def epoch_rng(seed: int, shuffle_seed: int, epoch: int, stream: int) -> np.rando
     return np.random.default_rng([seed, shuffle_seed, epoch, stream])
 
 
-def _global_max(counts: np.ndarray, process_count: int) -> np.ndarray:
-    """Element-wise max over processes, so every process runs the same batch shapes."""
+def _across_processes(x: np.ndarray, process_count: int, reduce: Any = np.max) -> np.ndarray:
+    """`reduce` (element-wise, over processes) of each process's `x`, so that every process
+    plans the same batch shapes; `x` itself when this is not a multi-process run."""
     import jax  # here: the cache's worker processes import this package without JAX
 
     if process_count > 1 and jax.process_count() == process_count:
         from jax.experimental import multihost_utils
 
-        return np.max(multihost_utils.process_allgather(counts), axis=0)
-    return counts
+        return reduce(multihost_utils.process_allgather(x), axis=0)
+    return x
+
+
+def global_histogram(histogram: np.ndarray, process_count: int) -> np.ndarray:
+    """The sum of every process's length histogram (its own when single-process)."""
+    return _across_processes(np.asarray(histogram, np.int64), process_count, np.sum)
 
 
 def _shuffled(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -117,28 +174,36 @@ def plan_bucketed(
     rows: Sequence[int],
     rng: np.random.Generator | None,
     process_count: int = 1,
+    carry_over: bool = False,
 ) -> BucketPlan:
     """Cuts examples into (bucket, local example indices) batches, in bucket order.
 
     Each bucket's members are shuffled with `rng` before they are cut (None:
-    sorted by `lengths`, for eval). Every process gets the same number of
-    batches per bucket (the max over processes); the extra ones are empty
-    filler batches. Memory: 4 bytes per example (int32 members) and a
-    bucket-sized temporary, whatever the corpus size.
+    sorted by `lengths`, for eval). With `carry_over`, the pairs left over
+    after a bucket's full batches join the next wider bucket instead of a
+    partly filled batch, so only the widest bucket has one (a wider row holds
+    them; without it, each bucket's last batch is padded with all-zero rows).
+    Every process gets the same number of batches per bucket (the max over
+    processes); the extra ones are empty filler batches. Memory: 4 bytes per
+    example (int32 members) and a bucket-sized temporary, whatever the corpus size.
     """
     n, num_buckets = len(bucket_of), len(rows)
-    sizes = np.bincount(bucket_of, minlength=num_buckets).astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    rows_k = np.asarray(rows, np.int64)
     members = np.empty(n, np.int32 if n < 2**31 else np.int64)
+    sizes = np.zeros(num_buckets, np.int64)
+    carried, pos = members[:0], 0
     for k in range(num_buckets):
-        m = np.flatnonzero(bucket_of == k).astype(members.dtype)
+        m = np.concatenate([carried, np.flatnonzero(bucket_of == k).astype(members.dtype)])
         if rng is not None:
             rng.shuffle(m)
         else:
             m = m[np.argsort(lengths[m], kind="stable")]
-        members[offsets[k] : offsets[k] + sizes[k]] = m
-    rows_k = np.asarray(rows, np.int64)
-    counts = _global_max(-(-sizes // rows_k), process_count)
+        last = k == num_buckets - 1
+        sizes[k] = len(m) if last or not carry_over else len(m) // rows_k[k] * rows_k[k]
+        members[pos : pos + sizes[k]] = m[: sizes[k]]
+        carried, pos = m[sizes[k] :], pos + sizes[k]
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    counts = _across_processes(-(-sizes // rows_k), process_count)
     bucket = np.repeat(np.arange(len(rows_k)), counts)
     j = np.arange(len(bucket)) - np.repeat(np.cumsum(counts) - counts, counts)
     size_b, rows_b, off_b = sizes[bucket], rows_k[bucket], offsets[bucket]
@@ -223,5 +288,5 @@ def plan_packed(
     row_start = np.zeros(num_rows + 1, np.int64)
     np.cumsum(np.bincount(row_of, minlength=num_rows), out=row_start[1:])
     count = math.ceil(num_rows / rows)
-    count = int(_global_max(np.array([count], np.int64), process_count)[0])
+    count = int(_across_processes(np.array([count], np.int64), process_count)[0])
     return PackedPlan(members, row_start, rows, count)

@@ -111,9 +111,16 @@ def test_every_pair_once_per_epoch_and_budget(packing):
                     n = len(t)
                     np.testing.assert_array_equal(b["tgt_in"][r][1 : n + 1], t)
         assert sorted(seen) == sorted(kept)
-    # Bucketed shapes come from the fixed set (8, 12, ..., 28, 32); packing uses one shape.
+    # Every batch has one of the iterator's fixed shapes: packing one, buckets at most
+    # num_length_buckets, the widest holding the longest kept pair (+ EOS) exactly.
     assert shapes <= set(it.shapes)
-    assert {s[1] for s in it.shapes} == ({32} if packing else set(range(8, 33, 4)))
+    widths = [s[1] for s in it.shapes]
+    if packing:
+        assert widths == [32]
+    else:
+        longest = max(max(len(corpus[i][0].split()), len(corpus[i][1].split())) for i in kept)
+        assert widths == sorted(set(widths)) and widths[-1] == longest + 1
+        assert len(widths) <= c.num_length_buckets
     assert it.stats()["num_dropped"] == len(corpus) - len(kept)
 
 
@@ -291,6 +298,64 @@ def test_default_buckets_are_fine_and_few():
     assert length_buckets(64, (16, 100)).tolist() == [16, 64]
 
 
+def _slots(lengths, widths, rows):
+    """Slots an epoch's bucketed batches use: the independent count fit_buckets minimizes."""
+    w = np.asarray(widths)
+    n = np.bincount(np.searchsorted(w, lengths), minlength=len(w))
+    total = 0
+    for k, width in enumerate(w.tolist()):
+        r = rows(width)
+        total += -(-int(n[k]) // r) * r * width
+    return total
+
+
+def test_fitted_buckets_are_optimal_against_exhaustive_search():
+    from data.plans import fit_buckets
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        top = int(rng.integers(2, 12))
+        lengths = rng.integers(1, top + 1, int(rng.integers(1, 40)))
+        budget, count = int(rng.integers(top, 4 * top)), int(rng.integers(1, 6))
+        rows = lambda w, budget=budget: budget // w
+        histogram = np.bincount(lengths, minlength=top + 1)
+        widths = fit_buckets(histogram, np.array([1] + [rows(w) for w in range(1, top + 1)]), count)
+        longest = int(lengths.max())
+        assert len(widths) <= count and widths[-1] == longest
+        assert widths.tolist() == sorted(set(widths.tolist()))
+        best = min(
+            _slots(lengths, [*c, longest], rows)
+            for r in range(count)
+            for c in itertools.combinations(range(1, longest), r)
+        )
+        assert _slots(lengths, widths, rows) == best
+
+
+def test_fitted_buckets_beat_the_rule_and_need_fewer_shapes_on_small_corpora():
+    """Fitted widths never pad more than any rule with as many shapes; a small corpus, whose
+    partly filled last batches would cost more than finer widths save, gets fewer."""
+    from data.pipeline import TrainIterator, length_buckets
+
+    tc = wmt_like_corpus(20_000, 64)
+    for n, budget in ((20_000, 1024), (300, 1024)):
+        sub = tc if n == len(tc) else wmt_like_corpus(n, 64, seed=1)
+        fitted = TrainIterator(
+            config(max_length=64, batch_tokens=budget, num_length_buckets=13),
+            None,
+            None,
+            tokenized=sub,
+        )
+        rule = TrainIterator(
+            config(max_length=64, batch_tokens=budget, length_buckets=tuple(length_buckets(64))),
+            None,
+            None,
+            tokenized=sub,
+        )
+        assert len(rule.shapes) == 13
+        assert fitted.planned_padding_fraction <= rule.planned_padding_fraction
+    assert len(fitted.shapes) < 13  # the 300-pair corpus
+
+
 def wmt_like_corpus(n: int, max_length: int, seed: int = 0):
     """Token lengths like WMT pairs (log-normal source, median 25; target ~1.1x), random ids."""
     from data.pipeline import TokenizedCorpus
@@ -307,11 +372,11 @@ def wmt_like_corpus(n: int, max_length: int, seed: int = 0):
 
 
 def test_bucketed_padding_on_wmt_like_lengths():
-    """The default buckets pad a WMT-like corpus <= 10% at tiny's shapes (powers of two: 28%)."""
+    """Fitted buckets pad a WMT-like corpus <= 10% with tiny's 13 shapes (powers of two: 28%)."""
     from data.pipeline import TrainIterator
 
     tc = wmt_like_corpus(200_000, 64)
-    c = config(max_length=64, batch_tokens=1024)
+    c = config(max_length=64, batch_tokens=1024, num_length_buckets=13)
     it = TrainIterator(c, None, None, tokenized=tc)
     assert it.planned_padding_fraction <= 0.10 and len(it.shapes) == 13
     real = slots = 0
@@ -358,3 +423,51 @@ def test_packed_plan_equals_the_reference_first_fit(monkeypatch):
     rows = reference_first_fit(order, src_len, tgt_len, 32)
     assert [r for j in range(len(plan)) for r in plan[j]] == rows
     assert len(plan) == -(-len(rows) // 8)
+
+
+def test_one_process_reading_two_shards_fits_one_set_of_widths():
+    """config.data_shards=2 on one process: both shards batch with the widths fitted to
+    their summed lengths (alone they would fit different ones), so every step has one of
+    those widths and the 1- and 2-process runs plan the same shapes."""
+    from training.input import ShardedInput
+
+    # Even pairs (shard 0) short, odd pairs (shard 1) long.
+    words = lambda i, n: " ".join([str(i)] + ["7"] * (n - 1))
+    lengths = [3 + i % 5 if i % 2 == 0 else 20 + i % 9 for i in range(400)]
+    corpus = ParallelCorpus(
+        [words(i, n) for i, n in enumerate(lengths)], [words(i, n) for i, n in enumerate(lengths)]
+    )
+    c = config(max_length=32, batch_tokens=512, data_shards=2, num_length_buckets=6)
+    inputs = ShardedInput(c, TOK, corpus, global_multiple=2)
+    shared = [[s[1] for s in it.shapes] for it in inputs.iterators]
+    assert shared[0] == shared[1] and len(shared[0]) <= 6
+    alone = [
+        [s[1] for s in train_iterator(c, TOK, corpus, process_index=s, process_count=2).shapes]
+        for s in (0, 1)
+    ]
+    assert alone[0] != alone[1] and max(alone[0]) < min(alone[1])
+    for _ in range(20):
+        assert next(inputs)["src"].shape[1] in shared[0]
+
+
+def test_carry_over_leaves_one_partial_batch_and_never_narrows_a_pair():
+    """Leftover pairs of a bucket move to wider buckets: every pair still appears once, in a
+    bucket at least as wide as its own, and only the widest bucket has a partial batch."""
+    from data.plans import bucket_of, plan_bucketed
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 33, 5000)
+    widths = np.array([8, 12, 16, 24, 32])
+    rows = [64, 42, 32, 21, 16]
+    own = bucket_of(widths, lengths)
+    plan = plan_bucketed(None, own, rows, np.random.default_rng(0), carry_over=True)
+    seen = np.concatenate([m for _, m in plan])
+    assert sorted(seen.tolist()) == list(range(len(lengths)))
+    partial = [k for k, m in plan if len(m) < rows[k]]
+    assert partial in ([], [len(widths) - 1])
+    for k, m in plan:
+        assert (widths[k] >= lengths[m]).all()
+    # Without carry-over every bucket may end in a partial batch; with it there are fewer slots.
+    plain = plan_bucketed(None, own, rows, np.random.default_rng(0))
+    slots = lambda p: sum(rows[k] * widths[k] for k, _ in p)
+    assert slots(plan) < slots(plain)

@@ -47,8 +47,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(nproc: int, workdir, overrides: dict, timeout: float = 300) -> list[dict]:
-    """Run the worker in `nproc` processes with 4 // nproc CPU devices each; their summaries."""
+def run_processes(
+    nproc: int, workdir, overrides: dict, timeout: float = 300, worker: str = WORKER
+) -> list[dict]:
+    """Run `worker` in `nproc` processes with 4 // nproc CPU devices each; their summaries."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // nproc}"
     port = str(_free_port())
@@ -57,7 +59,7 @@ def run_processes(nproc: int, workdir, overrides: dict, timeout: float = 300) ->
             [
                 sys.executable,
                 "-c",
-                WORKER,
+                worker,
                 str(i),
                 str(nproc),
                 port,
@@ -156,3 +158,43 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(overrides, 
     assert len(p2) == len(p1) > 0
     for a, b in zip(p2, p1, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+WIDTHS_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from training import distributed
+    pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
+    from configs import default
+    from data.pipeline import TokenizedCorpus, TrainIterator
+
+    # Process 0's shard holds short pairs, process 1's long ones.
+    rng = np.random.default_rng(pid)
+    n = 2000
+    lens = rng.integers(2, 12, n) if pid == 0 else rng.integers(20, 60, n)
+    lens = lens.astype(np.int16)
+    flat = rng.integers(4, 100, int(lens.sum())).astype(np.uint16)
+    start = np.concatenate([[0], np.cumsum(lens[:-1], dtype=np.int64)])
+    shard = TokenizedCorpus(flat, start, lens, flat, start, lens, np.arange(n, dtype=np.int64))
+    c = default.get_config()
+    c.max_length, c.batch_tokens, c.num_length_buckets = 64, 1024, 6
+    shared = TrainIterator(c, None, None, tokenized=shard, process_index=pid, process_count=2)
+    alone = TrainIterator(c, None, None, tokenized=shard, process_index=0, process_count=1)
+    out = {"shared": [s[1] for s in shared.shapes], "alone": [s[1] for s in alone.shapes]}
+    out["batches"] = shared.batches_per_epoch
+    print("SUMMARY " + json.dumps(out), flush=True)
+    """
+)
+
+
+def test_fitted_buckets_agree_across_processes(tmp_path):
+    """Widths are fitted to the sum of every process's length histogram: processes whose
+    shards alone would get different widths plan the same shapes and batch counts."""
+    s0, s1 = run_processes(2, tmp_path, {}, worker=WIDTHS_WORKER)
+    assert s0["shared"] == s1["shared"] and s0["batches"] == s1["batches"]
+    assert s0["alone"] != s1["alone"]
+    assert max(s0["alone"]) <= 12 and min(s1["alone"]) >= 21  # each shard's own lengths
+    # The shared widths serve both: the short shard's longest pair and the long one's.
+    assert s0["shared"][-1] == max(s1["alone"]) and min(s0["shared"]) <= max(s0["alone"])

@@ -47,6 +47,7 @@ _POSITIVE = (
     "max_length",
     "batch_tokens",
     "tokenizer_sample_size",
+    "num_length_buckets",
     "num_train_steps",
     "log_every_steps",
     "grad_accum_steps",

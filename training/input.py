@@ -23,6 +23,8 @@ import jax
 import numpy as np
 
 import data
+from data.pipeline import fit_widths, shard_histogram
+from data.plans import global_histogram
 from training import distributed
 
 
@@ -62,6 +64,7 @@ class ShardedInput:
         self.shard_ids = list(range(first, first + per_process))
         # Shard rows a multiple of m => the global rows (num_shards * m * j) divide evenly.
         multiple = global_multiple // math.gcd(global_multiple, self.num_shards)
+        widths = self._shared_widths(config, tokenizer, corpus, multiple, workdir)
         self.iterators = [
             data.train_iterator(
                 config,
@@ -71,9 +74,32 @@ class ShardedInput:
                 process_index=s,
                 process_count=self.num_shards,
                 cache_dir=cache_dir(config, workdir),
+                widths=widths,
             )
             for s in self.shard_ids
         ]
+
+    def _shared_widths(
+        self, config: Any, tokenizer: data.Tokenizer, corpus: Any, multiple: int, workdir: Any
+    ) -> np.ndarray | None:
+        """Bucket widths fitted to every shard's lengths when this process reads several
+        (one shard per process: each iterator fits them itself, across processes)."""
+        if len(self.shard_ids) == 1 or config.packing or config.length_buckets:
+            return None
+        histogram = sum(
+            shard_histogram(
+                config,
+                tokenizer,
+                corpus,
+                process_index=s,
+                process_count=self.num_shards,
+                cache_dir=cache_dir(config, workdir),
+            )
+            for s in self.shard_ids
+        )
+        histogram = global_histogram(histogram, jax.process_count())
+        budget = config.batch_tokens // self.num_shards
+        return fit_widths(config, histogram, budget, multiple, self.num_shards)
 
     def __iter__(self) -> ShardedInput:
         return self
