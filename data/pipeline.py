@@ -29,6 +29,7 @@ import numpy as np
 from data.cache import ShardSpec, tokenized_shard
 from data.files import DataError
 from data.plans import (
+    bucket_batches,
     bucket_of,
     epoch_rng,
     fit_buckets,
@@ -285,6 +286,7 @@ class TrainIterator:
         self.rows = [rows_per_batch(self.budget, int(b), batch_multiple) for b in self.buckets]
         self.epoch, self.position = 0, 0
         self._real_tokens = self._slots = 0
+        self._min_counts: np.ndarray | None = None
         self._load_epoch(0)
         _log.info(
             f"shard {self.process_index}/{self.process_count}: {self.num_examples:,} pairs "
@@ -318,7 +320,13 @@ class TrainIterator:
             slots = len(plan) * self.rows[0] * self.max_length
         else:
             plan = plan_bucketed(
-                None, self._bucket_of, self.rows, rng, self.process_count, carry_over=True
+                None,
+                self._bucket_of,
+                self.rows,
+                rng,
+                self.process_count,
+                carry_over=True,
+                min_counts=self._min_counts,
             )
             rows, widths = np.asarray(self.rows), self.buckets
             make = lambda j: assemble_bucketed(
@@ -333,6 +341,17 @@ class TrainIterator:
             grain.MapDataset.source(range(len(plan))).shuffle(seed=order_seed).map(make)
         )
         self.epoch = epoch
+
+    def bucket_batch_counts(self) -> np.ndarray:
+        """Batches of each bucket in an epoch of this shard alone (the same every epoch)."""
+        sizes = np.bincount(self._bucket_of, minlength=len(self.rows))
+        return bucket_batches(sizes, self.rows, carry_over=True)[1]
+
+    def share_batch_counts(self, counts: np.ndarray) -> None:
+        """Plan at least `counts` batches per bucket from now on (filler batches make up
+        the difference): shards read by one process agree as processes do."""
+        self._min_counts = np.asarray(counts, np.int64)
+        self._load_epoch(self.epoch)
 
     @property
     def batches_per_epoch(self) -> int:

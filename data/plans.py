@@ -168,6 +168,25 @@ class BucketPlan:
         return (self[j] for j in range(len(self)))
 
 
+def bucket_batches(
+    bucket_sizes: np.ndarray, rows: Sequence[int], carry_over: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """(pairs batched in each bucket, batches of each bucket) for buckets holding
+    `bucket_sizes` pairs: with `carry_over`, what a bucket's full batches leave
+    over moves to the next wider one (see `plan_bucketed`). A function of the
+    sizes alone, so other shards' batch counts can be known without their plans.
+    """
+    rows_k = np.asarray(rows, np.int64)
+    batched = np.asarray(bucket_sizes, np.int64).copy()
+    if carry_over:
+        carried = 0
+        for k in range(len(batched) - 1):
+            total = carried + batched[k]
+            batched[k], carried = total // rows_k[k] * rows_k[k], total % rows_k[k]
+        batched[-1] += carried
+    return batched, -(-batched // rows_k)
+
+
 def plan_bucketed(
     lengths: np.ndarray,
     bucket_of: np.ndarray,
@@ -175,6 +194,7 @@ def plan_bucketed(
     rng: np.random.Generator | None,
     process_count: int = 1,
     carry_over: bool = False,
+    min_counts: np.ndarray | None = None,
 ) -> BucketPlan:
     """Cuts examples into (bucket, local example indices) batches, in bucket order.
 
@@ -184,13 +204,14 @@ def plan_bucketed(
     partly filled batch, so only the widest bucket has one (a wider row holds
     them; without it, each bucket's last batch is padded with all-zero rows).
     Every process gets the same number of batches per bucket (the max over
-    processes); the extra ones are empty filler batches. Memory: 4 bytes per
-    example (int32 members) and a bucket-sized temporary, whatever the corpus size.
+    processes, and over `min_counts`: e.g. the other shards one process reads);
+    the extra ones are empty filler batches. Memory: 4 bytes per example (int32
+    members) and a bucket-sized temporary, whatever the corpus size.
     """
     n, num_buckets = len(bucket_of), len(rows)
     rows_k = np.asarray(rows, np.int64)
+    sizes, counts = bucket_batches(np.bincount(bucket_of, minlength=num_buckets), rows, carry_over)
     members = np.empty(n, np.int32 if n < 2**31 else np.int64)
-    sizes = np.zeros(num_buckets, np.int64)
     carried, pos = members[:0], 0
     for k in range(num_buckets):
         m = np.concatenate([carried, np.flatnonzero(bucket_of == k).astype(members.dtype)])
@@ -198,12 +219,12 @@ def plan_bucketed(
             rng.shuffle(m)
         else:
             m = m[np.argsort(lengths[m], kind="stable")]
-        last = k == num_buckets - 1
-        sizes[k] = len(m) if last or not carry_over else len(m) // rows_k[k] * rows_k[k]
         members[pos : pos + sizes[k]] = m[: sizes[k]]
         carried, pos = m[sizes[k] :], pos + sizes[k]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    counts = _across_processes(-(-sizes // rows_k), process_count)
+    if min_counts is not None:
+        counts = np.maximum(counts, min_counts)
+    counts = _across_processes(counts, process_count)
     bucket = np.repeat(np.arange(len(rows_k)), counts)
     j = np.arange(len(bucket)) - np.repeat(np.cumsum(counts) - counts, counts)
     size_b, rows_b, off_b = sizes[bucket], rows_k[bucket], offsets[bucket]

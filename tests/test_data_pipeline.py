@@ -441,6 +441,10 @@ def test_one_process_reading_two_shards_fits_one_set_of_widths():
     inputs = ShardedInput(c, TOK, corpus, global_multiple=2)
     shared = [[s[1] for s in it.shapes] for it in inputs.iterators]
     assert shared[0] == shared[1] and len(shared[0]) <= 6
+    # ... and on the batches per bucket, so their epochs (and batch orders) line up.
+    a, b = inputs.iterators
+    assert a.batches_per_epoch == b.batches_per_epoch
+    assert (a.bucket_batch_counts() != b.bucket_batch_counts()).any()
     alone = [
         [s[1] for s in train_iterator(c, TOK, corpus, process_index=s, process_count=2).shapes]
         for s in (0, 1)

@@ -8,13 +8,17 @@ The corpus is cut into `num_shards` strided shards (data/pipeline.py); shard s
 holds examples s, s + n, s + 2n, ... and its own batch plan with 1/n of the
 token budget. Normally there is one shard per process. A single process can
 also read several shards and concatenate their rows: with a fixed
-`config.data_shards`, the global batches are the same on 1 or n processes.
+`config.data_shards`, bucketed global batches are the same on 1 or n
+processes (the shards agree on widths and batch counts as processes do).
+Packed rows are planned per shard, so several shards on one process may
+differ in row counts; each step then pads to the largest.
 Each shard is tokenized once into the cache (`cache_dir(config, workdir)`)
 and memory-mapped from it at every later start.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any
@@ -26,6 +30,8 @@ import data
 from data.pipeline import fit_widths, shard_histogram
 from data.plans import global_histogram
 from training import distributed
+
+_log = logging.getLogger(__name__)
 
 
 def num_shards(config: Any) -> int:
@@ -78,6 +84,18 @@ class ShardedInput:
             )
             for s in self.shard_ids
         ]
+        if len(self.iterators) > 1 and not config.packing:
+            # As processes agree on batch counts per bucket (data/plans.py), so do the
+            # shards of one process: the same global batches as one shard per process.
+            counts = np.max([it.bucket_batch_counts() for it in self.iterators], axis=0)
+            for it in self.iterators:
+                it.share_batch_counts(counts)
+        elif len(self.iterators) > 1:
+            _log.warning(
+                f"packed batches from {len(self.iterators)} data shards in one process: each "
+                "shard packs its own rows, so the global batches differ from a run with one "
+                "process per shard (bucketed batches do not)"
+            )
 
     def _shared_widths(
         self, config: Any, tokenizer: data.Tokenizer, corpus: Any, multiple: int, workdir: Any
