@@ -51,11 +51,12 @@ __all__ = [  # plans and the corpus format are re-exported for older imports
     "eval_batches",
     "fit_widths",
     "length_buckets",
+    "length_histogram",
     "plan_bucketed",
     "plan_packed",
     "rows_per_batch",
-    "shard_histogram",
     "train_iterator",
+    "train_shard",
 ]
 
 _log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def _effective_lengths(
     return read(tc.src_len), read(tc.tgt_len)
 
 
-def _length_histogram(tc: TokenizedCorpus, max_length: int, chunk: int = 1 << 22) -> np.ndarray:
+def length_histogram(tc: TokenizedCorpus, max_length: int, chunk: int = 1 << 22) -> np.ndarray:
     """[max_length + 1] int64: how many pairs have a longer side (with EOS) of each length."""
     out = np.zeros(max_length + 1, np.int64)
     for lo in range(0, len(tc), chunk):
@@ -195,23 +196,15 @@ def fit_widths(
     return fit_buckets(histogram, np.array(rows), int(config.num_length_buckets))
 
 
-def shard_histogram(
-    config: Any,
-    tokenizer: Tokenizer,
-    corpus: Any,
-    *,
-    process_index: int,
-    process_count: int,
-    cache_dir: str | None,
-) -> np.ndarray:
-    """The length histogram `fit_widths` needs, of shard `process_index` of `process_count`
-    (built into the cache if needed, as `train_iterator` would)."""
-    max_length = int(config.max_length)
-    spec = ShardSpec(process_index, process_count, max_length, config.long_pairs)
-    tc = tokenized_shard(
+def train_shard(
+    config: Any, tokenizer: Tokenizer, corpus: Any, index: int, count: int, cache_dir: str | None
+) -> TokenizedCorpus:
+    """Training shard `index` of `count`, tokenized with long_pairs applied: mapped from
+    `cache_dir` (built there first if needed), or in memory when it is None."""
+    spec = ShardSpec(index, count, int(config.max_length), config.long_pairs)
+    return tokenized_shard(
         corpus, tokenizer, spec, cache_dir=cache_dir, workers=int(config.data_workers)
     )
-    return _length_histogram(tc, max_length)
 
 
 def _buckets_and_tokens(
@@ -261,12 +254,9 @@ class TrainIterator:
         self.packing = bool(config.packing)
         self.seed, self.shuffle_seed = int(config.seed), int(config.shuffle_seed)
         if tokenized is None:
-            spec = ShardSpec(
-                self.process_index, self.process_count, self.max_length, config.long_pairs
+            self._tc = train_shard(
+                config, tokenizer, corpus, self.process_index, self.process_count, cache_dir
             )
-            self._tc = tokenized_shard(
-                corpus, tokenizer, spec, cache_dir=cache_dir, workers=int(config.data_workers)
-            )  # long_pairs applied when it was tokenized
         else:
             self._tc = apply_long_pairs(tokenized, self.max_length, config.long_pairs)
         self.num_dropped = self._tc.num_dropped
@@ -303,7 +293,7 @@ class TrainIterator:
             return np.asarray(widths, np.int64)
         if config.length_buckets:
             return length_buckets(self.max_length, tuple(config.length_buckets))
-        histogram = _length_histogram(self._tc, self.max_length)
+        histogram = length_histogram(self._tc, self.max_length)
         histogram = global_histogram(histogram, self.process_count)
         return fit_widths(config, histogram, self.budget, batch_multiple, self.process_count)
 

@@ -149,10 +149,12 @@ def apply_long_pairs(tc: TokenizedCorpus, max_length: int, long_pairs: str) -> T
     Dropping selects rows (views into the same flat arrays); truncation is
     implicit in the batch assembly, which reads at most max_length - 1 ids.
     """
-    if long_pairs != "drop":
+    # A memory-mapped shard comes from the cache, which applied the policy when it was
+    # built: reading its lengths through the map again would only page them in.
+    if long_pairs != "drop" or isinstance(tc.src_len, np.memmap):
         return tc
     too_long = (np.asarray(tc.src_len) >= max_length) | (np.asarray(tc.tgt_len) >= max_length)
-    if not too_long.any():  # e.g. a cached shard: the policy was applied when it was built
+    if not too_long.any():
         return tc
     keep = np.flatnonzero(~too_long)
     return TokenizedCorpus(

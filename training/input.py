@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 import data
-from data.pipeline import fit_widths, shard_histogram
+from data.pipeline import fit_widths, length_histogram, train_shard
 from data.plans import global_histogram
 from training import distributed
 
@@ -70,19 +70,24 @@ class ShardedInput:
         self.shard_ids = list(range(first, first + per_process))
         # Shard rows a multiple of m => the global rows (num_shards * m * j) divide evenly.
         multiple = global_multiple // math.gcd(global_multiple, self.num_shards)
-        widths = self._shared_widths(config, tokenizer, corpus, multiple, workdir)
+        # Each shard is tokenized (or mapped from the cache) once, here.
+        shards = [
+            train_shard(config, tokenizer, corpus, s, self.num_shards, cache_dir(config, workdir))
+            for s in self.shard_ids
+        ]
+        widths = self._shared_widths(config, shards, multiple)
         self.iterators = [
-            data.train_iterator(
+            data.TrainIterator(
                 config,
                 tokenizer,
                 corpus,
                 batch_multiple=multiple,
                 process_index=s,
                 process_count=self.num_shards,
-                cache_dir=cache_dir(config, workdir),
+                tokenized=tc,
                 widths=widths,
             )
-            for s in self.shard_ids
+            for s, tc in zip(self.shard_ids, shards, strict=True)
         ]
         if len(self.iterators) > 1 and not config.packing:
             # As processes agree on batch counts per bucket (data/plans.py), so do the
@@ -97,24 +102,12 @@ class ShardedInput:
                 "process per shard (bucketed batches do not)"
             )
 
-    def _shared_widths(
-        self, config: Any, tokenizer: data.Tokenizer, corpus: Any, multiple: int, workdir: Any
-    ) -> np.ndarray | None:
+    def _shared_widths(self, config: Any, shards: list[Any], multiple: int) -> np.ndarray | None:
         """Bucket widths fitted to every shard's lengths when this process reads several
         (one shard per process: each iterator fits them itself, across processes)."""
-        if len(self.shard_ids) == 1 or config.packing or config.length_buckets:
+        if len(shards) == 1 or config.packing or config.length_buckets:
             return None
-        histogram = sum(
-            shard_histogram(
-                config,
-                tokenizer,
-                corpus,
-                process_index=s,
-                process_count=self.num_shards,
-                cache_dir=cache_dir(config, workdir),
-            )
-            for s in self.shard_ids
-        )
+        histogram = sum(length_histogram(tc, config.max_length) for tc in shards)
         histogram = global_histogram(histogram, jax.process_count())
         budget = config.batch_tokens // self.num_shards
         return fit_widths(config, histogram, budget, multiple, self.num_shards)
