@@ -47,25 +47,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(
-    nproc: int, workdir, overrides: dict, timeout: float = 300, worker: str = WORKER
-) -> list[dict]:
-    """Run `worker` in `nproc` processes with 4 // nproc CPU devices each; their summaries."""
+def start_job(nproc: int, argv) -> list[subprocess.Popen]:
+    """`argv(i, port)` on processes i = 0..nproc-1 of one CPU job (4 // nproc devices
+    each, gloo over 127.0.0.1:port), not waited for."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // nproc}"
     port = str(_free_port())
-    procs = [
+    return [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                worker,
-                str(i),
-                str(nproc),
-                port,
-                str(workdir),
-                json.dumps(overrides),
-            ],
+            argv(i, port),
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -74,6 +64,16 @@ def run_processes(
         )
         for i in range(nproc)
     ]
+
+
+def run_processes(
+    nproc: int, workdir, overrides: dict, timeout: float = 300, worker: str = WORKER
+) -> list[dict]:
+    """Run `worker` in `nproc` processes with 4 // nproc CPU devices each; their summaries."""
+    tail = [str(workdir), json.dumps(overrides)]
+    procs = start_job(
+        nproc, lambda i, port: [sys.executable, "-c", worker, str(i), str(nproc), port, *tail]
+    )
     outs = []
     try:
         for p in procs:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import train_rows, write_reversal_tsv
-from tests.test_multihost import ROOT, _free_port
+from tests.test_multihost import start_job
 
 pytestmark = pytest.mark.slow
 
@@ -27,30 +27,20 @@ def corpus(tmp_path_factory):
 
 def start(workdir, overrides, nproc=2):
     """`train.py` on every process of the job (2 CPU devices each), not waited for."""
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // nproc}"
-    port = str(_free_port())
     flags = [f"--config.{k}={v}" for k, v in overrides.items()]
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "train.py",
-                "--config=tests/small_config.py",
-                f"--workdir={workdir}",
-                f"--coordinator_address=127.0.0.1:{port}",
-                f"--num_processes={nproc}",
-                f"--process_id={i}",
-                *flags,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(nproc)
-    ]
+    return start_job(
+        nproc,
+        lambda i, port: [
+            sys.executable,
+            "train.py",
+            "--config=tests/small_config.py",
+            f"--workdir={workdir}",
+            f"--coordinator_address=127.0.0.1:{port}",
+            f"--num_processes={nproc}",
+            f"--process_id={i}",
+            *flags,
+        ],
+    )
 
 
 def wait_for_step(workdir, step, procs, timeout=240):
