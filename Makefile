@@ -7,7 +7,7 @@ JOBS ?= 2
 WORKDIR ?= workdir/tiny
 CONFIG ?= configs/tiny.py
 
-.PHONY: help venv test test-slow test-floors lint format ding train decode bench clean
+.PHONY: help venv test test-slow test-floors update-constraints lint format ding train decode bench clean
 
 help:
 	@echo "make train      train configs/tiny.py on the embedded 'ding' corpus into $(WORKDIR)"
@@ -16,13 +16,16 @@ help:
 	@echo "make test-slow  the slow tests"
 	@echo "make test-floors  the fast tests against the lowest versions pyproject.toml allows"
 	@echo "make lint       ruff check + ruff format --check"
+	@echo "make update-constraints  newest dependency versions into constraints.txt, then the tests"
 	@echo "make bench      CPU benchmarks (JSON + table)"
 	@echo "make gpu-suite OUT=DIR  GPU tests + benchmarks on a GPU machine, JSON into DIR (<10 min)"
 
-$(STAMP): pyproject.toml
+# Installs are reproducible: exact versions from constraints.txt (see update-constraints).
+CONSTRAINTS := constraints.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[train,dev]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[train,dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -42,6 +45,18 @@ test-floors:
 	$(FLOORS)/bin/python -m pip install -q uv
 	$(FLOORS)/bin/uv pip install -q -p $(FLOORS)/bin/python --resolution lowest-direct -e '.[train,dev]'
 	$(FLOORS)/bin/python -m pytest -q -n $(JOBS) --dist loadfile
+
+# Refresh constraints.txt to the newest releases pyproject.toml allows (in a scratch
+# venv), then reinstall .venv from it and run the fast suite: commit the file if green.
+LATEST := .venv-latest
+update-constraints:
+	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q -e '.[train,dev]'
+	{ head -3 $(CONSTRAINTS); $(LATEST)/bin/python -m pip freeze --exclude-editable \
+	  | grep -v '^-e'; } > $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS)
+	rm -rf $(LATEST)
+	$(MAKE) test
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
