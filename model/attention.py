@@ -5,13 +5,15 @@ to [B, N, T, S]; True means "may attend". A `Mask` carries the same mask in the
 compact form fused kernels want (sequence lengths + causal flag) beside the dense one.
 
 impl='cudnn' runs cuDNN flash attention from those lengths, with padded rows
-zeroed in both passes (`_fused_attention`); impl='auto' picks it on GPUs in
-bf16/fp16 once a one-time probe has shown that cuDNN works here (`_cudnn_works`),
-and otherwise the einsum path, with one logged warning.
+zeroed in both passes (`_fused_attention`); `resolve_impl` turns 'auto' into
+'cudnn' on GPUs in bf16/fp16 once a one-time probe has shown that cuDNN works
+here (`_cudnn_works`), and otherwise into the einsum path ('xla'), with one
+logged warning. Models resolve 'auto' once, before tracing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -20,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from model.config import PAD_ID
+from model.config import PAD_ID, TransformerConfig
+from model.precision import einsum_f32
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +54,38 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def resolve_impl(impl: str, dtype, head_dim: int, has_lengths: bool) -> str:
-    """'auto' -> 'cudnn' on GPUs where cuDNN flash attention applies and works, else 'xla'.
+def resolve_impl(impl: str, dtype, head_dim: int, platform: str | None = None) -> str:
+    """The attention implementation a model uses: 'auto' -> 'cudnn' or 'xla'; others as is.
 
-    "Works" is decided once per (dtype, head_dim) by a probe (`_cudnn_works`); if
-    cuDNN fails it, 'auto' logs one warning and uses 'xla'. Any other `impl` is
-    returned as is: an explicit 'cudnn' raises wherever cuDNN does.
+    'auto' picks 'cudnn' on GPUs, in bf16/fp16, for head dims cuDNN's flash
+    kernels take (<= 128, multiple of 8), where cuDNN works: decided once per
+    (dtype, head dim) by a probe (`_cudnn_works`) that runs a tiny attention
+    forward and backward here, logging one warning and giving 'xla' if it fails.
+    `platform` is where the model will run (default: this process's backend);
+    compiling for a GPU from another machine (train.py --compile_for=gpu:...)
+    cannot probe, and gets what a GPU whose probe passes would use.
+
+    Models resolve once, before tracing (training.config.model_config, or
+    Transformer's constructor), so a traced model never probes.
     """
     if impl != "auto":
         return impl
     dtype = jnp.dtype(dtype)
     fast_dtype = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     ok_head = head_dim <= 128 and head_dim % 8 == 0
-    if not (fast_dtype and ok_head and has_lengths and _on_gpu()):
+    on_gpu = _on_gpu()
+    for_gpu = on_gpu if platform is None else platform == "gpu"
+    if not (fast_dtype and ok_head and for_gpu):
         return "xla"
+    if not on_gpu:  # compiling for a GPU elsewhere: the probe will run there, at start
+        return "cudnn"
     return "cudnn" if _cudnn_works(dtype.name, head_dim) else "xla"
+
+
+def resolve_config(cfg: TransformerConfig, platform: str | None = None) -> TransformerConfig:
+    """`cfg` with attention_impl resolved (`resolve_impl`): what a Transformer stores."""
+    impl = resolve_impl(cfg.attention_impl, cfg.dtype, cfg.head_dim, platform)
+    return cfg if impl == cfg.attention_impl else dataclasses.replace(cfg, attention_impl=impl)
 
 
 def padding_mask(q_tokens: jax.Array, k_tokens: jax.Array, pad_id: int = PAD_ID) -> jax.Array:
@@ -95,7 +115,7 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None = None)
         mask = mask.dense
     scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
     q = q * scale.astype(q.dtype)
-    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32)
+    logits = einsum_f32("BTNH,BSNH->BNTS", q, k)  # [B, N, T, S]
     if mask is None:
         return jax.nn.softmax(logits, axis=-1)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
@@ -120,9 +140,11 @@ def dot_product_attention(
       mask: boolean, broadcastable to [B, N, T, S]; True = may attend. Or a
         `Mask`, whose sequence lengths let cuDNN skip padding without a dense mask.
       impl: 'xla' (einsum + float32 softmax, supports attention dropout),
-        'jax' (`jax.nn.dot_product_attention`, XLA on CPU/TPU), 'cudnn'
-        (`jax.nn.dot_product_attention(implementation='cudnn')`, GPU, bf16/fp16)
-        or 'auto' (cuDNN where it applies and its one-time probe passed, else 'xla').
+        'jax' (`jax.nn.dot_product_attention`, XLA on CPU/TPU), 'cudnn' (cuDNN
+        flash attention driven by the `Mask`'s lengths, GPU, bf16/fp16; calls
+        without lengths, i.e. packed rows and one-token decoding steps, use
+        'xla': a dense mask would have to be materialized anyway) or 'auto'
+        (`resolve_impl`; models pass an implementation resolved beforehand).
       dropout_rate, dropout_rng: dropout on the attention weights ('xla' only).
 
     Returns:
@@ -132,7 +154,9 @@ def dot_product_attention(
     if structured is not None:
         mask = structured.dense
     has_lengths = structured is not None and structured.has_lengths
-    impl = resolve_impl(impl, q.dtype, q.shape[-1], has_lengths)
+    impl = resolve_impl(impl, q.dtype, q.shape[-1])
+    if impl == "cudnn" and not has_lengths:
+        impl = "xla"
     if impl == "xla" or (dropout_rate > 0.0 and dropout_rng is not None):
         weights = attention_weights(q, k, mask)  # [B, N, T, S] float32
         if dropout_rate > 0.0 and dropout_rng is not None:
@@ -141,10 +165,9 @@ def dot_product_attention(
         return jnp.einsum("BNTS,BSNH->BTNH", weights.astype(v.dtype), v)
     if impl not in ("jax", "cudnn"):
         raise ValueError(f"attention impl must be 'auto', 'xla', 'jax' or 'cudnn', got {impl!r}")
-    if impl == "cudnn" and has_lengths:
+    if impl == "cudnn":
         return _fused_attention(q, k, v, structured)
-    implementation = "cudnn" if impl == "cudnn" else None
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask)
     if mask is None:
         return out
     # jax.nn spreads a fully masked row uniformly over the keys; we return zeros
@@ -265,7 +288,8 @@ def _cudnn_works(dtype_name: str, head_dim: int) -> bool:
     last two outside any function of ours, e.g. in the caller's jit), so the
     only test is to run it: once per (dtype, head dim), a tiny padded and a
     tiny causal attention with an empty row, forward and backward, compared
-    with 'xla'. `resolve_impl` is called while the model is being traced;
+    with 'xla'. Models call `resolve_impl` before tracing; a direct call of
+    `dot_product_attention(impl='auto')` may come inside a trace, where
     `ensure_compile_time_eval` makes the probe compile and run now, on the
     default device, instead of being staged into the caller's program. On
     failure: one warning, and False.

@@ -23,6 +23,7 @@ from flax import nnx, struct
 
 from model.attention import Mask, attention_weights, dot_product_attention
 from model.config import TransformerConfig
+from model.precision import einsum_f32
 from model.sharding import EMBED, HEADS, KV, MLP, VOCAB
 
 # Glorot/Xavier uniform over the combined fan-in/fan-out of multi-dim kernels.
@@ -73,7 +74,7 @@ class Embed(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> float32 logits [B, T, V] against the same table."""
         table = self.embedding[...].astype(self.dtype)
-        return jnp.einsum("BTD,VD->BTV", x, table, preferred_element_type=jnp.float32)
+        return einsum_f32("BTD,VD->BTV", x, table)
 
 
 class Unembed(nnx.Module):
@@ -88,7 +89,7 @@ class Unembed(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> float32 logits [B, T, V]."""
         w = self.kernel[...].astype(self.dtype)
-        return jnp.einsum("BTD,DV->BTV", x, w, preferred_element_type=jnp.float32)
+        return einsum_f32("BTD,DV->BTV", x, w)
 
 
 @struct.dataclass

@@ -2,6 +2,7 @@
 
     model = Transformer(TransformerConfig(vocab_size=8000), rngs=nnx.Rngs(0))
     logits = model(src, tgt_in)                       # [B, S], [B, T] -> [B, T, V]
+    y = model.hidden(src, tgt_in)                     # the same up to the output: [B, T, D]
     cache = model.init_cache(src, max_decode_len=L)   # encode once; room for L tokens
     logits, cache = model.decode_step(tokens, cache)  # [B] -> [B, V], one position on
     weights = model.cross_attention_weights(src, tgt_in)  # [L_dec, B, N, T, S]
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from model.attention import Mask, causal_mask, padding_mask, segment_mask
+from model.attention import Mask, causal_mask, padding_mask, resolve_config, segment_mask
 from model.config import BOS_ID, PAD_ID, TransformerConfig
 from model.layers import DecoderLayer, Embed, EncoderLayer, KVCache, LayerNorm, Unembed
 
@@ -113,7 +114,9 @@ class Transformer(nnx.Module):
     """Encoder-decoder Transformer; see the module docstring for the calling convention."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        cfg = self.config = config
+        # attention_impl='auto' becomes 'cudnn' or 'xla' here, once (a probe on GPUs),
+        # so that the traced model never decides; training resolves it even earlier.
+        cfg = self.config = resolve_config(config)
         self.src_embed = Embed(cfg, rngs=rngs)
         self.tgt_embed = self.src_embed if cfg.share_embeddings else Embed(cfg, rngs=rngs)
         self.unembed = None if cfg.tie_output else Unembed(cfg, rngs=rngs)
@@ -131,23 +134,46 @@ class Transformer(nnx.Module):
 
     # --- pieces -----------------------------------------------------------
 
-    def _embed(self, embed: Embed, ids, positions, deterministic: bool) -> jax.Array:
-        """ids [B, T] -> dropout(embedding * sqrt(D) + PE) [B, T, D]."""
+    def _embed(self, rows: jax.Array, positions, deterministic: bool) -> jax.Array:
+        """Looked-up rows embedding * sqrt(D) [B, T, D] -> dropout(rows + PE) [B, T, D]."""
         cfg = self.config
         table = jnp.asarray(_position_table(cfg.max_len, cfg.d_model), cfg.compute_dtype)
         if positions is None:
-            pe = table[None, : ids.shape[1]]  # [1, T, D]
+            pe = table[None, : rows.shape[1]]  # [1, T, D]
         else:
             pe = jnp.take(table, positions, axis=0)  # [B, T, D]
-        x = embed(ids) + pe
-        return self.embed_dropout(x, deterministic=deterministic)
+        return self.embed_dropout(rows + pe, deterministic=deterministic)
 
-    def _logits(self, y: jax.Array) -> jax.Array:
-        if self.decoder_norm is not None:
-            y = self.decoder_norm(y)
+    def _lookup_both(self, src: jax.Array, tgt_in: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Embedding rows of src [B, S] and tgt_in [B, T]: [B, S, D], [B, T, D].
+
+        A shared table is read in one lookup over [B, S + T] ids, so its gradient is
+        one scatter-add whose rows stay on the batch's devices. Two lookups give two
+        scatter-adds that XLA merges over indices concatenated along the batch, which
+        its SPMD partitioner then reshuffles with all-to-alls (6 per data-parallel
+        TPU step, and a 256-chip compile that did not finish; docs/aot.md).
+        """
+        if self.tgt_embed is not self.src_embed:
+            return self.src_embed(src), self.tgt_embed(tgt_in)
+        rows = self.src_embed(jnp.concatenate([src, tgt_in], axis=1))  # [B, S + T, D]
+        return rows[:, : src.shape[1]], rows[:, src.shape[1] :]
+
+    def _final(self, y: jax.Array) -> jax.Array:
+        """The decoder stack's output [.., D] -> the states the output projection reads."""
+        return self.decoder_norm(y) if self.decoder_norm is not None else y
+
+    def project(self, y: jax.Array) -> jax.Array:
+        """Final decoder states [B, T, D] (from `hidden`) -> logits [B, T, V] float32."""
         if self.unembed is not None:
             return self.unembed(y)
         return self.tgt_embed.attend(y)
+
+    def output_matrix(self) -> jax.Array:
+        """The output projection's weights as [V, D] (the tied embedding, or Unembed^T), in
+        param dtype: `project(y)` is y @ output_matrix()^T in the compute dtype."""
+        if self.unembed is not None:
+            return self.unembed.kernel[...].T
+        return self.tgt_embed.embedding[...]
 
     def _run(self, layer, *arrays, remat: bool = True, **static):
         """layer(*arrays, **static), rematerialized if `remat` and `config.remat`.
@@ -223,8 +249,12 @@ class Transformer(nnx.Module):
         deterministic: bool = True,
     ) -> jax.Array:
         """src [B, S] int32 -> encoder output [B, S, D]."""
+        return self._encode(src, self.src_embed(src), src_segments, src_positions, deterministic)
+
+    def _encode(self, src, rows, src_segments, src_positions, deterministic: bool) -> jax.Array:
+        """`encode` from the source's embedding rows [B, S, D]."""
         mask = _source_mask(src, src_segments)  # [B, 1, S, S]
-        x = self._embed(self.src_embed, src, src_positions, deterministic)
+        x = self._embed(rows, src_positions, deterministic)
         for layer in self.encoder_layers:
             x = self._run(layer, x, mask, deterministic=deterministic)
         if self.encoder_norm is not None:
@@ -243,14 +273,25 @@ class Transformer(nnx.Module):
         deterministic: bool = True,
     ) -> jax.Array:
         """tgt_in [B, T] (BOS + target), encoded [B, S, D], src [B, S] -> logits [B, T, V] f32."""
+        rows = self.tgt_embed(tgt_in)
+        segments = (src_segments, tgt_segments)
+        y = self._decode(tgt_in, rows, encoded, src, segments, tgt_positions, deterministic)
+        return self.project(y)
+
+    def _decode(
+        self, tgt_in, rows, encoded, src, segments, tgt_positions, deterministic: bool
+    ) -> jax.Array:
+        """Final decoder states [B, T, D] from the target's embedding rows [B, T, D];
+        segments = (src, tgt) segment ids."""
+        src_segments, tgt_segments = segments
         self_mask = _target_mask(tgt_in, tgt_segments)  # [B, 1, T, T]
         cross_mask = _cross_mask(tgt_in, src, tgt_segments, src_segments)  # [B, 1, T, S]
-        y = self._embed(self.tgt_embed, tgt_in, tgt_positions, deterministic)
+        y = self._embed(rows, tgt_positions, deterministic)
         cross_kv = self._cross_kv(encoded)
         y, _, _ = self._decoder_stack(
             y, cross_kv, self_mask, cross_mask, deterministic=deterministic
         )
-        return self._logits(y)
+        return self._final(y)
 
     def __call__(
         self,
@@ -264,21 +305,37 @@ class Transformer(nnx.Module):
         deterministic: bool = True,
     ) -> jax.Array:
         """src [B, S], tgt_in [B, T] int32 -> logits [B, T, V] float32."""
-        encoded = self.encode(
+        y = self.hidden(
             src,
-            src_segments=src_segments,
-            src_positions=src_positions,
-            deterministic=deterministic,
-        )
-        return self.decode(
             tgt_in,
-            encoded,
-            src,
             src_segments=src_segments,
             tgt_segments=tgt_segments,
+            src_positions=src_positions,
             tgt_positions=tgt_positions,
             deterministic=deterministic,
         )
+        return self.project(y)
+
+    def hidden(
+        self,
+        src: jax.Array,
+        tgt_in: jax.Array,
+        *,
+        src_segments: jax.Array | None = None,
+        tgt_segments: jax.Array | None = None,
+        src_positions: jax.Array | None = None,
+        tgt_positions: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """`__call__` up to the output projection: the final decoder states [B, T, D].
+
+        `project(hidden(...))` are the logits; a loss can instead read the states in
+        chunks against `output_matrix()` without a whole [B, T, V] array.
+        """
+        src_rows, tgt_rows = self._lookup_both(src, tgt_in)
+        encoded = self._encode(src, src_rows, src_segments, src_positions, deterministic)
+        segments = (src_segments, tgt_segments)
+        return self._decode(tgt_in, tgt_rows, encoded, src, segments, tgt_positions, deterministic)
 
     # --- incremental decoding ---------------------------------------------
 
@@ -324,7 +381,7 @@ class Transformer(nnx.Module):
         y, self_kv, _ = self._decoder_stack(
             y, cache.cross_kv, self_mask, cross_mask, cache.self_kv, i
         )
-        logits = self._logits(y)[:, 0]  # [B, 1, V] -> [B, V]
+        logits = self.project(self._final(y))[:, 0]  # [B, 1, V] -> [B, V]
         return logits, cache.replace(self_kv=self_kv, index=i + 1)
 
     def cross_attention_weights(self, src: jax.Array, tgt_in: jax.Array) -> jax.Array:
@@ -337,7 +394,7 @@ class Transformer(nnx.Module):
         encoded = self.encode(src)
         self_mask = _target_mask(tgt_in, None)  # [B, 1, T, T]
         cross_mask = _cross_mask(tgt_in, src, None, None)  # [B, 1, T, S]
-        y = self._embed(self.tgt_embed, tgt_in, None, True)
+        y = self._embed(self.tgt_embed(tgt_in), None, True)
         _, _, weights = self._decoder_stack(
             y, self._cross_kv(encoded), self_mask, cross_mask, return_cross_weights=True
         )

@@ -39,7 +39,7 @@ from flax import nnx
 
 from model import Transformer
 from training import distributed, steps
-from training.config import CONFIG_FILE, load_config
+from training.config import CONFIG_FILE, load_config, model_config
 from training.errors import TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -460,9 +460,10 @@ def restore_model(
 
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     try:
-        abstract_model = nnx.eval_shape(lambda: steps.build_model(config))
+        model_cfg = model_config(config)  # attention resolved here, before any tracing
     except ValueError as e:  # a hand-edited config.json
         raise TrainingError(f"{workdir}/{CONFIG_FILE}: {e}") from e
+    abstract_model = nnx.eval_shape(lambda: steps.build_model(config, model_cfg))
     graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
     abstract_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
@@ -482,5 +483,5 @@ def restore_model(
         else:
             _log.info(what)
     # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
-    rngs = jax.jit(lambda: nnx.split(steps.build_model(config), nnx.Param, ...)[2])()
+    rngs = jax.jit(lambda: nnx.split(steps.build_model(config, model_cfg), nnx.Param, ...)[2])()
     return nnx.merge(graphdef, params, rngs), config, step

@@ -28,6 +28,7 @@ import jax
 import ml_collections
 
 from model import TransformerConfig
+from model.attention import resolve_config
 from training.errors import TrainingError
 from training.mesh import AXES as MESH_AXES
 from training.mesh import mesh_shape
@@ -70,6 +71,7 @@ _NON_NEGATIVE = (
     "data_workers",
     "grad_clip_norm",
     "weight_decay",
+    "loss_chunk_tokens",
     "eval_alpha",
     "peak_flops_per_device",
 )
@@ -89,8 +91,16 @@ def defaults() -> ml_collections.ConfigDict:
     return default.get_config()
 
 
-def model_config(config: ml_collections.ConfigDict) -> TransformerConfig:
-    """config.model + config.vocab_size -> TransformerConfig (ValueError names a bad field)."""
+def model_config(
+    config: ml_collections.ConfigDict, platform: str | None = None
+) -> TransformerConfig:
+    """config.model + config.vocab_size -> TransformerConfig (ValueError names a bad field),
+    its attention_impl resolved for `platform` (default: this machine's backend), once:
+    'auto' -> 'cudnn' or 'xla' (`model.attention.resolve_impl`)."""
+    return resolve_config(_model_fields(config), platform)
+
+
+def _model_fields(config: ml_collections.ConfigDict) -> TransformerConfig:
     return TransformerConfig.from_dict({**config.model.to_dict(), "vocab_size": config.vocab_size})
 
 
@@ -134,7 +144,7 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
     if config.schedule != "rsqrt" and not config.learning_rate > 0:
         raise TrainingError(f"config.learning_rate must be > 0, got {config.learning_rate}")
     try:
-        model_config(config)
+        _model_fields(config)
     except ValueError as e:
         raise TrainingError(f"bad model config: {e}") from e
     if config.max_length > config.model.max_len:
@@ -144,11 +154,11 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_machine(config: ml_collections.ConfigDict) -> None:
-    """The mesh, the data shards and the batch against this machine's devices and processes."""
+def _check_machine(config: ml_collections.ConfigDict, num_devices: int, num_processes: int) -> None:
+    """The mesh, the data shards and the batch against the devices and processes."""
     sizes = tuple(config[f"mesh_{a}"] for a in MESH_AXES)
-    shape = dict(zip(MESH_AXES, mesh_shape(sizes, jax.device_count()), strict=True))
-    pc = jax.process_count()
+    shape = dict(zip(MESH_AXES, mesh_shape(sizes, num_devices), strict=True))
+    pc = num_processes
     if pc > 1 and config.data_shards not in (0, pc):
         raise TrainingError(
             f"config.data_shards={config.data_shards} with {pc} processes: use 0 (one shard "
@@ -169,10 +179,22 @@ def _check_machine(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-    """Raise TrainingError naming the first bad field; nothing slow has happened yet."""
+def validate(
+    config: ml_collections.ConfigDict,
+    num_devices: int | None = None,
+    num_processes: int | None = None,
+) -> None:
+    """Raise TrainingError naming the first bad field; nothing slow has happened yet.
+
+    The machine checks are against this job's devices and processes, or the given
+    counts (train.py --compile_for checks a slice it does not run on).
+    """
     _check_fields(config)
-    _check_machine(config)
+    _check_machine(
+        config,
+        jax.device_count() if num_devices is None else num_devices,
+        jax.process_count() if num_processes is None else num_processes,
+    )
 
 
 # --- The copy in the workdir -------------------------------------------------------------

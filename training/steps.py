@@ -26,8 +26,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model import Transformer
+from model import Transformer, TransformerConfig
 from training.config import model_config
+from training.loss import chunked_loss_sums
 from training.mesh import BATCH_AXES, axis_rules, state_shardings
 from training.optim import make_optimizer, make_schedule
 
@@ -55,6 +56,7 @@ class TrainSetup:
 
     config: Any
     mesh: Mesh
+    model_config: TransformerConfig  # attention_impl resolved for where the steps run
     graphdef: nnx.GraphDef
     tx: optax.GradientTransformation
     abstract: TrainState
@@ -64,35 +66,47 @@ class TrainSetup:
 # --- Model and state ------------------------------------------------------------
 
 
-def build_model(config: Any) -> Transformer:
-    """A freshly initialized Transformer: `params` from `seed`, dropout streams from `seed + 1`."""
+def build_model(config: Any, model_cfg: TransformerConfig | None = None) -> Transformer:
+    """A freshly initialized Transformer: `params` from `seed`, dropout streams from `seed + 1`.
+
+    `model_cfg`: the resolved model config (default: `model_config(config)`, resolved here).
+    """
     rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
-    return Transformer(model_config(config), rngs=rngs)
+    return Transformer(model_cfg or model_config(config), rngs=rngs)
 
 
-def _init_fn(config: Any, tx: optax.GradientTransformation) -> Callable[[], TrainState]:
+def _init_fn(
+    config: Any, model_cfg: TransformerConfig, tx: optax.GradientTransformation
+) -> Callable[[], TrainState]:
     def init():
-        _, params, rngs = nnx.split(build_model(config), nnx.Param, ...)
+        _, params, rngs = nnx.split(build_model(config, model_cfg), nnx.Param, ...)
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rngs)
 
     return init
 
 
-def train_setup(config: Any, mesh: Mesh) -> TrainSetup:
-    """The GraphDef, optimizer, and abstract state with its shardings on `mesh`."""
+def train_setup(config: Any, mesh: Mesh, platform: str | None = None) -> TrainSetup:
+    """The GraphDef, optimizer, and abstract state with its shardings on `mesh`.
+
+    The model config is resolved here, before anything is traced, for `platform`
+    (default: this machine; train.py --compile_for passes the target's).
+    """
+    model_cfg = model_config(config, platform)
     tx = make_optimizer(config)
-    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: build_model(config)), nnx.Param, ...)
-    abstract = jax.eval_shape(_init_fn(config, tx))
+    abstract_model = nnx.eval_shape(lambda: build_model(config, model_cfg))
+    graphdef, _, _ = nnx.split(abstract_model, nnx.Param, ...)
+    abstract = jax.eval_shape(_init_fn(config, model_cfg, tx))
     shardings = state_shardings(mesh, abstract, axis_rules(config))
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    return TrainSetup(config, mesh, graphdef, tx, abstract, shardings)
+    return TrainSetup(config, mesh, model_cfg, graphdef, tx, abstract, shardings)
 
 
 def init_train_state(setup: TrainSetup) -> TrainState:
     """Initialize params and optimizer state directly into their shardings (no host copy)."""
-    return jax.jit(_init_fn(setup.config, setup.tx), out_shardings=setup.shardings)()
+    init = _init_fn(setup.config, setup.model_config, setup.tx)
+    return jax.jit(init, out_shardings=setup.shardings)()
 
 
 # --- Loss ---------------------------------------------------------------------
@@ -143,12 +157,24 @@ def _forward_sums(
     batch: Mapping[str, jax.Array],
     label_smoothing: float,
     deterministic: bool,
+    chunk_tokens: int = 0,
 ) -> tuple[jax.Array, tuple[dict[str, jax.Array], nnx.State]]:
-    """(summed smoothed loss, (all sums, advanced RNG state)) of one (micro-)batch."""
+    """(summed smoothed loss, (all sums, advanced RNG state)) of one (micro-)batch.
+
+    chunk_tokens > 0: the loss is computed over the vocabulary in chunks of that many
+    tokens (training/loss.py), never holding the [B, T, V] logits.
+    """
     model = nnx.merge(graphdef, params, rngs, copy=True)
     packing = {k: batch[k] for k in PACKING_KEYS if k in batch}
-    logits = model(batch["src"], batch["tgt_in"], deterministic=deterministic, **packing)
-    sums = loss_sums(logits, batch["tgt_out"], label_smoothing)
+    args = (batch["src"], batch["tgt_in"])
+    if chunk_tokens:
+        y = model.hidden(*args, deterministic=deterministic, **packing)  # [B, T, D]
+        sums = chunked_loss_sums(
+            y, model.output_matrix(), batch["tgt_out"], label_smoothing, chunk_tokens=chunk_tokens
+        )
+    else:
+        logits = model(*args, deterministic=deterministic, **packing)  # [B, T, V]
+        sums = loss_sums(logits, batch["tgt_out"], label_smoothing)
     # Counted on device over the global batch, so every process logs the same totals.
     sums["src_tokens"] = (batch["src"] != 0).sum(dtype=jnp.float32)
     _, _, rngs = nnx.split(model, nnx.Param, ...)
@@ -206,6 +232,7 @@ def make_train_step(
     graphdef, tx, mesh = setup.graphdef, setup.tx, setup.mesh
     k = int(setup.config.grad_accum_steps)
     label_smoothing = float(setup.config.label_smoothing)
+    chunk = int(setup.config.loss_chunk_tokens)
     schedule = make_schedule(setup.config)
     grad_fn = jax.value_and_grad(_forward_sums, argnums=1, has_aux=True)
 
@@ -213,14 +240,16 @@ def make_train_step(
         """(summed gradients, sums, advanced RNG state) over k micro-batches."""
         if k == 1:
             (_, (sums, rngs)), grads = grad_fn(
-                graphdef, state.params, state.rngs, batch, label_smoothing, False
+                graphdef, state.params, state.rngs, batch, label_smoothing, False, chunk
             )
             return grads, sums, rngs
         micro = {name: _split_micro(x, k, mesh) for name, x in batch.items()}
 
         def body(carry, mb):
             grads, sums, rngs = carry
-            (_, (s, rngs)), g = grad_fn(graphdef, state.params, rngs, mb, label_smoothing, False)
+            (_, (s, rngs)), g = grad_fn(
+                graphdef, state.params, rngs, mb, label_smoothing, False, chunk
+            )
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s), rngs), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -259,9 +288,10 @@ def make_eval_step(
     Add the sums of all batches up, then `summarize` them.
     """
     graphdef, label_smoothing = setup.graphdef, float(setup.config.label_smoothing)
+    chunk = int(setup.config.loss_chunk_tokens)
 
     def eval_step(params, rngs, batch):
-        _, (sums, _) = _forward_sums(graphdef, params, rngs, batch, label_smoothing, True)
+        _, (sums, _) = _forward_sums(graphdef, params, rngs, batch, label_smoothing, True, chunk)
         return sums
 
     return jax.jit(eval_step, out_shardings=NamedSharding(setup.mesh, PartitionSpec()))
