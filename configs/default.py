@@ -88,6 +88,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.grad_clip_norm = 0.0  # 0 = no clipping
     c.grad_accum_steps = 1  # micro-batches per update
     c.label_smoothing = 0.1
+    # Compute the loss over the vocabulary in chunks of this many tokens (0 = all at
+    # once): the [tokens, vocab] float32 logits, the largest buffers of a big batch,
+    # are then never held whole (training/loss.py; same loss and gradients).
+    c.loss_chunk_tokens = 0
 
     # --- Loop ---------------------------------------------------------------
     c.num_train_steps = 100_000
