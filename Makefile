@@ -7,13 +7,14 @@ JOBS ?= 2
 WORKDIR ?= workdir/tiny
 CONFIG ?= configs/tiny.py
 
-.PHONY: help venv test test-slow test-floors update-constraints lint format ding train decode bench clean
+.PHONY: help venv test test-slow test-aot aot-venv test-floors update-constraints lint format ding train decode bench clean
 
 help:
 	@echo "make train      train configs/tiny.py on the embedded 'ding' corpus into $(WORKDIR)"
 	@echo "make decode     translate the ding test set with the model in $(WORKDIR)"
 	@echo "make test       the fast test suite (CPU, offline)"
-	@echo "make test-slow  the slow tests"
+	@echo "make test-slow  the slow tests, then test-aot"
+	@echo "make test-aot   compiles for TPU slices / GPUs (train.py --compile_for; builds .venv-aot)"
 	@echo "make test-floors  the fast tests against the lowest versions pyproject.toml allows"
 	@echo "make lint       ruff check + ruff format --check"
 	@echo "make update-constraints  newest dependency versions into constraints.txt, then the tests"
@@ -35,6 +36,26 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m slow
+	$(MAKE) test-aot
+
+# Ahead-of-time compiles for TPU slices and GPUs (train.py --compile_for) need the
+# compilers, jax[tpu] (libtpu) and jax[cuda13], at our jax version: they live in a side
+# venv, never in .venv, where every `import jax` would then probe for a TPU. One
+# compile at a time (each takes a core for up to minutes).
+AOT := .venv-aot
+AOT_STAMP := $(AOT)/.installed
+JAX_VERSION = $(shell sed -n 's/^jax==//p' $(CONSTRAINTS))
+$(AOT_STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(AOT)/bin/python || $(PYTHON) -m venv $(AOT)
+	$(AOT)/bin/python -m pip install -q --upgrade pip
+	$(AOT)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[train,dev]' \
+	  "jax[tpu]==$(JAX_VERSION)" "jax[cuda13]==$(JAX_VERSION)"
+	touch $(AOT_STAMP)
+
+aot-venv: $(AOT_STAMP)
+
+test-aot: $(AOT_STAMP)
+	$(AOT)/bin/python -m pytest -q -p no:xdist -m aot
 
 # The fast suite in a second venv holding the *lowest* versions of our direct
 # dependencies that pyproject.toml allows (uv's lowest-direct resolution), so that
@@ -98,4 +119,4 @@ gpu-suite:
 	PYTHON=$(PYTHON) bench/gpu_suite.sh $(OUT)
 
 clean:
-	rm -rf $(VENV) $(FLOORS) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(FLOORS) $(AOT) .pytest_cache .ruff_cache

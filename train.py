@@ -1,5 +1,9 @@
 """Train a Transformer: `python train.py --config=configs/tiny.py --workdir=workdir/tiny`.
 
+`--compile_for=tpu:v5e-256` (or gpu:h100x8, ...) instead compiles the train, eval
+and decode steps for that slice or GPU box here, without chips or data, and
+reports memory per chip, FLOPs, collectives and a step-time estimate.
+
 Any config field can be overridden, e.g. `--config.num_train_steps=500`.
 Re-running the same command resumes from the newest checkpoint in the workdir.
 User errors (bad flags or config values, missing data) print one line and exit 1.
@@ -20,7 +24,28 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer.")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["config"])
+_COMPILE_FOR = flags.DEFINE_string(
+    "compile_for",
+    None,
+    "Instead of training: compile the train, eval and decode steps for a TPU slice or GPU box "
+    "on this machine (no chips, data or workdir needed; e.g. tpu:v5e-8, tpu:v5e-256, "
+    "tpu:v5p-128, tpu:v4-8, tpu:v6e-64, gpu:h100, gpu:h100x8, gpu:a100x8) and print bytes per "
+    "chip against HBM, FLOPs, collectives and a step-time estimate (JSON on stdout, a table "
+    "on stderr; exit 2 if it does not fit). Needs jax[tpu] or jax[cuda13] (docs/aot.md).",
+)
+_SLICES = flags.DEFINE_integer(
+    "compile_for_slices", 1, "--compile_for=tpu:...: this many slices (data parallel across them)."
+)
+_ALL_BUCKETS = flags.DEFINE_boolean(
+    "compile_all_buckets", False, "--compile_for: compile every train width, not only the widest."
+)
+_DUMP = flags.DEFINE_string(
+    "compile_dump", None, "--compile_for: write each program's optimized HLO into this directory."
+)
+_FIND_BATCH = flags.DEFINE_boolean(
+    "find_batch", False, "--compile_for: also search the largest batch_tokens that fits."
+)
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-process: HOST:PORT of process 0 (jax.distributed)."
 )
@@ -62,10 +87,57 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit(1)
 
 
+def _compile_for() -> int:
+    """--compile_for: the ahead-of-time report (training/aot.py); no training."""
+    from training import targets
+
+    try:
+        target = targets.parse_target(_COMPILE_FOR.value)
+    except ValueError as e:  # TrainingError
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    targets.prepare_environment(target)  # before JAX starts a backend
+    from training import TrainingError, aot_report, log, xla
+
+    xla.set_gpu_flags()  # what train.py runs with on a GPU
+
+    log.setup()
+    config = _load_config()
+    label = config_flags.get_config_filename(flags.FLAGS["config"])
+    try:
+        return aot_report.run(
+            config,
+            _COMPILE_FOR.value,
+            slices=_SLICES.value,
+            all_buckets=_ALL_BUCKETS.value,
+            find=_FIND_BATCH.value,
+            label=label,
+            dump_dir=_DUMP.value,
+        )
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _load_config():
+    config = _CONFIG.value
+    try:
+        config.keys()  # the config file is loaded lazily: fail here, cleanly
+    except OSError as e:
+        print(f"error: cannot load --config: {str(e).splitlines()[-1].strip()}", file=sys.stderr)
+        sys.exit(1)
+    return config
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    if _COMPILE_FOR.value:
+        sys.exit(_compile_for())
+    if not _WORKDIR.value:
+        print("error: --workdir is required (or --compile_for=TARGET)", file=sys.stderr)
+        sys.exit(1)
     from training import xla
 
     xla.set_gpu_flags()  # before JAX initializes a backend
@@ -88,12 +160,7 @@ def main(argv: list[str]) -> None:
         sys.exit(distributed.supervise(sys.argv))
     distributed.initialize(*where, mode=_DISTRIBUTED.value)
 
-    config = _CONFIG.value
-    try:
-        config.keys()  # the config file is loaded lazily: fail here, cleanly
-    except OSError as e:
-        print(f"error: cannot load --config: {str(e).splitlines()[-1].strip()}", file=sys.stderr)
-        sys.exit(1)
+    config = _load_config()
     try:
         train_and_evaluate(config, _WORKDIR.value)
     except (TrainingError, DataError) as e:
