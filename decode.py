@@ -125,7 +125,7 @@ def encode_sources(tokenizer, lines: list[str], max_length: int, split: bool):
 
     Returns the segments, each line's token ids, and the number of long lines.
     """
-    from data import EOS_ID
+    from model import EOS_ID
 
     per_line = tokenizer.encode_batch([line.strip() for line in lines])
     segments, long = [], 0
@@ -211,7 +211,7 @@ def plot_attention(model, tokenizer, sources, outputs, directory: str) -> list[s
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from data import BOS_ID, EOS_ID
+    from model import BOS_ID, EOS_ID
 
     os.makedirs(directory, exist_ok=True)
     paths = []

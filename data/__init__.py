@@ -9,15 +9,12 @@ Importing this package is light (numpy and SentencePiece; JAX and grain load
 when a plan is made): the cache's worker processes import it.
 """
 
-from data.corpora import DataError, ParallelCorpus, TsvCorpus, load_split
+from data.corpora import ParallelCorpus, TsvCorpus, load_split
+from data.files import DataError
 from data.pipeline import TrainIterator, eval_batches, train_iterator
-from data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_tokenizer
+from data.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
-    "BOS_ID",
-    "EOS_ID",
-    "PAD_ID",
-    "UNK_ID",
     "DataError",
     "ParallelCorpus",
     "Tokenizer",

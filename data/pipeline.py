@@ -40,24 +40,11 @@ from data.plans import (
     rows_per_batch,
 )
 from data.tokenized import TokenizedCorpus, apply_long_pairs
-from data.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from data.tokenizer import Tokenizer
+from model.tokens import BOS_ID, EOS_ID
 
 # jax and grain are imported where they are used: the cache's worker processes
 # import this package and need neither (each would cost them ~2 s and ~200 MB).
-
-__all__ = [  # plans and the corpus format are re-exported for older imports
-    "TokenizedCorpus",
-    "TrainIterator",
-    "eval_batches",
-    "fit_widths",
-    "length_buckets",
-    "length_histogram",
-    "plan_bucketed",
-    "plan_packed",
-    "rows_per_batch",
-    "train_iterator",
-    "train_shard",
-]
 
 _log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from model.config import PAD_ID
+from model.tokens import PAD_ID
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import BOS_ID, EOS_ID, PAD_ID
+from model.tokens import BOS_ID, EOS_ID, PAD_ID
 from model.transformer import DecodeCache, Transformer
 
 # The paper (section 6.1) decodes with beam 4, length penalty alpha 0.6, and at

@@ -169,7 +169,8 @@ def pipeline_batch() -> dict[str, np.ndarray]:
     every side), which the pipeline emits to give every process the same number of
     batches.
     """
-    from data.pipeline import TokenizedCorpus, assemble_bucketed
+    from data.pipeline import assemble_bucketed
+    from data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(0)
     src_len = np.array([0, 4, 7, 10], np.int32)

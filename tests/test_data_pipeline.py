@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from data import BOS_ID, EOS_ID, eval_batches, train_iterator
+from data import eval_batches, train_iterator
 from data.corpora import ParallelCorpus
+from model import BOS_ID, EOS_ID
 from training.mesh import shard_batch
 
 
@@ -286,7 +287,7 @@ def test_budget_too_small_is_a_clear_error():
 
 
 def test_default_buckets_are_fine_and_few():
-    from data.pipeline import length_buckets
+    from data.plans import length_buckets
 
     for max_length, count in ((64, 13), (256, 25)):
         b = length_buckets(max_length).tolist()
@@ -334,7 +335,8 @@ def test_fitted_buckets_are_optimal_against_exhaustive_search():
 def test_fitted_buckets_beat_the_rule_and_need_fewer_shapes_on_small_corpora():
     """Fitted widths never pad more than any rule with as many shapes; a small corpus, whose
     partly filled last batches would cost more than finer widths save, gets fewer."""
-    from data.pipeline import TrainIterator, length_buckets
+    from data.pipeline import TrainIterator
+    from data.plans import length_buckets
 
     tc = wmt_like_corpus(20_000, 64)
     for n, budget in ((20_000, 1024), (300, 1024)):
@@ -358,7 +360,7 @@ def test_fitted_buckets_beat_the_rule_and_need_fewer_shapes_on_small_corpora():
 
 def wmt_like_corpus(n: int, max_length: int, seed: int = 0):
     """Token lengths like WMT pairs (log-normal source, median 25; target ~1.1x), random ids."""
-    from data.pipeline import TokenizedCorpus
+    from data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(seed)
     src = np.clip(rng.lognormal(np.log(25), 0.6, n), 1, max_length - 1).astype(np.int16)

@@ -18,9 +18,9 @@ import pytest
 from flax import nnx
 
 from configs import tiny
-from data import EOS_ID, Tokenizer
+from data import Tokenizer
 from data.tokenizer import train_tokenizer
-from model import decoding, shift_right
+from model import EOS_ID, decoding, shift_right
 from training import checkpoints, steps
 from training import config as config_lib
 

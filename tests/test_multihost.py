@@ -169,7 +169,8 @@ WIDTHS_WORKER = textwrap.dedent(
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
     from configs import default
-    from data.pipeline import TokenizedCorpus, TrainIterator
+    from data.pipeline import TrainIterator
+    from data.tokenized import TokenizedCorpus
 
     # Process 0's shard holds short pairs, process 1's long ones.
     rng = np.random.default_rng(pid)

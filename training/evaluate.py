@@ -16,8 +16,8 @@ import sacrebleu
 from flax import nnx
 from jax.sharding import Mesh
 
-from data import EOS_ID, Tokenizer, eval_batches
-from model import Transformer
+from data import Tokenizer, eval_batches
+from model import EOS_ID, Transformer
 from training.mesh import batch_divisor, shard_batch
 from training.steps import TrainSetup, TrainState, summarize
 from training.translate import translate_ids
