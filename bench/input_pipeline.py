@@ -40,6 +40,7 @@ import numpy as np
 
 import data
 from bench import common
+from data.files import atomic_write
 from data.plans import length_buckets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,8 +175,7 @@ def write_synthetic_tsv(path: str, n: int, seed: int = 0, chunk: int = 50_000) -
     vocab = len(word_start) - 1
     zipf = 1.0 / np.arange(1, vocab + 1) ** 1.05
     cdf = np.cumsum(zipf / zipf.sum())
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as f:
         for lo in range(0, n, chunk):
             m = min(chunk, n - lo)
             src = np.clip(rng.lognormal(np.log(20), 0.6, m), 1, 200).astype(np.int64)
@@ -197,7 +197,6 @@ def write_synthetic_tsv(path: str, n: int, seed: int = 0, chunk: int = 50_000) -
             ]
             buf[out_end - 1] = sep
             f.write(buf.tobytes())
-    os.replace(tmp, path)
 
 
 def train_command(tsv: str, dev: str, workdir: str, steps: int, extra=()) -> list[str]:

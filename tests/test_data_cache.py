@@ -247,6 +247,21 @@ _SHARD_BUILD = textwrap.dedent(
 )
 
 
+def test_atomic_write_replaces_a_file_whole_or_not_at_all(tmp_path):
+    """The one helper behind config.json, metrics.jsonl, decode.py's output and exports."""
+    path = str(tmp_path / "sub" / "out.txt")
+    with files.atomic_write(path, "w") as f:
+        f.write("first\n")
+    with pytest.raises(RuntimeError), files.atomic_write(path, "w") as f:
+        f.write("half of a second")
+        raise RuntimeError("killed midway")
+    assert (tmp_path / "sub" / "out.txt").read_text() == "first\n"  # the old file, whole
+    assert os.listdir(tmp_path / "sub") == ["out.txt"]  # no temporary left behind
+    probe = tmp_path / "probe"
+    probe.write_text("")  # the permissions `open` gives, not mkstemp's owner-only ones
+    assert os.stat(path).st_mode & 0o777 == os.stat(probe).st_mode & 0o777
+
+
 def test_two_processes_build_their_own_shards_into_one_directory(corpus_tsv, tokenizer, tmp_path):
     root = str(tmp_path / "shared")
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")

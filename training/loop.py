@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import ml_collections
 
 import data
+from data.files import atomic_write
 from training import checkpoints as ckpt
 from training import config as config_lib
 from training import distributed, evaluate, log, metrics, steps
@@ -75,9 +76,8 @@ def _trim_metrics(workdir: str, last_step: int) -> None:
         return
     with open(path) as f:
         rows = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
-    with open(path + ".tmp", "w") as f:
+    with atomic_write(path, "w") as f:
         f.writelines(rows)
-    os.replace(path + ".tmp", path)
 
 
 def _due(step: int, every: int, total: int) -> bool:
