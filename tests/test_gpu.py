@@ -23,6 +23,7 @@ from flax import nnx
 
 from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, attention, decoding
 from model.attention import dot_product_attention, resolve_impl
+from tests.conftest import model_fields
 from tests.test_attention import length_mask
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -144,18 +145,10 @@ def _raising_kernel(q, k, v, mask):
 
 
 def _bf16_config(**overrides) -> TransformerConfig:
-    fields = dict(
-        vocab_size=64,
-        d_model=128,
-        num_heads=2,
-        num_encoder_layers=2,
-        num_decoder_layers=2,
-        d_ff=256,
-        dropout_rate=0.0,
-        max_len=64,
-        dtype="bfloat16",
+    sizes = dict(vocab_size=64, d_model=128, num_encoder_layers=2, num_decoder_layers=2, d_ff=256)
+    return TransformerConfig(
+        **model_fields(**{**sizes, "max_len": 64, "dtype": "bfloat16", **overrides})
     )
-    return TransformerConfig(**{**fields, **overrides})
 
 
 def _ragged(rng, lengths, width, vocab, prefix=None, suffix=None) -> np.ndarray:
