@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from data import DataError
+from inference.restore import restore_model
 from tests.conftest import small_train_config, train_losses, write_reversal_tsv
 from tests.test_train_steps import reverse_batch
-from training import TrainingError, checkpoints, restore_model, steps, train_and_evaluate
+from training import TrainingError, checkpoints, steps, train_and_evaluate
 from training.mesh import make_mesh, shard_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,7 +1,7 @@
 """Orbax checkpoints in WORKDIR/checkpoints, and loading a trained model back.
 
 A checkpoint step directory holds three items:
-    params  the model parameters (restored alone by `restore_model`)
+    params  the model parameters (restored alone by inference/restore.py)
     train   step, optimizer state and dropout RNG streams
     data    the input position of every data shard, and run totals (JSON)
 `config.json` and `tokenizer.model` sit beside `checkpoints/` in the workdir.
@@ -32,14 +32,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from model import Transformer
 from training import distributed, steps
-from training.config import CONFIG_FILE, load_config
 from training.errors import TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -427,60 +424,3 @@ def _find_os_error(exc: BaseException | None) -> OSError | None:
             return exc
         exc = exc.__cause__ or exc.__context__
     return None
-
-
-# --- Loading a trained model -------------------------------------------------------
-
-
-def restore_model(
-    workdir: str, *, step: int | None = None, average_last: int = 1
-) -> tuple[Transformer, ml_collections.ConfigDict, int]:
-    """The trained model of WORKDIR, its config, and the checkpoint step it was loaded from.
-
-    Args:
-      workdir: a training workdir (config.json + checkpoints/).
-      step: the checkpoint to load; None = the newest complete one.
-      average_last: average the parameters of this many checkpoints ending at
-        `step` (paper section 6.1); 1 = no averaging.
-    Raises:
-      TrainingError: no workdir, no config.json, no checkpoint, unknown step.
-    """
-    config = load_config(workdir)
-    directory = os.path.join(workdir, CHECKPOINT_DIR)
-    available = Checkpoints(workdir, create=False).all_steps() if os.path.isdir(directory) else []
-    if not available:
-        raise TrainingError(f"no complete checkpoint in {directory}; train the model first")
-    if step is None:
-        step = available[-1]
-    if step not in available:
-        raise TrainingError(f"no checkpoint for step {step} in {directory}; have {available}")
-    if average_last < 1:
-        raise TrainingError(f"average_last must be >= 1, got {average_last}")
-    chosen = [s for s in available if s <= step][-average_last:]
-
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    try:
-        abstract_model = nnx.eval_shape(lambda: steps.build_model(config))
-    except ValueError as e:  # a hand-edited config.json
-        raise TrainingError(f"{workdir}/{CONFIG_FILE}: {e}") from e
-    graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
-    abstract_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
-    )
-    manager = Checkpoints(workdir, create=False)
-    try:
-        params = manager.mean_params(chosen, abstract_params)
-    finally:
-        manager.close()
-    if average_last > 1:
-        what = f"averaged the parameters of {len(chosen)} checkpoint(s), steps {chosen}"
-        if len(chosen) < average_last:
-            _log.warning(
-                f"asked to average the last {average_last} checkpoints up to step {step}, "
-                f"but only {len(chosen)} exist: {what}"
-            )
-        else:
-            _log.info(what)
-    # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
-    rngs = jax.jit(lambda: nnx.split(steps.build_model(config), nnx.Param, ...)[2])()
-    return nnx.merge(graphdef, params, rngs), config, step
