@@ -8,8 +8,6 @@ import errno
 import glob
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import orbax.checkpoint as ocp
@@ -20,13 +18,8 @@ from tests import test_faults
 from training import TrainingError, train_and_evaluate
 
 # tests/test_faults.py's finished 20-step run (checkpoints at 10 and 20), and its helpers.
-corpus, base, cfg, copy, ROOT = (
-    test_faults.corpus,
-    test_faults.base,
-    test_faults.cfg,
-    test_faults.copy,
-    test_faults.ROOT,
-)
+corpus, base, cfg, copy = test_faults.corpus, test_faults.base, test_faults.cfg, test_faults.copy
+run_train_py = test_faults.run_train_py
 
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB."
 
@@ -51,10 +44,21 @@ def files(workdir) -> list[tuple[str, int]]:
     )
 
 
-def resumes_from_20(corpus, workdir, capfd) -> None:
+def resume_failing(corpus, workdir, monkeypatch, capfd, error, raised, message, attempts):
+    """Resume WORKDIR (checkpoints at 10 and 20) with every restore raising `error`: it
+    raises `raised` (matching `message`) after `attempts` reads, and moves nothing;
+    then a resume without the fault goes on from step 20. Returns the exception."""
+    before = files(workdir)
+    with monkeypatch.context() as patch:
+        calls = fail_restores(patch, error)
+        with pytest.raises(raised, match=re.escape(message) if message else None) as e:
+            train_and_evaluate(cfg(corpus, num_train_steps=22), str(workdir))
+    assert len(calls) == attempts
+    assert files(workdir) == before and not os.path.exists(workdir / "checkpoints_damaged")
     capfd.readouterr()
     summary = train_and_evaluate(cfg(corpus, num_train_steps=22), str(workdir))
     assert summary["step"] == 22 and "resumed from step 20" in capfd.readouterr().err
+    return e.value
 
 
 @pytest.mark.parametrize(
@@ -74,47 +78,25 @@ def resumes_from_20(corpus, workdir, capfd) -> None:
     ids=["out-of-memory", "no-device", "type-error", "attribute-error", "ctrl-c", "exit"],
 )
 def test_a_restore_failing_for_another_reason_than_damage_moves_nothing(
-    base,
-    corpus,
-    tmp_path,
-    monkeypatch,
-    capfd,
-    error,
-    raised,
-    message,
+    base, corpus, tmp_path, monkeypatch, capfd, error, raised, message
 ):
+    """Not retried (only storage errors are), nothing moved, the next run resumes."""
     w = copy(base, tmp_path)
-    before = files(w)
-    with monkeypatch.context() as patch:
-        calls = fail_restores(patch, error)
-        with pytest.raises(raised, match=re.escape(message) if message else None) as e:
-            train_and_evaluate(cfg(corpus, num_train_steps=22), str(w))
-    assert len(calls) == 1  # not retried: only storage errors are
-    assert files(w) == before and not os.path.exists(w / "checkpoints_damaged")
+    e = resume_failing(corpus, w, monkeypatch, capfd, error, raised, message, attempts=1)
     if raised is TrainingError:
-        assert "checkpoint step 20" in str(e.value) and "not touched" in str(e.value)
+        assert "checkpoint step 20" in str(e) and "not touched" in str(e)
     if "out of memory" in message:  # what to change
         for fix in ("--config.mesh_fsdp", "fewer devices per host", "JAX_PLATFORMS=cpu"):
-            assert fix in str(e.value)
-    resumes_from_20(corpus, w, capfd)
+            assert fix in str(e)
 
 
 def test_a_storage_that_refuses_is_retried_then_stops_without_moving(
-    base,
-    corpus,
-    tmp_path,
-    monkeypatch,
-    capfd,
+    base, corpus, tmp_path, monkeypatch, capfd
 ):
     w = copy(base, tmp_path)
-    before = files(w)
-    with monkeypatch.context() as patch:
-        calls = fail_restores(patch, PermissionError(errno.EACCES, "Permission denied"))
-        with pytest.raises(TrainingError, match="the storage refused or timed out"):
-            train_and_evaluate(cfg(corpus, num_train_steps=22), str(w))
-    assert len(calls) == 3  # an I/O error: tried three times
-    assert files(w) == before and not os.path.exists(w / "checkpoints_damaged")
-    resumes_from_20(corpus, w, capfd)
+    refused = PermissionError(errno.EACCES, "Permission denied")
+    message = "the storage refused or timed out"
+    resume_failing(corpus, w, monkeypatch, capfd, refused, TrainingError, message, attempts=3)
 
 
 def test_restoring_a_model_out_of_memory_says_so_and_moves_nothing(base, tmp_path, monkeypatch):
@@ -140,27 +122,16 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
-def test_train_py_out_of_memory_while_restoring_is_one_line_and_exit_1(
-    base,
-    corpus,
-    tmp_path,
-    capfd,
-):
+def test_train_py_out_of_memory_while_restoring_is_one_line_and_exit_1(base, corpus, tmp_path):
     w = copy(base, tmp_path)
     before = files(w)
     args = ["--config=tests/small_config.py", f"--workdir={w}", f"--config.dataset={corpus}"]
     args += ["--config.num_train_steps=22", "--config.final_eval_max_examples=2"]
-    proc = subprocess.run(
-        [sys.executable, "-c", OOM_TRAIN, *args],
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_train_py(*args, code=OOM_TRAIN)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "restoring checkpoint step 20" in line and "out of memory" in line
     assert "--config.mesh_fsdp" in line
     assert files(w) == before and not os.path.exists(w / "checkpoints_damaged")
-    resumes_from_20(corpus, w, capfd)
+    proc = run_train_py(*args)  # the next normal run
+    assert proc.returncode == 0 and "resumed from step 20" in proc.stderr, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Dev-set evaluation: loss/accuracy with teacher forcing, and BLEU/chrF of beam-search output.
+"""Dev-set evaluation: teacher-forced loss and accuracy, and BLEU/chrF of beam search (inference/).
 
 metrics, examples = evaluate(state, setup, eval_step, tokenizer, dev, max_examples=100)
 print(report(step, metrics, examples))
