@@ -5,7 +5,7 @@
         --dir=/tmp/bench-wmt                                              # ~40 min on 2 cores
 
 `--mode=ding` measures batches/s and tokens/s (non-padding source + target
-tokens, and all slots including padding) of `data.train_iterator`, bucketed
+tokens, and all slots including padding) of `data.TrainIterator`, bucketed
 and packed, after the one-off corpus preparation, tokenizer and cache build
 (timed separately; setup_s is a restart: map the cache, plan an epoch), and
 the padding of several bucket schemes on Ding's lengths.
@@ -40,6 +40,7 @@ import numpy as np
 
 import data
 from bench import common
+from data.files import atomic_write
 from data.plans import length_buckets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,13 +122,13 @@ def ding_main(args) -> None:
     cache = os.path.join(workdir, "data_cache")
     shutil.rmtree(cache, ignore_errors=True)
     t0 = time.perf_counter()
-    data.train_iterator(config, tokenizer, corpus, cache_dir=cache)
+    data.TrainIterator(config, tokenizer, corpus, cache_dir=cache)
     meta["cache_build_s"] = time.perf_counter() - t0  # tokenize once, then map
     rows = []
     for packing in (False, True):
         config.packing = packing
         t0 = time.perf_counter()
-        it = data.train_iterator(config, tokenizer, corpus, cache_dir=cache)
+        it = data.TrainIterator(config, tokenizer, corpus, cache_dir=cache)
         setup = time.perf_counter() - t0  # a restart: map the cache, plan the epoch
         rows.append(
             {
@@ -174,8 +175,7 @@ def write_synthetic_tsv(path: str, n: int, seed: int = 0, chunk: int = 50_000) -
     vocab = len(word_start) - 1
     zipf = 1.0 / np.arange(1, vocab + 1) ** 1.05
     cdf = np.cumsum(zipf / zipf.sum())
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_write(path) as f:
         for lo in range(0, n, chunk):
             m = min(chunk, n - lo)
             src = np.clip(rng.lognormal(np.log(20), 0.6, m), 1, 200).astype(np.int64)
@@ -197,7 +197,6 @@ def write_synthetic_tsv(path: str, n: int, seed: int = 0, chunk: int = 50_000) -
             ]
             buf[out_end - 1] = sep
             f.write(buf.tobytes())
-    os.replace(tmp, path)
 
 
 def train_command(tsv: str, dev: str, workdir: str, steps: int, extra=()) -> list[str]:
@@ -331,7 +330,7 @@ def _in_process(row: dict, tsv: str, dev: str, workdir: str, args) -> None:
     for packing, budget in ((False, 1024), (False, 25000), (True, 1024)):
         config.packing, config.batch_tokens = packing, budget
         t0 = time.perf_counter()
-        it = data.train_iterator(config, tokenizer, corpus, cache_dir=cache)
+        it = data.TrainIterator(config, tokenizer, corpus, cache_dir=cache)
         next(it)
         name = f"{'packed' if packing else 'bucketed'}_{budget}"
         row[f"{name}_first_batch_s"] = time.perf_counter() - t0

@@ -31,7 +31,7 @@ def synthetic_corpus(n: int, vocab: int, max_length: int, seed: int = 0):
     """A TokenizedCorpus of random ids whose lengths look like WMT sentence pairs."""
     import numpy as np
 
-    from data.pipeline import TokenizedCorpus
+    from data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(seed)
     src_len = np.clip(rng.lognormal(np.log(25), 0.6, n), 1, max_length - 1).astype(np.int32)

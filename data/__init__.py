@@ -2,22 +2,23 @@
 
 corpus = load_split(config, "train")                 # random access; TSV files read by offset
 tokenizer = get_tokenizer(config, workdir, corpus)
-batches = train_iterator(config, tokenizer, corpus, batch_multiple=n_local_devices,
-                         cache_dir=f"{workdir}/data_cache")   # tokenized once, then mapped
+batches = TrainIterator(config, tokenizer, corpus, batch_multiple=n_local_devices,
+                        cache_dir=f"{workdir}/data_cache")   # tokenized once, then mapped
 
-Importing this package is light (numpy and SentencePiece; JAX and grain load
+The one batch planner (data/plans.py) serves training, the dev loss, translation
+and alignments; it is pure: shards that must agree on batch counts (the
+processes of a job) are told what to agree on by their caller (training/input.py).
+
+Importing this package is light (numpy and SentencePiece, never JAX; grain loads
 when a plan is made): the cache's worker processes import it.
 """
 
-from data.corpora import DataError, ParallelCorpus, TsvCorpus, load_split
-from data.pipeline import TrainIterator, eval_batches, train_iterator
-from data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, get_tokenizer
+from data.corpora import ParallelCorpus, TsvCorpus, load_split
+from data.files import DataError
+from data.pipeline import TrainIterator, eval_batches
+from data.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
-    "BOS_ID",
-    "EOS_ID",
-    "PAD_ID",
-    "UNK_ID",
     "DataError",
     "ParallelCorpus",
     "Tokenizer",
@@ -26,5 +27,4 @@ __all__ = [
     "eval_batches",
     "get_tokenizer",
     "load_split",
-    "train_iterator",
 ]

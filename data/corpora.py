@@ -27,7 +27,7 @@ import numpy as np
 
 from data import tsv
 from data.files import DataError, atomic_write_bytes, cache_dir
-from data.tsv import TSV_EVAL_SIZE, TsvCorpus, split_tsv
+from data.tsv import TsvCorpus
 
 DING_PATH = "/usr/share/trans/de-en"
 # Bump when the parser changes: the prepared-corpus cache is keyed on it.
@@ -39,19 +39,6 @@ TSV_MAX_MALFORMED = 0.5
 SPLITS = ("train", "dev", "test")
 # Fixed seed for held-out splits: they must not move when the training seed does.
 _SPLIT_SEED = tsv.SPLIT_SEED
-
-__all__ = [  # also re-exported from data.files and data.tsv for older imports
-    "TSV_EVAL_SIZE",
-    "DataError",
-    "ParallelCorpus",
-    "TfdsCorpus",
-    "TsvCorpus",
-    "atomic_write_bytes",
-    "cache_dir",
-    "load_split",
-    "read_tsv",
-    "split_tsv",
-]
 
 _log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Files the data pipeline writes: cache locations, atomic writes and directory publication.
+"""Files the project writes: cache locations, atomic writes and directory publication.
 
 Every cache (the Ding parse, a TSV line index, a tokenized corpus shard) is
 built in a private temporary directory next to its final one and renamed into
@@ -9,7 +9,12 @@ place when complete, so a reader sees either nothing or a finished build:
     publish_dir(tmp, final)               # rename; if another process won, use its copy
 
 A build killed midway (even by SIGKILL) leaves only its temporary directory,
-which no reader trusts and `remove_stale_temps` deletes later.
+which no reader trusts and `remove_stale_temps` deletes later. Single files
+(config.json, metrics.jsonl when trimmed, decode.py's output, an export) are
+written the same way by `atomic_write`:
+
+    with atomic_write(path, "w") as f:    # a temporary file beside `path`, renamed at the end
+        f.write(text)
 """
 
 from __future__ import annotations
@@ -23,12 +28,17 @@ import shutil
 import socket
 import tempfile
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
 MANIFEST = "manifest.json"
 # Another host's temporary directory untouched for this long belongs to a dead build
 # (we cannot ask another host whether its pid is alive).
 _FOREIGN_TEMP_AGE_S = 3600
+# The process's umask, read once (setting it is the only way to read it), for
+# `atomic_write`'s files to get the mode that `open` would give them.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 _log = logging.getLogger(__name__)
 
@@ -45,18 +55,32 @@ def cache_dir() -> str:
     return os.path.join(base, "attention-jax")
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Writes to a temporary file in the same directory, then renames."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
+    """A file (mode "wb" or "w", UTF-8) whose contents replace `path` when the block ends.
+
+    It is written as a temporary file in the same directory and renamed over `path`,
+    so a reader sees the old file or the whole new one, never a part of it; an error
+    in the block leaves `path` as it was. The file gets the permissions `open` gives.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's own mode is owner-only
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """`data` into `path`, atomically (see `atomic_write`)."""
+    with atomic_write(path) as f:
+        f.write(data)
 
 
 def _host() -> str:

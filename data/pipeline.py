@@ -21,7 +21,7 @@ In a non-packed batch S == T == the bucket length; packed rows use max_length.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -33,31 +33,21 @@ from data.plans import (
     bucket_of,
     epoch_rng,
     fit_buckets,
-    global_histogram,
     length_buckets,
     plan_bucketed,
     plan_packed,
     rows_per_batch,
 )
 from data.tokenized import TokenizedCorpus, apply_long_pairs
-from data.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from data.tokenizer import Tokenizer
+from model.tokens import BOS_ID, EOS_ID
 
-# jax and grain are imported where they are used: the cache's worker processes
+# grain is imported where it is used, and JAX never: the cache's worker processes
 # import this package and need neither (each would cost them ~2 s and ~200 MB).
 
-__all__ = [  # plans and the corpus format are re-exported for older imports
-    "TokenizedCorpus",
-    "TrainIterator",
-    "eval_batches",
-    "fit_widths",
-    "length_buckets",
-    "length_histogram",
-    "plan_bucketed",
-    "plan_packed",
-    "rows_per_batch",
-    "train_iterator",
-    "train_shard",
-]
+# Batch counts -> the counts that every shard of one global batch plans (e.g. the
+# max over the job's processes: training/input.py makes it). None: this shard's own.
+AgreeCounts = Callable[[np.ndarray], np.ndarray] | None
 
 _log = logging.getLogger(__name__)
 
@@ -141,16 +131,10 @@ def assemble_packed(tc: TokenizedCorpus, rows: list[list[int]], num_rows: int, l
 # --- Training iterator ---------------------------------------------------------------
 
 
-def _resolve_process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
-    if process_index is None or process_count is None:
-        import jax
-
-        process_index = jax.process_index() if process_index is None else process_index
-        process_count = jax.process_count() if process_count is None else process_count
-    pi, pc = int(process_index), int(process_count)
-    if not 0 <= pi < pc:
-        raise ValueError(f"process_index {pi} not in [0, {pc})")
-    return pi, pc
+def _check_shard(shard: int, num_shards: int) -> tuple[int, int]:
+    if not 0 <= int(shard) < int(num_shards):
+        raise ValueError(f"shard {shard} not in [0, {num_shards})")
+    return int(shard), int(num_shards)
 
 
 def _effective_lengths(
@@ -222,7 +206,7 @@ def _buckets_and_tokens(
 
 
 class TrainIterator:
-    """Infinite iterator over this process's training batches; checkpointable.
+    """Infinite iterator over the training batches of one data shard; checkpointable.
 
     The order of batches in epoch e is a pure function of (config.seed,
     config.shuffle_seed, e), so `get_state()` = {epoch, position} is enough to
@@ -236,33 +220,35 @@ class TrainIterator:
         corpus: Any,
         *,
         batch_multiple: int = 1,
-        process_index: int | None = None,
-        process_count: int | None = None,
+        shard: int = 0,
+        num_shards: int = 1,
         tokenized: TokenizedCorpus | None = None,
         cache_dir: str | None = None,
         widths: Any = None,
+        agree: AgreeCounts = None,
     ):
-        """`cache_dir`: where the tokenized shard is cached (None = tokenize in memory).
+        """Shard `shard` of `num_shards`: corpus indices shard, shard + num_shards, ...
 
+        `cache_dir`: where the tokenized shard is cached (None = tokenize in memory).
         `tokenized` skips tokenization (e.g. bench/train.py's synthetic corpus);
         `config.long_pairs` is still applied to it. `widths`: the bucket widths
-        (e.g. fitted once for several shards read by one process); None = as the
-        config says.
+        (e.g. fitted to every shard's lengths); None = config.length_buckets, else
+        fitted to this shard's. `agree`: how the shards of one global batch agree on
+        their batch counts (the other shards plan in other processes).
         """
-        self.process_index, self.process_count = _resolve_process(process_index, process_count)
+        self.shard, self.num_shards = _check_shard(shard, num_shards)
+        self._agree = agree
         self.max_length = int(config.max_length)
         self.packing = bool(config.packing)
         self.seed, self.shuffle_seed = int(config.seed), int(config.shuffle_seed)
         if tokenized is None:
-            self._tc = train_shard(
-                config, tokenizer, corpus, self.process_index, self.process_count, cache_dir
-            )
+            self._tc = train_shard(config, tokenizer, corpus, shard, num_shards, cache_dir)
         else:
             self._tc = apply_long_pairs(tokenized, self.max_length, config.long_pairs)
         self.num_dropped = self._tc.num_dropped
         if len(self._tc) == 0:
             raise DataError("no training pairs left after dropping pairs longer than max_length")
-        self.budget = int(config.batch_tokens) // self.process_count
+        self.budget = int(config.batch_tokens) // self.num_shards
         # What the epoch plans need, and no more: per-side lengths to pack, buckets otherwise.
         if self.packing:
             self.buckets = np.array([self.max_length], np.int64)
@@ -276,10 +262,12 @@ class TrainIterator:
         self.rows = [rows_per_batch(self.budget, int(b), batch_multiple) for b in self.buckets]
         self.epoch, self.position = 0, 0
         self._real_tokens = self._slots = 0
-        self._min_counts: np.ndarray | None = None
+        self._min_counts = None
+        if agree is not None and not self.packing:  # bucketed counts are the same every epoch
+            self._min_counts = agree(self.bucket_batch_counts())
         self._load_epoch(0)
         _log.info(
-            f"shard {self.process_index}/{self.process_count}: {self.num_examples:,} pairs "
+            f"shard {self.shard}/{self.num_shards}: {self.num_examples:,} pairs "
             f"({self.num_dropped:,} longer than max_length dropped), "
             f"{self.batches_per_epoch:,} batches/epoch in {len(self.shapes)} shape(s), "
             f"padding {self.planned_padding_fraction:.1%} of the batch slots"
@@ -288,14 +276,13 @@ class TrainIterator:
 
     def _widths(self, config: Any, batch_multiple: int, widths: Any) -> np.ndarray:
         """The bucket widths: `widths`, else config.length_buckets, else widths fitted to
-        the length histogram of every process's shard (so all agree)."""
+        this shard's length histogram."""
         if widths is not None:
             return np.asarray(widths, np.int64)
         if config.length_buckets:
             return length_buckets(self.max_length, tuple(config.length_buckets))
         histogram = length_histogram(self._tc, self.max_length)
-        histogram = global_histogram(histogram, self.process_count)
-        return fit_widths(config, histogram, self.budget, batch_multiple, self.process_count)
+        return fit_widths(config, histogram, self.budget, batch_multiple, self.num_shards)
 
     # The epoch's batches as a grain MapDataset: random access by position.
     def _load_epoch(self, epoch: int) -> None:
@@ -303,9 +290,9 @@ class TrainIterator:
 
         rng = epoch_rng(self.seed, self.shuffle_seed, epoch, 0)
         if self.packing:
-            plan: Any = plan_packed(
-                self.src_len, self.tgt_len, self.max_length, self.rows[0], rng, self.process_count
-            )
+            plan: Any = plan_packed(self.src_len, self.tgt_len, self.max_length, self.rows[0], rng)
+            if self._agree is not None:  # packed batch counts differ from epoch to epoch
+                plan = plan.with_batches(int(self._agree(np.array([len(plan)], np.int64))[0]))
             make = lambda j: assemble_packed(self._tc, plan[j], self.rows[0], self.max_length)
             slots = len(plan) * self.rows[0] * self.max_length
         else:
@@ -314,7 +301,6 @@ class TrainIterator:
                 self._bucket_of,
                 self.rows,
                 rng,
-                self.process_count,
                 carry_over=True,
                 min_counts=self._min_counts,
             )
@@ -325,7 +311,7 @@ class TrainIterator:
             slots = int((rows[plan.bucket] * widths[plan.bucket]).sum())
         self.planned_padding_fraction = 1.0 - self._tokens / max(2 * slots, 1)
         # The plan is in bucket order; shuffle the batches (same seed on every
-        # process, and the same number of batches, so shapes agree across hosts).
+        # shard, and the same number of batches, so shapes agree across hosts).
         order_seed = int(epoch_rng(self.seed, self.shuffle_seed, epoch, 1).integers(2**31))
         self._epoch_ds = (
             grain.MapDataset.source(range(len(plan))).shuffle(seed=order_seed).map(make)
@@ -339,7 +325,7 @@ class TrainIterator:
 
     def share_batch_counts(self, counts: np.ndarray) -> None:
         """Plan at least `counts` batches per bucket from now on (filler batches make up
-        the difference): shards read by one process agree as processes do."""
+        the difference): shards read by one process agree as the job's processes do."""
         self._min_counts = np.asarray(counts, np.int64)
         self._load_epoch(self.epoch)
 
@@ -349,7 +335,7 @@ class TrainIterator:
 
     @property
     def num_examples(self) -> int:
-        """Training pairs in this process's shard (after dropping long ones)."""
+        """Training pairs in this shard (after dropping long ones)."""
         return len(self._tc)
 
     @property
@@ -412,37 +398,6 @@ class TrainIterator:
         }
 
 
-def train_iterator(
-    config: Any,
-    tokenizer: Tokenizer,
-    corpus: Any,
-    *,
-    batch_multiple: int = 1,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    cache_dir: str | None = None,
-    widths: Any = None,
-) -> TrainIterator:
-    """Infinite, checkpointable iterator over this process's training batches.
-
-    Each process reads corpus indices `process_index::process_count` and gets
-    about `config.batch_tokens / process_count` tokens per side per batch
-    (padding included; never more). B is a multiple of `batch_multiple`. The
-    shard is tokenized once into `cache_dir` (None = in memory, every time).
-    `widths`: bucket widths to use instead of the config's.
-    """
-    return TrainIterator(
-        config,
-        tokenizer,
-        corpus,
-        batch_multiple=batch_multiple,
-        process_index=process_index,
-        process_count=process_count,
-        cache_dir=cache_dir,
-        widths=widths,
-    )
-
-
 # --- Eval -----------------------------------------------------------------------------
 
 
@@ -453,26 +408,32 @@ def eval_batches(
     *,
     batch_multiple: int = 1,
     batch_tokens: int | None = None,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    shard: int = 0,
+    num_shards: int = 1,
+    agree: AgreeCounts = None,
 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
-    """Every example of this process's shard exactly once, as (batch, corpus indices).
+    """Every example of shard `shard` of `num_shards` exactly once, as (batch, corpus indices).
 
     Examples longer than max_length are truncated, never dropped. Batches are
     sorted by length (little padding); the indices ([B] int64, -1 for filler
     rows) let the caller put results back in corpus order. Dev sets are small:
-    they are tokenized in memory at each call, not cached.
+    they are tokenized in memory at each call, not cached. `agree`: as for
+    `TrainIterator` (every process of a job must run the same eval steps).
     """
-    pi, pc = _resolve_process(process_index, process_count)
+    shard, num_shards = _check_shard(shard, num_shards)
     max_length = int(config.max_length)
-    spec = ShardSpec(pi, pc, max_length, "truncate")
+    spec = ShardSpec(shard, num_shards, max_length, "truncate")
     tc = tokenized_shard(corpus, tokenizer, spec, cache_dir=None, workers=1)
     src_len, tgt_len = _effective_lengths(tc, max_length)
     lengths = np.maximum(src_len, tgt_len)
     buckets = length_buckets(max_length, tuple(config.length_buckets))
-    budget = int(batch_tokens or config.batch_tokens) // pc
+    budget = int(batch_tokens or config.batch_tokens) // num_shards
     rows = [rows_per_batch(budget, int(b), batch_multiple) for b in buckets]
-    plan = plan_bucketed(lengths, bucket_of(buckets, lengths), rows, None, pc)
+    own = bucket_of(buckets, lengths)
+    counts = None
+    if agree is not None:
+        counts = agree(bucket_batches(np.bincount(own, minlength=len(rows)), rows, False)[1])
+    plan = plan_bucketed(lengths, own, rows, None, min_counts=counts)
     for k, members in plan:
         batch = assemble_bucketed(tc, members, rows[k], int(buckets[k]))
         index = np.full(rows[k], -1, np.int64)

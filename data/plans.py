@@ -1,20 +1,31 @@
-"""Batch plans: which examples go into which batch of an epoch, from the length arrays alone.
+"""The batch planner: which examples go into which batch, from their lengths alone.
+
+Training and the dev loss (token-budget batches in length buckets, or packed rows):
 
     buckets = fit_buckets(histogram, rows, count)           # widths fitted to the corpus
     buckets = length_buckets(max_length, widths)            # or given ones (eval: a rule)
     plan = plan_bucketed(None, bucket_of, rows, rng)        # batch j -> (bucket, example indices)
     plan = plan_packed(src_len, tgt_len, max_length, rows, rng)   # batch j -> rows of examples
 
+Translation and alignment (batches of a few static shapes, so that a file of any
+size compiles a handful of programs):
+
+    for indices, width, rows in plan_translation(lengths, batch_tokens=4096, max_len=256): ...
+    for indices, key, rows in plan_static(keys, full_rows=lambda key: 32): ...
+
 A plan is a pure function of the lengths and the seeded generator, so an
 epoch's batches can be recomputed exactly on resume; it holds a few bytes per
-example (int32 indices), never the tokens.
+example (int32 indices), never the tokens. Nothing here talks to other
+processes: shards that must plan the same number of batches (every process of
+a job) agree on their counts first and pass them in (`min_counts`; for packed
+plans `PackedPlan.with_batches`), as training/input.py does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -124,23 +135,6 @@ def epoch_rng(seed: int, shuffle_seed: int, epoch: int, stream: int) -> np.rando
     return np.random.default_rng([seed, shuffle_seed, epoch, stream])
 
 
-def _across_processes(x: np.ndarray, process_count: int, reduce: Any = np.max) -> np.ndarray:
-    """`reduce` (element-wise, over processes) of each process's `x`, so that every process
-    plans the same batch shapes; `x` itself when this is not a multi-process run."""
-    import jax  # here: the cache's worker processes import this package without JAX
-
-    if process_count > 1 and jax.process_count() == process_count:
-        from jax.experimental import multihost_utils
-
-        return reduce(multihost_utils.process_allgather(x), axis=0)
-    return x
-
-
-def global_histogram(histogram: np.ndarray, process_count: int) -> np.ndarray:
-    """The sum of every process's length histogram (its own when single-process)."""
-    return _across_processes(np.asarray(histogram, np.int64), process_count, np.sum)
-
-
 def _shuffled(n: int, rng: np.random.Generator) -> np.ndarray:
     """A seeded permutation of range(n), int32 when it fits (half of int64's memory)."""
     order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
@@ -192,7 +186,6 @@ def plan_bucketed(
     bucket_of: np.ndarray,
     rows: Sequence[int],
     rng: np.random.Generator | None,
-    process_count: int = 1,
     carry_over: bool = False,
     min_counts: np.ndarray | None = None,
 ) -> BucketPlan:
@@ -203,10 +196,10 @@ def plan_bucketed(
     after a bucket's full batches join the next wider bucket instead of a
     partly filled batch, so only the widest bucket has one (a wider row holds
     them; without it, each bucket's last batch is padded with all-zero rows).
-    Every process gets the same number of batches per bucket (the max over
-    processes, and over `min_counts`: e.g. the other shards one process reads);
-    the extra ones are empty filler batches. Memory: 4 bytes per example (int32
-    members) and a bucket-sized temporary, whatever the corpus size.
+    Each bucket gets at least `min_counts` batches (the counts the shards of
+    one global batch agreed on; see `bucket_batches`): the extra ones are empty
+    filler batches. Memory: 4 bytes per example (int32 members) and a
+    bucket-sized temporary, whatever the corpus size.
     """
     n, num_buckets = len(bucket_of), len(rows)
     rows_k = np.asarray(rows, np.int64)
@@ -224,7 +217,6 @@ def plan_bucketed(
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     if min_counts is not None:
         counts = np.maximum(counts, min_counts)
-    counts = _across_processes(counts, process_count)
     bucket = np.repeat(np.arange(len(rows_k)), counts)
     j = np.arange(len(bucket)) - np.repeat(np.cumsum(counts) - counts, counts)
     size_b, rows_b, off_b = sizes[bucket], rows_k[bucket], offsets[bucket]
@@ -245,6 +237,11 @@ class PackedPlan:
 
     def __len__(self) -> int:
         return self.num_batches
+
+    def with_batches(self, num_batches: int) -> PackedPlan:
+        """This plan with `num_batches` batches (at least its own), the extra ones empty:
+        the count the shards of one global batch agreed on."""
+        return dataclasses.replace(self, num_batches=max(self.num_batches, int(num_batches)))
 
     def __getitem__(self, j: int) -> list[list[int]]:
         """Batch j's rows, each a list of local example indices (fewer rows at the end)."""
@@ -288,7 +285,6 @@ def plan_packed(
     length: int,
     rows: int,
     rng: np.random.Generator,
-    process_count: int = 1,
 ) -> PackedPlan:
     """Packs shuffled examples into rows of `length` tokens per side.
 
@@ -308,6 +304,95 @@ def plan_packed(
     members = order[np.argsort(row_of, kind="stable")]
     row_start = np.zeros(num_rows + 1, np.int64)
     np.cumsum(np.bincount(row_of, minlength=num_rows), out=row_start[1:])
-    count = math.ceil(num_rows / rows)
-    count = int(_across_processes(np.array([count], np.int64), process_count)[0])
-    return PackedPlan(members, row_start, rows, count)
+    return PackedPlan(members, row_start, rows, math.ceil(num_rows / rows))
+
+
+# --- Static shapes for inference ---------------------------------------------------------
+
+# Padded source widths for translation, ~1.5x apart: padding the source costs only
+# encoder work (the search's steps follow the output), while every width compiles
+# a program.
+INFERENCE_WIDTHS = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# The fewest rows of a batch: smaller last batches are padded up to it.
+MIN_ROWS = 8
+
+
+def inference_width(n: int, max_len: int) -> int:
+    """The padded width of n tokens: the smallest INFERENCE_WIDTHS >= n, at most max_len."""
+    return min(next((w for w in INFERENCE_WIDTHS if w >= n), max_len), max_len)
+
+
+def inference_widths(max_len: int) -> list[int]:
+    """Every width `inference_width` gives for a model of `max_len` positions."""
+    return [w for w in INFERENCE_WIDTHS if w < max_len] + [max_len]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_static(
+    keys: Sequence[Any],
+    *,
+    full_rows: Callable[[Any], int],
+    rows_multiple: int = 1,
+    order: Sequence[int] | None = None,
+    widest_first: bool = False,
+) -> list[tuple[np.ndarray, Any, int]]:
+    """Batches of static shapes: items grouped by shape, cut into batches of few sizes.
+
+    Args:
+      keys: per item, its padded shape (a width, or a tuple of widths).
+      full_rows: rows B of a full batch of that shape (a multiple of `rows_multiple`).
+      rows_multiple: every batch's row count is a multiple of this (the devices of
+        a mesh's batch axes).
+      order: the items in the order they fill batches (default: input order).
+      widest_first: shapes in decreasing order (default: increasing).
+    Returns:
+      (item indices [n] int64, shape, rows B) per batch, n <= B. A shape's last batch
+      is padded up to a power of two (at least MIN_ROWS) rows, so each shape compiles
+      at most a few batch sizes.
+    """
+    groups: dict[Any, list[int]] = {}
+    for i in range(len(keys)) if order is None else order:
+        groups.setdefault(keys[i], []).append(int(i))
+    batches = []
+    for key in sorted(groups, reverse=widest_first):
+        items, full = np.asarray(groups[key], np.int64), full_rows(key)
+        for start in range(0, len(items), full):
+            chunk = items[start : start + full]
+            pow2 = 1 << (len(chunk) - 1).bit_length()
+            rows = min(full, _round_up(max(MIN_ROWS, pow2), rows_multiple))
+            batches.append((chunk, key, rows))
+    return batches
+
+
+def plan_translation(
+    lengths: Sequence[int], *, batch_tokens: int, max_len: int, rows_multiple: int = 1
+) -> list[tuple[np.ndarray, int, int]]:
+    """Sources to translate in batches of static shape; longest first.
+
+    Args:
+      lengths: tokens per source (EOS included); all in [1, max_len].
+      batch_tokens: budget of padded source tokens per batch (rows * width).
+      max_len: the model's longest position.
+      rows_multiple: every batch's row count is a multiple of this.
+    Returns:
+      (indices into `lengths`, width S, rows B) per batch, with len(indices) <= B.
+      Full batches have B = the largest power of two with B * S <= batch_tokens
+      (at least `rows_multiple`); see `plan_static` for the last ones. Equal
+      lengths keep their input order.
+    """
+    lengths = np.asarray(lengths, np.int64)
+
+    def full_rows(width: int) -> int:
+        fit = 1 << (max(batch_tokens // width, 1).bit_length() - 1)  # power of two <= budget
+        return _round_up(fit, rows_multiple)
+
+    return plan_static(
+        [inference_width(int(n), max_len) for n in lengths],
+        full_rows=full_rows,
+        rows_multiple=rows_multiple,
+        order=np.argsort(-lengths, kind="stable"),
+        widest_first=True,
+    )

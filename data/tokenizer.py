@@ -2,7 +2,7 @@
 
 Trained once per workdir on a bounded, seeded sample of the training text of
 both languages, saved as `WORKDIR/tokenizer.model`, and reused on resume and by
-decode.py. Ids: 0 pad, 1 eos, 2 bos, 3 unk (the model library uses the same).
+decode.py. Ids: 0 pad, 1 eos, 2 bos, 3 unk, from model/tokens.py (the model's own).
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ import numpy as np
 import sentencepiece as spm
 
 from data.files import DataError, atomic_write_bytes
+from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
-PAD_ID = 0
-EOS_ID = 1
-BOS_ID = 2
-UNK_ID = 3
 TOKENIZER_FILENAME = "tokenizer.model"
 # byte_fallback reserves 256 byte pieces, so unknown characters (emoji, rare
 # scripts) round-trip exactly instead of becoming <unk>.

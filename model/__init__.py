@@ -5,11 +5,32 @@ from model import Transformer, TransformerConfig
 
 model = Transformer(TransformerConfig(vocab_size=8000), rngs=nnx.Rngs(0))
 logits = model(src, tgt_in)  # [B, S], [B, T] int32 -> [B, T, V] float32
+
+The special token ids come from model/tokens.py, which imports nothing; every
+other name is loaded on first use (PEP 562), so `import model.tokens` (as data/
+does in processes that never start JAX) does not import JAX.
 """
 
-from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID, TransformerConfig
-from model.layers import KVCache
-from model.transformer import DecodeCache, Transformer, shift_right
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+if TYPE_CHECKING:
+    from model.config import TransformerConfig
+    from model.layers import KVCache
+    from model.transformer import DecodeCache, Transformer, shift_right
+
+# name -> the module that defines it
+_LAZY = {
+    "TransformerConfig": "model.config",
+    "KVCache": "model.layers",
+    "DecodeCache": "model.transformer",
+    "Transformer": "model.transformer",
+    "shift_right": "model.transformer",
+}
 
 __all__ = [
     "BOS_ID",
@@ -22,3 +43,9 @@ __all__ = [
     "TransformerConfig",
     "shift_right",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'model' has no attribute {name!r}")

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from model.config import PAD_ID, TransformerConfig
+from model.config import TransformerConfig
 from model.precision import einsum_f32
+from model.tokens import PAD_ID
 
 log = logging.getLogger(__name__)
 

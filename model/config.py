@@ -7,11 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-# Special token ids, shared with the tokenizer (data/tokenizer.py).
-PAD_ID = 0
-EOS_ID = 1
-BOS_ID = 2
-UNK_ID = 3
+from model.tokens import UNK_ID
 
 ACTIVATIONS = ("relu", "gelu")
 NORMS = ("post", "pre")

@@ -4,7 +4,7 @@
     tokens, scores = beam_search(model, src, beam_size=4)   # [B, K, L], [B, K], best first
     tokens = greedy_search(model, src)                      # [B, L]
 
-(Many sources of different lengths, batched into static shapes: training/translate.py.)
+(Many sources of different lengths, batched into static shapes: inference/translate.py.)
 
 Every search encodes the source once (`Transformer.init_cache` also projects the
 cross-attention keys/values of every layer once) and then feeds one token per
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import BOS_ID, EOS_ID, PAD_ID
+from model.tokens import BOS_ID, EOS_ID, PAD_ID
 from model.transformer import DecodeCache, Transformer
 
 # The paper (section 6.1) decodes with beam 4, length penalty alpha 0.6, and at

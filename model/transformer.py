@@ -27,8 +27,9 @@ import numpy as np
 from flax import nnx, struct
 
 from model.attention import Mask, causal_mask, padding_mask, resolve_config, segment_mask
-from model.config import BOS_ID, PAD_ID, TransformerConfig
+from model.config import TransformerConfig
 from model.layers import DecoderLayer, Embed, EncoderLayer, KVCache, LayerNorm, Unembed
+from model.tokens import BOS_ID, PAD_ID
 
 
 @functools.lru_cache(maxsize=8)

@@ -42,6 +42,24 @@ def _no_network(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", guard)
 
 
+# A model small enough for a unit test, without dropout; each test file overrides a few sizes.
+TEST_MODEL = dict(
+    vocab_size=40,
+    d_model=32,
+    num_heads=2,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    d_ff=64,
+    dropout_rate=0.0,
+    max_len=32,
+)
+
+
+def model_fields(**overrides) -> dict:
+    """TransformerConfig fields: TEST_MODEL with `overrides`."""
+    return {**TEST_MODEL, **overrides}
+
+
 def small_train_config(**overrides):
     """configs/tiny.py shrunk for tests (d_model 32, one layer each side, no periodic eval)."""
     from configs import tiny

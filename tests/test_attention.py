@@ -15,6 +15,7 @@ from model.attention import (
     padding_mask,
     segment_mask,
 )
+from tests.conftest import model_fields
 
 
 def reference_attention(q, k, v, mask):
@@ -140,16 +141,7 @@ def test_segment_mask():
 # and (3) whatever a fused kernel leaves in padded query rows (forward) and in the
 # gradients of padded rows (backward) never reaches real outputs or gradients.
 
-SEAM_MODEL = dict(
-    vocab_size=40,
-    d_model=16,
-    num_heads=2,
-    num_encoder_layers=1,
-    num_decoder_layers=1,
-    d_ff=32,
-    dropout_rate=0.0,
-    max_len=32,
-)
+SEAM_MODEL = model_fields(d_model=16, d_ff=32)
 KINDS = ("encoder", "decoder", "cross")
 
 
@@ -169,7 +161,8 @@ def pipeline_batch() -> dict[str, np.ndarray]:
     every side), which the pipeline emits to give every process the same number of
     batches.
     """
-    from data.pipeline import TokenizedCorpus, assemble_bucketed
+    from data.pipeline import assemble_bucketed
+    from data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(0)
     src_len = np.array([0, 4, 7, 10], np.int32)

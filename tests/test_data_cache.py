@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from data import cache, files, get_tokenizer, load_split, train_iterator
+from data import TrainIterator, cache, files, get_tokenizer, load_split
 from data.cache import ShardSpec, tokenized_shard
 from data.corpora import ParallelCorpus, TfdsCorpus
 from data.tokenized import FIELDS
@@ -74,9 +74,9 @@ def count_builds(monkeypatch) -> list:
 def test_batches_from_the_cache_equal_batches_without_it(corpus_tsv, tokenizer, tmp_path, packing):
     c = config(corpus_tsv, packing=packing, max_length=12)  # some pairs dropped
     corpus = load_split(c, "train")
-    cached = train_iterator(c, tokenizer, corpus, cache_dir=str(tmp_path / "cache"))
-    mapped = train_iterator(c, tokenizer, corpus, cache_dir=str(tmp_path / "cache"))
-    plain = train_iterator(c, tokenizer, corpus)
+    cached = TrainIterator(c, tokenizer, corpus, cache_dir=str(tmp_path / "cache"))
+    mapped = TrainIterator(c, tokenizer, corpus, cache_dir=str(tmp_path / "cache"))
+    plain = TrainIterator(c, tokenizer, corpus)
     assert isinstance(mapped._tc.src_flat, np.memmap) and mapped._tc.src_flat.dtype == np.uint16
     assert cached.num_dropped == plain.num_dropped > 0
     same_arrays(mapped._tc, plain._tc)
@@ -247,6 +247,21 @@ _SHARD_BUILD = textwrap.dedent(
 )
 
 
+def test_atomic_write_replaces_a_file_whole_or_not_at_all(tmp_path):
+    """The one helper behind config.json, metrics.jsonl, decode.py's output and exports."""
+    path = str(tmp_path / "sub" / "out.txt")
+    with files.atomic_write(path, "w") as f:
+        f.write("first\n")
+    with pytest.raises(RuntimeError), files.atomic_write(path, "w") as f:
+        f.write("half of a second")
+        raise RuntimeError("killed midway")
+    assert (tmp_path / "sub" / "out.txt").read_text() == "first\n"  # the old file, whole
+    assert os.listdir(tmp_path / "sub") == ["out.txt"]  # no temporary left behind
+    probe = tmp_path / "probe"
+    probe.write_text("")  # the permissions `open` gives, not mkstemp's owner-only ones
+    assert os.stat(path).st_mode & 0o777 == os.stat(probe).st_mode & 0o777
+
+
 def test_two_processes_build_their_own_shards_into_one_directory(corpus_tsv, tokenizer, tmp_path):
     root = str(tmp_path / "shared")
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -295,12 +310,12 @@ def test_resume_from_a_mapped_cache_is_exact(corpus_tsv, tokenizer, tmp_path):
     c = config(corpus_tsv)
     corpus = load_split(c, "train")
     root = str(tmp_path / "cache")
-    it = train_iterator(c, tokenizer, corpus, cache_dir=root)
+    it = TrainIterator(c, tokenizer, corpus, cache_dir=root)
     for _ in range(it.batches_per_epoch - 2):
         next(it)
     state = json.loads(json.dumps(it.get_state()))
     want = [next(it) for _ in range(5)]
-    resumed = train_iterator(c, tokenizer, corpus, cache_dir=root)
+    resumed = TrainIterator(c, tokenizer, corpus, cache_dir=root)
     resumed.set_state(state)
     for w in want:
         got = next(resumed)

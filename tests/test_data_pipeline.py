@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from data import BOS_ID, EOS_ID, eval_batches, train_iterator
+from data import TrainIterator, eval_batches
 from data.corpora import ParallelCorpus
+from model import BOS_ID, EOS_ID
 from training.mesh import shard_batch
 
 
@@ -85,7 +86,7 @@ def expected_kept(corpus, max_length):
 def test_every_pair_once_per_epoch_and_budget(packing):
     corpus = make_corpus()
     c = config(packing=packing)
-    it = train_iterator(c, TOK, corpus, batch_multiple=4)
+    it = TrainIterator(c, TOK, corpus, batch_multiple=4)
     kept = expected_kept(corpus, c.max_length)
     shapes = set()
     for _epoch in range(2):
@@ -125,25 +126,25 @@ def test_every_pair_once_per_epoch_and_budget(packing):
 
 
 def test_epochs_are_reshuffled():
-    it = train_iterator(config(), TOK, make_corpus())
+    it = TrainIterator(config(), TOK, make_corpus())
     n = it.batches_per_epoch
     first = [examples_in(next(it)) for _ in range(n)]
     second = [examples_in(next(it)) for _ in range(n)]
     assert first != second
-    other = train_iterator(config(shuffle_seed=1), TOK, make_corpus())
+    other = TrainIterator(config(shuffle_seed=1), TOK, make_corpus())
     assert [examples_in(next(other)) for _ in range(n)] != first
 
 
 def test_truncate_keeps_long_pairs():
     corpus = make_corpus(max_words=60)
-    it = train_iterator(config(long_pairs="truncate"), TOK, corpus)
+    it = TrainIterator(config(long_pairs="truncate"), TOK, corpus)
     seen = [i for _ in range(it.batches_per_epoch) for i in examples_in(next(it))]
     assert sorted(seen) == list(range(len(corpus)))
 
 
 def test_padding_fraction_reported_and_bounded():
     for packing, bound in ((False, 0.6), (True, 0.25)):
-        it = train_iterator(config(packing=packing), TOK, make_corpus(600))
+        it = TrainIterator(config(packing=packing), TOK, make_corpus(600))
         real = slots = 0
         for _ in range(it.batches_per_epoch):
             b = next(it)
@@ -156,7 +157,7 @@ def test_padding_fraction_reported_and_bounded():
 
 def test_packed_segments_and_positions():
     corpus = make_corpus()
-    it = train_iterator(config(packing=True), TOK, corpus)
+    it = TrainIterator(config(packing=True), TOK, corpus)
     b = next(it)
     B = b["src"].shape[0]
     for r in range(B):
@@ -184,13 +185,13 @@ def test_packed_segments_and_positions():
 def test_state_round_trip(packing):
     c = config(packing=packing)
     corpus = make_corpus()
-    it = train_iterator(c, TOK, corpus)
+    it = TrainIterator(c, TOK, corpus)
     # Stop just before an epoch boundary so that resuming crosses it.
     for _ in range(it.batches_per_epoch - 2):
         next(it)
     state = json.loads(json.dumps(it.get_state()))
     expected = [next(it) for _ in range(5)]
-    fresh = train_iterator(c, TOK, corpus)
+    fresh = TrainIterator(c, TOK, corpus)
     next(fresh)
     fresh.set_state(state)
     for want in expected:
@@ -202,12 +203,12 @@ def test_state_round_trip(packing):
     assert it.stats()["epoch"] == 1
 
 
-def test_process_shards_disjoint_and_cover():
+def test_shards_disjoint_and_cover():
     corpus = make_corpus(301)
     c = config(long_pairs="truncate")
     seen = []
     for p in range(3):
-        it = train_iterator(c, TOK, corpus, process_index=p, process_count=3)
+        it = TrainIterator(c, TOK, corpus, shard=p, num_shards=3)
         assert it.budget == c.batch_tokens // 3
         mine = [i for _ in range(it.batches_per_epoch) for i in examples_in(next(it))]
         assert len(mine) == len(set(mine))
@@ -216,14 +217,14 @@ def test_process_shards_disjoint_and_cover():
     assert sorted(seen) == list(range(len(corpus)))
 
 
-@pytest.mark.parametrize("process_count", [1, 2])
-def test_eval_batches_every_example_once_in_recoverable_order(process_count):
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_eval_batches_every_example_once_in_recoverable_order(num_shards):
     corpus = make_corpus(205, max_words=60)  # some longer than max_length: truncated
     c = config()
     found = {}
-    for p in range(process_count):
+    for p in range(num_shards):
         for batch, index in eval_batches(
-            c, TOK, corpus, batch_multiple=2, process_index=p, process_count=process_count
+            c, TOK, corpus, batch_multiple=2, shard=p, num_shards=num_shards
         ):
             assert batch["src"].shape[0] % 2 == 0 and len(index) == batch["src"].shape[0]
             for r, i in enumerate(index):
@@ -242,7 +243,7 @@ def test_shard_batch_single_device():
     import jax
 
     mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"))
-    batch = next(train_iterator(config(), TOK, make_corpus()))
+    batch = next(TrainIterator(config(), TOK, make_corpus()))
     out = shard_batch(batch, mesh)
     for k in batch:
         np.testing.assert_array_equal(np.asarray(out[k]), batch[k])
@@ -279,14 +280,14 @@ def test_budget_too_small_is_a_clear_error():
     from data import DataError
 
     with pytest.raises(DataError, match="batch_tokens"):
-        train_iterator(config(batch_tokens=64), TOK, make_corpus(), batch_multiple=4)
+        TrainIterator(config(batch_tokens=64), TOK, make_corpus(), batch_multiple=4)
 
 
 # --- Buckets and plans at scale -------------------------------------------------------------
 
 
 def test_default_buckets_are_fine_and_few():
-    from data.pipeline import length_buckets
+    from data.plans import length_buckets
 
     for max_length, count in ((64, 13), (256, 25)):
         b = length_buckets(max_length).tolist()
@@ -334,7 +335,8 @@ def test_fitted_buckets_are_optimal_against_exhaustive_search():
 def test_fitted_buckets_beat_the_rule_and_need_fewer_shapes_on_small_corpora():
     """Fitted widths never pad more than any rule with as many shapes; a small corpus, whose
     partly filled last batches would cost more than finer widths save, gets fewer."""
-    from data.pipeline import TrainIterator, length_buckets
+    from data.pipeline import TrainIterator
+    from data.plans import length_buckets
 
     tc = wmt_like_corpus(20_000, 64)
     for n, budget in ((20_000, 1024), (300, 1024)):
@@ -358,7 +360,7 @@ def test_fitted_buckets_beat_the_rule_and_need_fewer_shapes_on_small_corpora():
 
 def wmt_like_corpus(n: int, max_length: int, seed: int = 0):
     """Token lengths like WMT pairs (log-normal source, median 25; target ~1.1x), random ids."""
-    from data.pipeline import TokenizedCorpus
+    from data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(seed)
     src = np.clip(rng.lognormal(np.log(25), 0.6, n), 1, max_length - 1).astype(np.int16)
@@ -446,8 +448,7 @@ def test_one_process_reading_two_shards_fits_one_set_of_widths():
     assert a.batches_per_epoch == b.batches_per_epoch
     assert (a.bucket_batch_counts() != b.bucket_batch_counts()).any()
     alone = [
-        [s[1] for s in train_iterator(c, TOK, corpus, process_index=s, process_count=2).shapes]
-        for s in (0, 1)
+        [s[1] for s in TrainIterator(c, TOK, corpus, shard=s, num_shards=2).shapes] for s in (0, 1)
     ]
     assert alone[0] != alone[1] and max(alone[0]) < min(alone[1])
     for _ in range(20):

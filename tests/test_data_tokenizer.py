@@ -6,8 +6,9 @@ import pytest
 from ml_collections import ConfigDict
 
 from configs import default
-from data import BOS_ID, EOS_ID, PAD_ID, UNK_ID, DataError, Tokenizer, get_tokenizer
+from data import DataError, Tokenizer, get_tokenizer
 from data.corpora import ParallelCorpus
+from model import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 GERMAN = [
     "Grüße aus Köln, die Straße ist groß.",

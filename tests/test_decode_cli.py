@@ -18,9 +18,10 @@ import pytest
 from flax import nnx
 
 from configs import tiny
-from data import EOS_ID, Tokenizer
+from data import Tokenizer
 from data.tokenizer import train_tokenizer
-from model import decoding, shift_right
+from inference.restore import restore_model
+from model import EOS_ID, decoding, shift_right
 from training import checkpoints, steps
 from training import config as config_lib
 
@@ -125,7 +126,7 @@ def run_decode(*args, stdin=None):
 
 
 def test_trained_model_translates_synthetic_task_exactly(workdir):
-    model, _, step = checkpoints.restore_model(workdir)
+    model, _, step = restore_model(workdir)
     assert step == TRAIN_STEPS
     tok = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))
     pairs = digit_pairs(np.random.default_rng(123), 40)

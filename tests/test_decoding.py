@@ -9,17 +9,9 @@ import pytest
 from flax import nnx
 
 from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, decoding
+from tests.conftest import model_fields
 
-TINY = dict(
-    vocab_size=12,
-    d_model=32,
-    num_heads=2,
-    num_encoder_layers=1,
-    num_decoder_layers=2,
-    d_ff=64,
-    dropout_rate=0.0,
-    max_len=32,
-)
+TINY = model_fields(vocab_size=12, num_decoder_layers=2)
 
 
 def make(seed=0, **overrides) -> Transformer:

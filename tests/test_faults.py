@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from data import DataError
+from inference.restore import restore_model
 from tests.conftest import small_train_config, train_losses, write_reversal_tsv
 from tests.test_train_steps import reverse_batch
-from training import TrainingError, checkpoints, restore_model, steps, train_and_evaluate
+from training import TrainingError, checkpoints, steps, train_and_evaluate
 from training.mesh import make_mesh, shard_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,21 +163,25 @@ def test_a_model_structure_change_names_the_fields(base, corpus, tmp_path):
 # --- Vocabulary sizes --------------------------------------------------------------------
 
 
-def test_a_vocabulary_too_small_for_the_corpus_is_one_line_naming_the_minimum(corpus, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--config=tests/small_config.py",
-            f"--workdir={tmp_path}",
-            f"--config.dataset={corpus}",
-            "--config.vocab_size=262",
-        ],
+def run_train_py(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+    """`train.py ARGS` on the CPU (or `python -c CODE ARGS`, CODE running train.py)."""
+    program = ["-c", code] if code else ["train.py"]
+    return subprocess.run(
+        [sys.executable, *program, *args],
         cwd=ROOT,
         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
         capture_output=True,
         text=True,
         timeout=300,
+    )
+
+
+def test_a_vocabulary_too_small_for_the_corpus_is_one_line_naming_the_minimum(corpus, tmp_path):
+    proc = run_train_py(
+        "--config=tests/small_config.py",
+        f"--workdir={tmp_path}",
+        f"--config.dataset={corpus}",
+        "--config.vocab_size=262",
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]

@@ -23,6 +23,7 @@ from flax import nnx
 
 from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, attention, decoding
 from model.attention import dot_product_attention, resolve_impl
+from tests.conftest import model_fields
 from tests.test_attention import length_mask
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -144,18 +145,10 @@ def _raising_kernel(q, k, v, mask):
 
 
 def _bf16_config(**overrides) -> TransformerConfig:
-    fields = dict(
-        vocab_size=64,
-        d_model=128,
-        num_heads=2,
-        num_encoder_layers=2,
-        num_decoder_layers=2,
-        d_ff=256,
-        dropout_rate=0.0,
-        max_len=64,
-        dtype="bfloat16",
+    sizes = dict(vocab_size=64, d_model=128, num_encoder_layers=2, num_decoder_layers=2, d_ff=256)
+    return TransformerConfig(
+        **model_fields(**{**sizes, "max_len": 64, "dtype": "bfloat16", **overrides})
     )
-    return TransformerConfig(**{**fields, **overrides})
 
 
 def _ragged(rng, lengths, width, vocab, prefix=None, suffix=None) -> np.ndarray:
@@ -231,7 +224,8 @@ def _synthetic_batches(num: int, rows: int = 16, length: int = 16, vocab: int = 
     """A copy task laid out by data.pipeline: ragged rows of 0..15 Zipf-distributed ids
     before EOS/BOS (odd lengths, length 1 included), two all-padding filler rows each.
     Learnable enough that 20 steps move the loss, so the two runs are compared in motion."""
-    from data.pipeline import TokenizedCorpus, assemble_bucketed
+    from data.pipeline import assemble_bucketed
+    from data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(0)
     real = rows - 2

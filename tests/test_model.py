@@ -10,17 +10,9 @@ from flax import nnx
 
 from model import BOS_ID, KVCache, Transformer, TransformerConfig, shift_right
 from model.sharding import partition_specs
+from tests.conftest import model_fields
 
-SMALL = dict(
-    vocab_size=40,
-    d_model=32,
-    num_heads=4,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    d_ff=64,
-    dropout_rate=0.0,
-    max_len=64,
-)
+SMALL = model_fields(num_heads=4, num_encoder_layers=2, num_decoder_layers=2, max_len=64)
 
 
 def make(**overrides) -> Transformer:

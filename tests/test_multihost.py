@@ -147,7 +147,7 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(overrides, 
     import jax
     from flax import nnx
 
-    from training import restore_model
+    from inference.restore import restore_model
 
     model2, config, step = restore_model(str(two))
     model1, _, _ = restore_model(str(one), step=6)
@@ -169,7 +169,9 @@ WIDTHS_WORKER = textwrap.dedent(
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
     from configs import default
-    from data.pipeline import TokenizedCorpus, TrainIterator
+    from data.pipeline import TrainIterator
+    from data.tokenized import TokenizedCorpus
+    from training.input import agreed_widths, max_over_processes
 
     # Process 0's shard holds short pairs, process 1's long ones.
     rng = np.random.default_rng(pid)
@@ -181,8 +183,13 @@ WIDTHS_WORKER = textwrap.dedent(
     shard = TokenizedCorpus(flat, start, lens, flat, start, lens, np.arange(n, dtype=np.int64))
     c = default.get_config()
     c.max_length, c.batch_tokens, c.num_length_buckets = 64, 1024, 6
-    shared = TrainIterator(c, None, None, tokenized=shard, process_index=pid, process_count=2)
-    alone = TrainIterator(c, None, None, tokenized=shard, process_index=0, process_count=1)
+    # As training/input.py does: widths and batch counts agreed on across the processes.
+    widths = agreed_widths(c, [shard], num_shards=2, multiple=1)
+    shared = TrainIterator(
+        c, None, None, tokenized=shard, shard=pid, num_shards=2, widths=widths,
+        agree=max_over_processes,
+    )
+    alone = TrainIterator(c, None, None, tokenized=shard)
     out = {"shared": [s[1] for s in shared.shapes], "alone": [s[1] for s in alone.shapes]}
     out["batches"] = shared.batches_per_epoch
     print("SUMMARY " + json.dumps(out), flush=True)

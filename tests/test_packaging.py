@@ -18,7 +18,7 @@ def test_only_the_model_library_is_installed_and_it_needs_only_jax_flax_numpy():
 
 def test_model_imports_nothing_of_the_application():
     allowed = {"jax", "flax", "numpy", "model", "__future__", "dataclasses", "functools"}
-    allowed |= {"typing", "collections", "math", "logging", "argparse", "matplotlib"}
+    allowed |= {"typing", "collections", "math", "logging", "argparse", "matplotlib", "importlib"}
     for name in sorted(os.listdir(os.path.join(ROOT, "model"))):
         if not name.endswith(".py"):
             continue
@@ -33,3 +33,19 @@ def test_model_imports_nothing_of_the_application():
                 continue
             for root in roots:
                 assert root in allowed, f"model/{name} imports {root}"
+
+
+def test_data_and_the_special_ids_import_without_jax():
+    """The tokenized cache's worker processes import data/ (and through it the special
+    ids of model/tokens.py) without JAX: it would cost each of them ~2 s and ~200 MB."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, data, data.cache, model; assert model.EOS_ID == 1; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'grain')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"

@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 
+from inference.restore import restore_model
 from tests.conftest import small_train_config, train_rows, write_reversal_tsv
-from training import TrainingError, checkpoints, restore_model
+from training import TrainingError, checkpoints
 from training import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

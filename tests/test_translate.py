@@ -1,4 +1,4 @@
-"""training/translate.py: the one batching + search path of decode.py and the evaluation.
+"""inference/translate.py: the one batching + search path of decode.py and the evaluation.
 
 Checked against the search functions on one padded batch, against log-probabilities
 from full forward passes (scores), and across meshes (8 fake CPU devices).
@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from data.plans import plan_translation
+from inference.translate import translate_ids
 from model import EOS_ID, decoding
 from tests.test_decoding import as_list, full_logp, make
-from training.translate import plan_batches, translate_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,9 +30,9 @@ def sources_of(lengths, seed=3, vocab=12):
     return [[*rng.integers(4, vocab, size=n - 1).tolist(), EOS_ID] for n in lengths]
 
 
-def test_plan_batches_covers_every_source_with_few_shapes():
+def test_plan_translation_covers_every_source_with_few_shapes():
     lengths = np.random.default_rng(0).integers(1, 120, size=3000)
-    batches = plan_batches(lengths, batch_tokens=4096, max_len=256)
+    batches = plan_translation(lengths, batch_tokens=4096, max_len=256)
     seen = np.concatenate([idx for idx, _, _ in batches])
     assert sorted(seen.tolist()) == list(range(3000))
     for idx, width, rows in batches:
@@ -40,10 +41,10 @@ def test_plan_batches_covers_every_source_with_few_shapes():
     assert len({(w, r) for _, w, r in batches}) <= 16  # compiled programs
 
 
-def test_plan_batches_rows_divide_over_the_batch_devices():
+def test_plan_translation_rows_divide_over_the_batch_devices():
     lengths = np.random.default_rng(1).integers(1, 60, size=500)
     for multiple in (2, 6, 8):
-        batches = plan_batches(lengths, batch_tokens=1024, max_len=64, rows_multiple=multiple)
+        batches = plan_translation(lengths, batch_tokens=1024, max_len=64, rows_multiple=multiple)
         assert all(rows % multiple == 0 and len(idx) <= rows for idx, _, rows in batches)
         assert sorted(np.concatenate([i for i, _, _ in batches]).tolist()) == list(range(500))
 
@@ -107,7 +108,8 @@ import json, sys
 import jax, numpy as np
 from model import EOS_ID
 from tests.test_decoding import make
-from training.translate import translate_ids
+from inference.translate import translate_ids
+from training.mesh import batch_sharding
 rng = np.random.default_rng(7)
 sources = [[*rng.integers(4, 12, size=n - 1).tolist(), EOS_ID] for n in rng.integers(1, 15, 40)]
 model = make()
@@ -115,7 +117,9 @@ out = {}
 for shape in [(1, 1, 1), (4, 2, 1), (2, 2, 2)]:
     auto = (jax.sharding.AxisType.Auto,) * 3  # as training.mesh.make_mesh
     mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=auto)
-    hyps = translate_ids(model, sources, beam_size=3, n_best=2, batch_tokens=64, mesh=mesh)
+    hyps = translate_ids(
+        model, sources, beam_size=3, n_best=2, batch_tokens=64, sharding=batch_sharding(mesh)
+    )
     out[str(shape)] = [[(h.tokens, h.score) for h in hs] for hs in hyps]
 out["none"] = [
     [(h.tokens, h.score) for h in hs]

@@ -1,12 +1,11 @@
 """Training: config checks, sharded train step, optimizer, Orbax checkpoints, evaluation,
-metrics. Used by train.py and decode.py from a checkout (not installed as a package).
+metrics. Used by train.py from a checkout (not installed as a package); a trained
+model is read back by inference/restore.py.
 
-    from training import train_and_evaluate, restore_model
+    from training import train_and_evaluate
     summary = train_and_evaluate(config, workdir)
-    model, config, step = restore_model(workdir, average_last=5)
 """
 
-from training.checkpoints import restore_model
 from training.config import load_config, model_config, validate
 from training.errors import TrainingError
 from training.loop import train_and_evaluate
@@ -15,7 +14,6 @@ __all__ = [
     "TrainingError",
     "load_config",
     "model_config",
-    "restore_model",
     "train_and_evaluate",
     "validate",
 ]

@@ -1,7 +1,7 @@
-"""Orbax checkpoints in WORKDIR/checkpoints, and loading a trained model back.
+"""Orbax checkpoints in WORKDIR/checkpoints: saving, resuming, and moving damaged ones aside.
 
 A checkpoint step directory holds three items:
-    params  the model parameters (restored alone by `restore_model`)
+    params  the model parameters (restored alone by inference/restore.py)
     train   step, optimizer state and dropout RNG streams
     data    the input position of every data shard, and run totals (JSON)
 `config.json` and `tokenizer.model` sit beside `checkpoints/` in the workdir.
@@ -14,7 +14,10 @@ Orbax writes each step to a temporary directory and renames it only once
 complete, so a save cut short (SIGKILL, power loss) is never picked up.
 A step directory damaged later (a truncated or deleted file) fails to restore;
 `restore_latest` then moves it to `checkpoints_damaged/` with a warning and
-falls back to the previous step. Restoring takes abstract arrays that carry
+falls back to the previous step. Only evidence of damage does that: a restore
+that fails otherwise (out of memory, a storage that refuses, an interrupt, an
+error of the program) stops with what to change and moves nothing
+(training/checkpoint_errors.py). Restoring takes abstract arrays that carry
 the *current* shardings, so a checkpoint written on one mesh restores onto
 another (8 devices -> 1, 2 processes -> 1).
 """
@@ -22,7 +25,6 @@ another (8 devices -> 1, 2 processes -> 1).
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import shutil
@@ -32,14 +34,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from model import Transformer
 from training import distributed, steps
-from training.config import CONFIG_FILE, load_config, model_config
+from training.checkpoint_errors import DAMAGED, WriteErrors, classify, describe, retry, stop_error
 from training.errors import TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -135,20 +135,6 @@ class StructureMismatch(TrainingError):
         super().__init__(f"checkpoint step {step} does not match the state to restore ({what})")
 
 
-def _retry(fn, attempts: int = 3, wait: float = 1.0):
-    """fn(), tried again after 1 s and 3 s: storage that hiccups (a network filesystem
-    timing out) must not get a good checkpoint moved aside as damaged."""
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except Exception as e:
-            if attempt == attempts - 1:
-                raise
-            _log.warning(f"reading a checkpoint failed ({type(e).__name__}: {e}); retrying")
-            time.sleep(wait * (2 * attempt + 1))
-    raise AssertionError("unreachable")
-
-
 # --- The manager -----------------------------------------------------------------
 
 
@@ -162,16 +148,16 @@ class Checkpoints:
             create=create,
             enable_async_checkpointing=True,
         )
-        self.manager = ocp.CheckpointManager(
+        self._orbax = ocp.CheckpointManager(
             self.directory, options=options, item_names=("params", "train", "data")
         )
 
     def all_steps(self) -> list[int]:
         """Complete checkpoints only, oldest first."""
-        return sorted(self.manager.all_steps())
+        return sorted(self._orbax.all_steps())
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        return self._orbax.latest_step()
 
     def save(self, state: steps.TrainState, data_state: dict[str, Any]) -> None:
         """Start an asynchronous save of `state` at `state.step`; returns once arrays are copied.
@@ -189,10 +175,10 @@ class Checkpoints:
         )
         step = int(jax.device_get(state.step))
         with self._write_errors(step):
-            self.manager.save(step, args=args, force=True)
+            self._orbax.save(step, args=args, force=True)
 
-    def _write_errors(self, step: int):
-        return _WriteErrors(self, step)
+    def _write_errors(self, step: int) -> WriteErrors:
+        return WriteErrors(self.directory, step, self.all_steps)
 
     def restore(
         self, step: int, abstract_state: steps.TrainState
@@ -200,7 +186,7 @@ class Checkpoints:
         """(TrainState placed as `abstract_state`'s shardings say, data iterator state)."""
         target = _abstract_storable(abstract_state)
         train = {"step": target.step, "opt_state": target.opt_state, "rngs": target.rngs}
-        out = self.manager.restore(
+        out = self._orbax.restore(
             step,
             args=ocp.args.Composite(
                 params=ocp.args.StandardRestore(target.params),
@@ -213,13 +199,25 @@ class Checkpoints:
         return _from_storable(stored, abstract_state), out["data"]
 
     def restore_params(self, step: int, abstract_params: nnx.State) -> nnx.State:
-        """Only the `params` item (no optimizer state is read)."""
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardRestore(_abstract_storable(abstract_params))
-            ),
+        """Only the `params` item (no optimizer state is read).
+
+        Raises TrainingError saying why if it cannot be read (a damaged checkpoint,
+        out of memory, ...; see training/checkpoint_errors.py); moves nothing.
+        """
+        args = ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract_storable(abstract_params))
         )
+        try:
+            out = retry(lambda: self._orbax.restore(step, args=args))
+        except Exception as e:
+            if classify(e) == DAMAGED:
+                raise TrainingError(
+                    f"checkpoint step {step} in {self.directory} cannot be read ({describe(e)}): "
+                    "its files are damaged; use another checkpoint"
+                ) from e
+            if (error := stop_error(e, step, self.directory)) is None:
+                raise
+            raise error from e
         return _from_storable(out["params"], abstract_params)
 
     def mean_params(self, chosen: Sequence[int], abstract_params: nnx.State) -> nnx.State:
@@ -236,8 +234,8 @@ class Checkpoints:
     def wait(self) -> None:
         """Block until the save in flight is on disk (TrainingError if it could not be written)."""
         with self._write_errors(-1):
-            self.manager.wait_until_finished()
-            self.manager.check_for_errors()
+            self._orbax.wait_until_finished()
+            self._orbax.check_for_errors()
 
     def _mismatch(self, step: int, abstract_state: steps.TrainState) -> dict[str, list[str]]:
         """{item: differences} between step's stored arrays and the state to restore.
@@ -254,7 +252,7 @@ class Checkpoints:
             path = epath.Path(self.directory) / str(step) / item
             handler = ocp.PyTreeCheckpointHandler()
             try:
-                meta = _retry(lambda h=handler, p=path: h.metadata(p))
+                meta = retry(lambda h=handler, p=path: h.metadata(p))
             finally:
                 handler.close()
             saved = _arrays(getattr(meta, "tree", meta))
@@ -269,34 +267,35 @@ class Checkpoints:
 
         A checkpoint whose arrays differ from `abstract_state` (another model or
         optimizer config) raises StructureMismatch and is left where it is. A step
-        whose files cannot be read (missing, truncated, corrupt), after retries for
-        storage that hiccups, is reported and, with `quarantine`, moved to
-        WORKDIR/checkpoints_damaged/; the previous step is tried next. Raises
-        TrainingError if checkpoints exist but none of them restores.
+        whose files are damaged (missing, truncated, undecodable), still after
+        retries for storage that hiccups, is reported and, with `quarantine`,
+        moved to WORKDIR/checkpoints_damaged/; the previous step is tried next.
+        Any other failure, on any process, stops every process and moves nothing
+        (training/checkpoint_errors.py). Raises TrainingError if checkpoints exist
+        but none of them restores.
         """
         tried: list[str] = []
         for step in reversed(self.all_steps()):
-            try:
-                mismatch = self._mismatch(step, abstract_state)
-                if not mismatch:
-                    state, data_state = _retry(lambda s=step: self.restore(s, abstract_state))
-                ok, reason = True, ""
-            except Exception as e:  # unreadable: damaged
-                mismatch, ok = {}, False
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            # Every process must agree (one of them may hold the damaged shard).
-            oks = distributed.allgather_json(ok)
-            if all(oks) and mismatch:
-                raise StructureMismatch(step, mismatch)
-            if all(oks):
+            verdict, result = self._try_restore(step, abstract_state)
+            # Every process must agree (one of them may hold the damaged shard, or fail).
+            verdicts = distributed.allgather_json(verdict)
+            if verdict == "failed":
+                raise result
+            if "failed" in verdicts:
+                raise TrainingError(
+                    f"process {verdicts.index('failed')} could not restore checkpoint step "
+                    f"{step} (its log says why); the checkpoints were not touched"
+                )
+            if all(v == "ok" for v in verdicts):
+                mismatch, state, data_state = result
+                if mismatch:
+                    raise StructureMismatch(step, mismatch)
                 if tried:
                     _log.warning(f"resuming from step {step}, the newest usable checkpoint")
                 return step, state, data_state
-            if ok:
-                reason = "another process could not read its part"
-            path = os.path.join(self.directory, str(step))
+            reason = result if verdict == DAMAGED else "another process could not read its part"
             tried.append(f"step {step} ({reason})")
-            _log.warning(f"checkpoint {path} is damaged and is skipped: {reason}")
+            _log.warning(f"checkpoint {self.directory}/{step} is damaged and is skipped: {reason}")
             if quarantine:
                 self._quarantine(step)
         if tried:
@@ -308,6 +307,23 @@ class Checkpoints:
                 f"{os.path.join(os.path.dirname(self.directory), DAMAGED_DIR)})"
             )
         return None
+
+    def _try_restore(self, step: int, abstract_state: steps.TrainState) -> tuple[str, Any]:
+        """("ok", (structure differences, state, data)), (DAMAGED, why), or ("failed", the
+        exception to stop with). KeyboardInterrupt and SystemExit propagate."""
+        try:
+            mismatch = self._mismatch(step, abstract_state)
+            if mismatch:
+                return "ok", (mismatch, None, None)
+            state, data_state = retry(lambda: self.restore(step, abstract_state))
+            return "ok", ({}, state, data_state)
+        except Exception as e:
+            if classify(e) == DAMAGED:
+                return DAMAGED, describe(e)
+            return "failed", stop_error(e, step, self.directory) or e
+        except (KeyboardInterrupt, SystemExit):
+            _log.warning(f"interrupted while restoring checkpoint step {step}: nothing was moved")
+            raise
 
     def restore_without_optimizer(
         self, step: int, abstract_state: steps.TrainState
@@ -328,7 +344,7 @@ class Checkpoints:
         handler = ocp.PyTreeCheckpointHandler()
         try:
             path = epath.Path(self.directory) / str(step) / "train"
-            meta = _retry(lambda: handler.metadata(path))
+            meta = retry(lambda: handler.metadata(path))
         finally:
             handler.close()
         old_opt = jax.tree.map(
@@ -341,7 +357,7 @@ class Checkpoints:
             train=ocp.args.StandardRestore(train),
             data=ocp.args.JsonRestore(),
         )
-        out = _retry(lambda: self.manager.restore(step, args=args))
+        out = retry(lambda: self._orbax.restore(step, args=args))
         t = out["train"]
         stored = steps.TrainState(t["step"], out["params"], None, t["rngs"])
         return _from_storable(stored, abstract_state.replace(opt_state=None)), out["data"]
@@ -356,10 +372,10 @@ class Checkpoints:
             shutil.move(src, dest)
             _log.warning(f"moved the damaged step to {dest}")
         distributed.sync(f"quarantine-{step}")
-        self.manager.reload()
+        self._orbax.reload()
 
     def close(self) -> None:
-        self.manager.close()
+        self._orbax.close()
 
     def __enter__(self) -> Checkpoints:
         return self
@@ -382,106 +398,3 @@ class Checkpoints:
             self.close()
         except Exception as e:
             _log.warning(f"while stopping after an error, the last save failed too: {e}")
-
-
-class _WriteErrors:
-    """Turn an OSError of a checkpoint write (also one raised in Orbax's background
-    thread and re-raised later) into a TrainingError that says what to do."""
-
-    def __init__(self, manager: Checkpoints, step: int):
-        self.manager, self.step = manager, step
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None:
-            return False
-        os_error = _find_os_error(exc)
-        if os_error is None:
-            return False
-        what = f"checkpoint step {self.step}" if self.step >= 0 else "a checkpoint"
-        if os_error.errno == errno.ENOSPC:
-            fix = "free disk space (or use a --workdir on a larger disk)"
-        elif os_error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-            fix = "make the workdir writable (or use another --workdir)"
-        else:
-            fix = "fix the storage problem"
-        try:
-            done = sorted(self.manager.manager.all_steps())
-        except Exception:
-            done = []
-        have = f"the newest complete checkpoint is step {done[-1]}" if done else "none is complete"
-        raise TrainingError(
-            f"could not write {what} to {self.manager.directory}: {os_error}. Earlier "
-            f"checkpoints are intact ({have}); {fix}, then re-run the same command to resume"
-        ) from exc
-
-
-def _find_os_error(exc: BaseException | None) -> OSError | None:
-    """The OSError in `exc`'s cause/context chain (Orbax wraps background errors)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno is not None:
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-# --- Loading a trained model -------------------------------------------------------
-
-
-def restore_model(
-    workdir: str, *, step: int | None = None, average_last: int = 1
-) -> tuple[Transformer, ml_collections.ConfigDict, int]:
-    """The trained model of WORKDIR, its config, and the checkpoint step it was loaded from.
-
-    Args:
-      workdir: a training workdir (config.json + checkpoints/).
-      step: the checkpoint to load; None = the newest complete one.
-      average_last: average the parameters of this many checkpoints ending at
-        `step` (paper section 6.1); 1 = no averaging.
-    Raises:
-      TrainingError: no workdir, no config.json, no checkpoint, unknown step.
-    """
-    config = load_config(workdir)
-    directory = os.path.join(workdir, CHECKPOINT_DIR)
-    available = Checkpoints(workdir, create=False).all_steps() if os.path.isdir(directory) else []
-    if not available:
-        raise TrainingError(f"no complete checkpoint in {directory}; train the model first")
-    if step is None:
-        step = available[-1]
-    if step not in available:
-        raise TrainingError(f"no checkpoint for step {step} in {directory}; have {available}")
-    if average_last < 1:
-        raise TrainingError(f"average_last must be >= 1, got {average_last}")
-    chosen = [s for s in available if s <= step][-average_last:]
-
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    try:
-        model_cfg = model_config(config)  # attention resolved here, before any tracing
-    except ValueError as e:  # a hand-edited config.json
-        raise TrainingError(f"{workdir}/{CONFIG_FILE}: {e}") from e
-    abstract_model = nnx.eval_shape(lambda: steps.build_model(config, model_cfg))
-    graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
-    abstract_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
-    )
-    manager = Checkpoints(workdir, create=False)
-    try:
-        params = manager.mean_params(chosen, abstract_params)
-    finally:
-        manager.close()
-    if average_last > 1:
-        what = f"averaged the parameters of {len(chosen)} checkpoint(s), steps {chosen}"
-        if len(chosen) < average_last:
-            _log.warning(
-                f"asked to average the last {average_last} checkpoints up to step {step}, "
-                f"but only {len(chosen)} exist: {what}"
-            )
-        else:
-            _log.info(what)
-    # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
-    rngs = jax.jit(lambda: nnx.split(steps.build_model(config, model_cfg), nnx.Param, ...)[2])()
-    return nnx.merge(graphdef, params, rngs), config, step

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import ml_collections
 
+from data.files import atomic_write
 from model import TransformerConfig
 from model.attention import resolve_config
 from training.errors import TrainingError
@@ -202,11 +203,8 @@ def validate(
 
 def save_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Write WORKDIR/config.json (atomically: a reader never sees half a file)."""
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, CONFIG_FILE)
-    with open(path + ".tmp", "w") as f:
+    with atomic_write(os.path.join(workdir, CONFIG_FILE), "w") as f:
         f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(path + ".tmp", path)
 
 
 def _merge(base: ml_collections.ConfigDict, saved: dict[str, Any]) -> None:

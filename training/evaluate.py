@@ -1,4 +1,4 @@
-"""Dev-set evaluation: loss/accuracy with teacher forcing, and BLEU/chrF of beam-search output.
+"""Dev-set evaluation: teacher-forced loss and accuracy, and BLEU/chrF of beam search (inference/).
 
 metrics, examples = evaluate(state, setup, eval_step, tokenizer, dev, max_examples=100)
 print(report(step, metrics, examples))
@@ -12,15 +12,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import sacrebleu
 from flax import nnx
 from jax.sharding import Mesh
 
-from data import EOS_ID, Tokenizer, eval_batches
-from model import Transformer
-from training.mesh import batch_divisor, shard_batch
+from data import Tokenizer
+from inference.lines import bleu_chrf
+from inference.translate import translate_ids, vocab_limit
+from model import EOS_ID, Transformer
+from training.input import eval_batches
+from training.mesh import batch_divisor, batch_sharding, shard_batch
 from training.steps import TrainSetup, TrainState, summarize
-from training.translate import translate_ids
 
 
 def eval_loss(
@@ -55,36 +56,22 @@ def translate_corpus(
 ) -> list[str]:
     """Detokenized translations of `sources` (in order), each cut to `max_length` tokens.
 
-    Every process passes all sources; `training.translate.translate_ids` spreads the
+    Every process passes all sources; `inference.translate.translate_ids` spreads the
     batches over the mesh (and processes) and returns every translation everywhere.
     """
     ids = [[*x[: max_length - 1], EOS_ID] for x in tokenizer.encode_batch(list(sources))]
     # Beam search holds K hypotheses per source: keep the batch's tokens near batch_tokens.
     budget = max(batch_tokens // beam_size, 256)
-    limit = tokenizer.vocab_size if tokenizer.vocab_size < model.config.vocab_size else None
     hyps = translate_ids(
         model,
         ids,
         beam_size=beam_size,
         alpha=alpha,
         batch_tokens=budget,
-        vocab_limit=limit,
-        mesh=mesh,
+        vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
+        sharding=batch_sharding(mesh),
     )
     return [tokenizer.decode(h[0].tokens) if h else "" for h in hyps]
-
-
-def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
-    """Corpus BLEU and chrF from sacreBLEU, with their signatures."""
-    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-    b = bleu.corpus_score(list(hyps), [list(refs)])
-    c = chrf.corpus_score(list(hyps), [list(refs)])
-    return {
-        "bleu": b.score,
-        "chrf": c.score,
-        "bleu_signature": str(bleu.get_signature()),
-        "chrf_signature": str(chrf.get_signature()),
-    }
 
 
 def evaluate(

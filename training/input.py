@@ -1,8 +1,9 @@
-"""This process's training batches, from one or several data shards, and their saved position.
+"""This process's training and dev batches: data shards, agreed on across processes.
 
     inputs = ShardedInput(config, tokenizer, corpus, global_multiple=rows_multiple)
     batch = next(inputs)              # numpy rows of this process
     state = inputs.get_state()        # [iterator state of each of this process's shards]
+    for batch, _ in eval_batches(config, tokenizer, dev, batch_multiple=rows_multiple): ...
 
 The corpus is cut into `num_shards` strided shards (data/pipeline.py); shard s
 holds examples s, s + n, s + 2n, ... and its own batch plan with 1/n of the
@@ -14,6 +15,12 @@ Packed rows are planned per shard, so several shards on one process may
 differ in row counts; each step then pads to the largest.
 Each shard is tokenized once into the cache (`cache_dir(config, workdir)`)
 and memory-mapped from it at every later start.
+
+The batch planner (data/plans.py) is pure; this module is where the shards of
+one global batch agree, with one small collective each: on the length
+histogram the bucket widths are fitted to (`agreed_widths`) and on the batch
+counts of every epoch (`agree_counts`), so that every process runs the same
+compiled steps the same number of times.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ import jax
 import numpy as np
 
 import data
-from data.pipeline import fit_widths, length_histogram, train_shard
-from data.plans import global_histogram
+from data.pipeline import AgreeCounts, fit_widths, length_histogram, train_shard
+from data.tokenized import TokenizedCorpus
 from training import distributed
 
 _log = logging.getLogger(__name__)
@@ -44,6 +51,49 @@ def cache_dir(config: Any, workdir: str | None) -> str | None:
     if config.data_cache_dir:
         return os.path.expanduser(config.data_cache_dir)
     return os.path.join(workdir, "data_cache") if workdir else None
+
+
+def _over_processes(x: np.ndarray, reduce: Any) -> np.ndarray:
+    """`reduce` (element-wise) of every process's `x` (one collective; all must call it)."""
+    from jax.experimental import multihost_utils
+
+    return reduce(multihost_utils.process_allgather(np.asarray(x, np.int64)), axis=0)
+
+
+def max_over_processes(counts: np.ndarray) -> np.ndarray:
+    """The element-wise max of every process's batch counts."""
+    return _over_processes(counts, np.max)
+
+
+def agree_counts() -> AgreeCounts:
+    """How this job's processes agree on batch counts: the max over them (None: one process)."""
+    return max_over_processes if jax.process_count() > 1 else None
+
+
+def agreed_widths(
+    config: Any, shards: list[TokenizedCorpus], num_shards: int, multiple: int
+) -> np.ndarray:
+    """Bucket widths fitted to the lengths of every shard of the job: this process's
+    `shards` and, through one collective, the other processes' ones."""
+    histogram = sum(length_histogram(tc, config.max_length) for tc in shards)
+    if jax.process_count() > 1:
+        histogram = _over_processes(histogram, np.sum)
+    budget = config.batch_tokens // num_shards
+    return fit_widths(config, histogram, budget, multiple, num_shards)
+
+
+def eval_batches(config: Any, tokenizer: data.Tokenizer, corpus: Any, *, batch_multiple: int):
+    """`data.eval_batches` of this process's shard of `corpus`, with the batch counts that
+    every process agrees on (so all run the same eval steps)."""
+    return data.eval_batches(
+        config,
+        tokenizer,
+        corpus,
+        batch_multiple=batch_multiple,
+        shard=jax.process_index(),
+        num_shards=jax.process_count(),
+        agree=agree_counts(),
+    )
 
 
 def _pad_to(x: np.ndarray, rows: int, length: int) -> np.ndarray:
@@ -75,23 +125,28 @@ class ShardedInput:
             train_shard(config, tokenizer, corpus, s, self.num_shards, cache_dir(config, workdir))
             for s in self.shard_ids
         ]
-        widths = self._shared_widths(config, shards, multiple)
+        widths = None
+        if not (config.packing or config.length_buckets):
+            widths = agreed_widths(config, shards, self.num_shards, multiple)
+        # Several processes: one shard each (`validate` checks it), their counts agreed on.
+        agree = agree_counts()
         self.iterators = [
             data.TrainIterator(
                 config,
                 tokenizer,
                 corpus,
                 batch_multiple=multiple,
-                process_index=s,
-                process_count=self.num_shards,
+                shard=s,
+                num_shards=self.num_shards,
                 tokenized=tc,
                 widths=widths,
+                agree=agree,
             )
             for s, tc in zip(self.shard_ids, shards, strict=True)
         ]
         if len(self.iterators) > 1 and not config.packing:
-            # As processes agree on batch counts per bucket (data/plans.py), so do the
-            # shards of one process: the same global batches as one shard per process.
+            # As processes agree on batch counts per bucket, so do the shards of one
+            # process: the same global batches as one shard per process.
             counts = np.max([it.bucket_batch_counts() for it in self.iterators], axis=0)
             for it in self.iterators:
                 it.share_batch_counts(counts)
@@ -101,16 +156,6 @@ class ShardedInput:
                 "shard packs its own rows, so the global batches differ from a run with one "
                 "process per shard (bucketed batches do not)"
             )
-
-    def _shared_widths(self, config: Any, shards: list[Any], multiple: int) -> np.ndarray | None:
-        """Bucket widths fitted to every shard's lengths when this process reads several
-        (one shard per process: each iterator fits them itself, across processes)."""
-        if len(shards) == 1 or config.packing or config.length_buckets:
-            return None
-        histogram = sum(length_histogram(tc, config.max_length) for tc in shards)
-        histogram = global_histogram(histogram, jax.process_count())
-        budget = config.batch_tokens // self.num_shards
-        return fit_widths(config, histogram, budget, multiple, self.num_shards)
 
     def __iter__(self) -> ShardedInput:
         return self

@@ -18,7 +18,7 @@ import logging
 import sys
 
 # Logger namespaces of this project -> the tag printed in front of their lines.
-TAGS = {"training": "train", "data": "data", "model": "model"}
+TAGS = {"training": "train", "data": "data", "model": "model", "inference": "inference"}
 
 
 def _process_index() -> int:

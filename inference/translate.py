@@ -1,22 +1,26 @@
-"""Translating many sources at once: static-shape batches, search, results in input order.
+"""Token ids in, translations out: the Translator interface, the live model's, and batching.
 
-The one path from token ids to translations, taken by decode.py and by the
+The one path from token ids to hypotheses, taken by decode.py and by the
 dev-set evaluation during training:
 
     hyps = translate_ids(model, sources, beam_size=4, alpha=0.6, batch_tokens=4096)
     hyps[i][0].tokens, hyps[i][0].score      # the best translation of sources[i]
 
-Sources of any lengths are sorted by length and cut into batches whose padded
-width comes from a short fixed list (`WIDTHS`) and whose row count is a power
-of two, so a file of any size compiles a handful of search programs, not one
-per batch. Search itself is model/decoding.py (beam search, or greedy for
-beam 1), one jit-compiled `while_loop` per batch; batches are dispatched
-before the previous one is read back, so the host work overlaps the device's.
+A `Translator` is what decode.py translates with: the live model of a workdir
+(`LiveTranslator`) or an exported one (inference/export.py). Both cut sources
+of any lengths into batches of a few static shapes (data/plans.py
+`plan_translation`: sorted by length, padded widths from a short fixed list,
+power-of-two row counts), so a file of any size compiles a handful of search
+programs, not one per batch. Search itself is model/decoding.py (beam search,
+or greedy for beam 1), one jit-compiled `while_loop` per batch; batches are
+dispatched before the previous one is read back, so the host work overlaps
+the device's.
 
-With a mesh, each batch's rows are spread over the mesh's batch axes. Every
-process passes *all* sources and gets all results back: each fills the rows
-of the global batch that its devices hold, and the outputs are gathered, so a
-multi-host job evaluates its dev set with every device and no host differs.
+With a `sharding` of the rows (e.g. training's batch sharding over its mesh),
+each batch's rows are spread over the devices. Every process passes *all*
+sources and gets all results back: each fills the rows of the global batch
+that its devices hold, and the outputs are gathered, so a multi-host job
+evaluates its dev set with every device and no host differs.
 """
 
 from __future__ import annotations
@@ -24,19 +28,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
+from data.plans import plan_translation
 from model import EOS_ID, PAD_ID, Transformer
 from model.decoding import beam_search, greedy_search, length_penalty
-from training.mesh import BATCH_AXES, batch_divisor
 
-# Padded source widths, ~1.5x apart: padding the source costs only encoder work
-# (the search's steps follow the output), while every width compiles a program.
-WIDTHS = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-MIN_ROWS = 8
+# progress(sentences, output tokens) after each batch
+Progress = Callable[[int, int], None]
+# A batch's search: src [B, S] -> tokens [B, n_best, L], scores [B, n_best]
+Search = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,60 +56,46 @@ class Hypothesis:
     score: float
 
 
-# --- Batch plan ------------------------------------------------------------------------
+class Translator(Protocol):
+    """A translation backend: token-id sources -> hypotheses, in input order.
 
-
-def bucket_width(n: int, max_len: int) -> int:
-    """The padded width for a source of n tokens: the smallest width >= n, at most max_len."""
-    return min(next((w for w in WIDTHS if w >= n), max_len), max_len)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def plan_batches(
-    lengths: Sequence[int], *, batch_tokens: int, max_len: int, rows_multiple: int = 1
-) -> list[tuple[np.ndarray, int, int]]:
-    """Group sources into batches of static shape; longest first.
-
-    Args:
-      lengths: tokens per source (EOS included); all in [1, max_len].
-      batch_tokens: budget of padded source tokens per batch (rows * width).
-      max_len: the model's longest position.
-      rows_multiple: every batch's row count is a multiple of this (the devices
-        of the mesh's batch axes).
-    Returns:
-      (indices into `lengths`, width S, rows B) per batch, with len(indices) <= B.
-      Full batches have B = the largest power of two with B * S <= batch_tokens
-      (at least `rows_multiple`); a width's last batch is padded up to a power of
-      two (at least 8), so each width compiles at most a few batch sizes.
+    sources are id lists as the model was trained on (EOS-terminated, at most
+    `max_len` long); an empty one gets no hypotheses. Each source gets at most
+    `n_best` hypotheses, best first.
     """
-    lengths = np.asarray(lengths, np.int64)
-    widths = np.array([bucket_width(int(n), max_len) for n in lengths], np.int64)
-    # Stable sort by decreasing length keeps equal-length sources in input order.
-    order = np.argsort(-lengths, kind="stable")
-    batches = []
-    for width in sorted(set(widths.tolist()), reverse=True):
-        idx = order[widths[order] == width]
-        fit = 1 << (max(batch_tokens // width, 1).bit_length() - 1)  # power of two <= budget
-        full = _round_up(fit, rows_multiple)
-        for start in range(0, len(idx), full):
-            chunk = idx[start : start + full]
-            pow2 = 1 << (len(chunk) - 1).bit_length()
-            rows = min(full, _round_up(max(MIN_ROWS, pow2), rows_multiple))
-            batches.append((chunk, width, rows))
-    return batches
+
+    max_len: int  # the longest source, in tokens with EOS
+    beam_size: int
+    alpha: float
+    n_best: int
+
+    def translate(
+        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+    ) -> list[list[Hypothesis]]: ...
+
+
+def vocab_limit(tokenizer_size: int, config: Any) -> int | None:
+    """The ids a model may emit: below the tokenizer's size when the model's vocabulary is
+    larger (a corpus that supported fewer pieces); None = all of them."""
+    return tokenizer_size if tokenizer_size < config.vocab_size else None
 
 
 # --- Search over one batch --------------------------------------------------------------
 
 
-def _place(src: np.ndarray, mesh: Mesh | None) -> jax.Array:
+def _rows_multiple(sharding: NamedSharding | None) -> int:
+    """How many devices the rows are split over (every batch's rows are a multiple)."""
+    if sharding is None:
+        return 1
+    axes = sharding.spec[0] if sharding.spec else None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def _place(src: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
     """[B, S] numpy (the whole batch, on every process) -> a device array, rows sharded."""
-    if mesh is None:
+    if sharding is None:
         return jax.device_put(src)
-    sharding = NamedSharding(mesh, PartitionSpec(BATCH_AXES, None))
     return jax.make_array_from_callback(src.shape, sharding, lambda index: src[index])
 
 
@@ -124,11 +115,11 @@ def search_fn(
     alpha: float,
     n_best: int = 1,
     vocab_limit: int | None = None,
-) -> Callable[[jax.Array], tuple[jax.Array, jax.Array]]:
+) -> Search:
     """The search of one batch: src [B, S] -> tokens [B, n_best, L], scores [B, n_best].
 
     Beam search for beam_size > 1, greedy search (scored the same way) for 1.
-    The outputs are device arrays, not awaited. training/export.py exports this
+    The outputs are device arrays, not awaited. inference/export.py exports this
     function, so an exported translator searches exactly as the live model.
     """
 
@@ -157,6 +148,9 @@ def _hypotheses(tokens: np.ndarray, scores: np.ndarray) -> list[Hypothesis]:
     return out
 
 
+# --- Many sources -----------------------------------------------------------------------
+
+
 def translate_ids(
     model: Transformer,
     sources: Sequence[Sequence[int]],
@@ -166,8 +160,8 @@ def translate_ids(
     n_best: int = 1,
     batch_tokens: int = 4096,
     vocab_limit: int | None = None,
-    mesh: Mesh | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    sharding: NamedSharding | None = None,
+    progress: Progress | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -180,7 +174,8 @@ def translate_ids(
       n_best: hypotheses kept per source (<= beam_size), best first.
       batch_tokens: padded source tokens per batch (beam search holds K times as many).
       vocab_limit: never emit ids >= this (a tokenizer smaller than the vocabulary).
-      mesh: spread each batch's rows over the mesh's ('data', 'fsdp') axes.
+      sharding: how each batch's [B, S] rows are placed (rows split over devices);
+        None = on the default device.
       progress: called after each batch with (sentences, output tokens) it finished.
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
@@ -196,19 +191,19 @@ def translate_ids(
         sources,
         max_len=model.config.max_len,
         batch_tokens=batch_tokens,
-        mesh=mesh,
+        sharding=sharding,
         progress=progress,
     )
 
 
 def run_batches(
-    search: Callable[[jax.Array], tuple[jax.Array, jax.Array]],
+    search: Search,
     sources: Sequence[Sequence[int]],
     *,
     max_len: int,
     batch_tokens: int,
-    mesh: Mesh | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    sharding: NamedSharding | None = None,
+    progress: Progress | None = None,
 ) -> list[list[Hypothesis]]:
     """`translate_ids` for any batch search (a live model's `search_fn`, or an exported one)."""
     too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
@@ -219,11 +214,11 @@ def run_batches(
     if batch_tokens < 1:
         raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
     nonempty = [i for i, s in enumerate(sources) if len(s)]
-    plan = plan_batches(
+    plan = plan_translation(
         [len(sources[i]) for i in nonempty],
         batch_tokens=batch_tokens,
         max_len=max_len,
-        rows_multiple=batch_divisor(mesh) if mesh is not None else 1,
+        rows_multiple=_rows_multiple(sharding),
     )
     results: list[list[Hypothesis]] = [[] for _ in sources]
 
@@ -245,7 +240,7 @@ def run_batches(
         for r, j in enumerate(chunk):
             ids = sources[nonempty[j]]
             src[r, : len(ids)] = ids
-        out = search(_place(src, mesh))
+        out = search(_place(src, sharding))
         # Dispatch is asynchronous: the next batch is queued before this one is read.
         if pending is not None:
             finish(*pending)
@@ -253,3 +248,33 @@ def run_batches(
     if pending is not None:
         finish(*pending)
     return results
+
+
+@dataclasses.dataclass
+class LiveTranslator:
+    """The `Translator` of a model in memory (e.g. restored from a training workdir)."""
+
+    model: Transformer
+    beam_size: int = 4
+    alpha: float = 0.6
+    n_best: int = 1
+    batch_tokens: int = 4096
+    vocab_limit: int | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.model.config.max_len
+
+    def translate(
+        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+    ) -> list[list[Hypothesis]]:
+        return translate_ids(
+            self.model,
+            sources,
+            beam_size=self.beam_size,
+            alpha=self.alpha,
+            n_best=self.n_best,
+            batch_tokens=self.batch_tokens,
+            vocab_limit=self.vocab_limit,
+            progress=progress,
+        )

@@ -1,6 +1,7 @@
 """Word alignments from cross-attention, printed as fast_align and Marian print them.
 
     links = word_alignments(model, pieces, [(src_ids, out_ids), ...])   # ["0-0 1-2 2-1", ...]
+    add_alignments(model, tokenizer, translated)   # decode.py's lines: "alignment" per hypothesis
 
 For each (source, translation) pair the decoder is run once over the translation
 (teacher forcing, as `Transformer.cross_attention_weights`), and its
@@ -22,14 +23,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from data.plans import inference_width, plan_static
+from inference.lines import Translated
 from model import BOS_ID, EOS_ID, Transformer
-from training.translate import bucket_width
 
 WORD_START = "▁"
 
@@ -88,32 +91,54 @@ def word_alignments(
     graphdef, state = nnx.split(model)
     out = [""] * len(pairs)
     todo = [i for i, (_, tgt) in enumerate(pairs) if len(tgt)]
-    # Group by padded (source, target) widths: one compiled program per group shape.
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i in todo:
-        src, tgt = pairs[i]
-        key = (bucket_width(len(src), max_len), bucket_width(len(tgt) + 1, max_len))
-        groups.setdefault(key, []).append(i)
-    for (s, t), members in sorted(groups.items()):
-        for start in range(0, len(members), batch_rows):
-            chunk = members[start : start + batch_rows]
-            rows = max(8, 1 << (len(chunk) - 1).bit_length())  # [B]: a power of two
-            src = np.zeros((rows, s), np.int32)
-            tgt_in = np.zeros((rows, t), np.int32)
-            src[:, 0] = EOS_ID  # filler rows: a lone EOS, outputs dropped
-            tgt_in[:, 0] = BOS_ID
-            for r, i in enumerate(chunk):
-                src_ids, tgt_ids = pairs[i]
-                src[r, : len(src_ids)] = src_ids
-                tgt_in[r, : len(tgt_ids) + 1] = [BOS_ID, *tgt_ids]  # row t predicts token t
-            weights = np.asarray(_mean_weights(graphdef, state, src, tgt_in, layers))
-            for r, i in enumerate(chunk):
-                src_ids, tgt_ids = pairs[i]
-                n_src = len(src_ids) - (1 if src_ids and src_ids[-1] == EOS_ID else 0)
-                w = weights[r, : len(tgt_ids), :n_src]  # [T, S] without EOS rows/columns
-                out[i] = align_words(
-                    w,
-                    word_ids([piece(x) for x in src_ids[:n_src]]),
-                    word_ids([piece(x) for x in tgt_ids]),
-                )
+    # Padded (source, target) widths: one compiled program per shape.
+    width = lambda n: inference_width(n, max_len)
+    shapes = [(width(len(src)), width(len(tgt) + 1)) for src, tgt in pairs]
+    plan = plan_static(shapes, full_rows=lambda shape: batch_rows, order=todo)
+    for chunk, (s, t), rows in plan:
+        src = np.zeros((rows, s), np.int32)  # [B, S]
+        tgt_in = np.zeros((rows, t), np.int32)  # [B, T]
+        src[:, 0] = EOS_ID  # filler rows: a lone EOS, outputs dropped
+        tgt_in[:, 0] = BOS_ID
+        for r, i in enumerate(chunk):
+            src_ids, tgt_ids = pairs[i]
+            src[r, : len(src_ids)] = src_ids
+            tgt_in[r, : len(tgt_ids) + 1] = [BOS_ID, *tgt_ids]  # row t predicts token t
+        weights = np.asarray(_mean_weights(graphdef, state, src, tgt_in, layers))
+        for r, i in enumerate(chunk):
+            src_ids, tgt_ids = pairs[i]
+            n_src = len(src_ids) - (1 if src_ids and src_ids[-1] == EOS_ID else 0)
+            w = weights[r, : len(tgt_ids), :n_src]  # [T, S] without EOS rows/columns
+            out[i] = align_words(
+                w,
+                word_ids([piece(x) for x in src_ids[:n_src]]),
+                word_ids([piece(x) for x in tgt_ids]),
+            )
     return out
+
+
+def add_alignments(model: Transformer, tokenizer: Any, translated: Translated) -> None:
+    """Add "alignment" to every hypothesis of `translated.hypotheses`, in place.
+
+    Links index the words of the whole line: a segment's source words are
+    offset by the line's words before it, its output words by the earlier
+    segments' outputs (hypotheses of split lines are joined in order).
+    """
+    piece, segments, search = tokenizer.id_to_piece, translated.segments, translated.search
+    pairs = [(seg.ids, h.tokens) for seg, hyps in zip(segments, search, strict=True) for h in hyps]
+    found = iter(word_alignments(model, piece, pairs))
+    links = [[next(found) for _ in hyps] for hyps in search]  # [segment][rank]
+    by_line: dict[int, list[int]] = {}
+    for n, seg in enumerate(segments):
+        by_line.setdefault(seg.line, []).append(n)
+    for i, segs in by_line.items():
+        words = word_ids([piece(t) for t in translated.line_tokens[i]])  # each token's word
+        for k, hyp in enumerate(translated.hypotheses[i]):
+            out, tgt_offset = [], 0
+            for n in segs:
+                for link in links[n][k].split():
+                    a, b = map(int, link.split("-"))
+                    out.append(f"{a + int(words[segments[n].start])}-{b + tgt_offset}")
+                tokens = search[n][k].tokens
+                tgt_offset += len(set(word_ids([piece(t) for t in tokens]).tolist()))
+            hyp["alignment"] = " ".join(out)

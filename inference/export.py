@@ -1,8 +1,8 @@
 """A self-contained translator: tokenizer, serialized search programs, parameters, metadata.
 
-    export_translator(model, tokenizer, "translator/", beam_size=4, alpha=0.6)
+    export_translator(model, tokenizer_proto, "translator/", beam_size=4, alpha=0.6)
     translator = ExportedTranslator.load("translator/")  # no checkpoint, no model classes
-    hyps = translator.translate_ids(sources)               # as training.translate.translate_ids
+    hyps = translator.translate(sources)                   # a Translator, as LiveTranslator
 
 The directory holds
     tokenizer.model      the SentencePiece model (ids 0 pad, 1 EOS, 2 BOS, 3 unk)
@@ -10,12 +10,12 @@ The directory holds
                          programs take them (a flat list: no pytree classes needed)
     search_S{W}.jax      `jax.export` serialization (StableHLO) of encode + search for
                          sources padded to width W, one per width of
-                         training.translate.WIDTHS up to max_len; the batch dimension
+                         data.plans.inference_widths(max_len); the batch dimension
                          is symbolic, so any number of rows runs the same program
     metadata.json        config, beam, alpha, n_best, widths, vocab_limit, shapes, jax
                          version and the platforms the programs were lowered for
 
-Each program is `training.translate.search_fn` of the live model with the
+Each program is `inference.translate.search_fn` of the live model with the
 parameters as an argument, so the exported translator batches, searches and
 prints exactly as decode.py does with the checkpoint. docs/decoding.md shows
 how to call a program from plain JAX.
@@ -28,15 +28,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from data.files import atomic_write, atomic_write_bytes
+from data.plans import inference_widths
+from inference.translate import Hypothesis, Progress, run_batches, search_fn
 from model import Transformer
-from training.translate import WIDTHS, Hypothesis, run_batches, search_fn
+from model.decoding import EXTRA_DECODE_LEN
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -75,7 +78,7 @@ def export_translator(
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     leaves, treedef = jax.tree.flatten(params)
     max_len = model.config.max_len
-    widths = [w for w in WIDTHS if w < max_len] + [max_len]
+    widths = inference_widths(max_len)
 
     def program(width: int) -> bytes:
         def translate(flat_params, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
@@ -97,15 +100,14 @@ def export_translator(
     for width in widths:
         t0 = time.time()
         blob = program(width)
-        _write(os.path.join(directory, _program_name(width)), blob)
+        atomic_write_bytes(os.path.join(directory, _program_name(width)), blob)
         shapes[width] = len(blob)
         seconds = time.time() - t0
         _log.info(f"exported the width-{width} search: {len(blob) / 1e6:.2f} MB, {seconds:.1f}s")
     arrays = {f"p{i:04d}": np.asarray(x) for i, x in enumerate(leaves)}
-    tmp = os.path.join(directory, f".{PARAMS}.tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, os.path.join(directory, PARAMS))
-    _write(os.path.join(directory, TOKENIZER), tokenizer_proto)
+    with atomic_write(os.path.join(directory, PARAMS)) as f:
+        np.savez(f, **arrays)
+    atomic_write_bytes(os.path.join(directory, TOKENIZER), tokenizer_proto)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     metadata = {
         "format_version": FORMAT_VERSION,
@@ -118,7 +120,7 @@ def export_translator(
         "program_bytes": {str(w): n for w, n in shapes.items()},
         "inputs": "flat params (params.npz p0000..), src int32 [b, W] (0 pad, EOS-terminated)",
         "outputs": "tokens int32 [b, n_best, L] (EOS-terminated, 0 after), scores f32 [b, n_best]",
-        "output_length": {str(w): min(w + 50, max_len) for w in widths},
+        "output_length": {str(w): min(w + EXTRA_DECODE_LEN, max_len) for w in widths},
         "num_params": len(leaves),
         "param_paths": paths,
         "model": dataclasses.asdict(model.config),
@@ -127,25 +129,27 @@ def export_translator(
         "jax_version": jax.__version__,
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    _write(os.path.join(directory, METADATA), json.dumps(metadata, indent=2).encode())
+    atomic_write_bytes(os.path.join(directory, METADATA), json.dumps(metadata, indent=2).encode())
     return metadata
 
 
-def _write(path: str, data: bytes) -> None:
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-
-
 class ExportedTranslator:
-    """An exported directory, ready to translate (programs are loaded on first use)."""
+    """An exported directory as a `Translator` (its programs are loaded on first use).
 
-    def __init__(self, directory: str, metadata: dict, params: list[np.ndarray]):
+    Beam size, alpha, n_best and the longest source are the export's (its metadata).
+    """
+
+    def __init__(
+        self, directory: str, metadata: dict, params: list[np.ndarray], batch_tokens: int = 4096
+    ):
         self.directory, self.metadata, self.params = directory, metadata, params
+        self.batch_tokens = batch_tokens
+        self.max_len, self.n_best = metadata["max_len"], metadata["n_best"]
+        self.beam_size, self.alpha = metadata["beam_size"], metadata["alpha"]
         self._programs: dict[int, jax.export.Exported] = {}
 
     @classmethod
-    def load(cls, directory: str) -> ExportedTranslator:
+    def load(cls, directory: str, batch_tokens: int = 4096) -> ExportedTranslator:
         """Read metadata.json and params.npz (ValueError with the fix if they are missing)."""
         path = os.path.join(directory, METADATA)
         if not os.path.isfile(path):
@@ -159,7 +163,7 @@ class ExportedTranslator:
             raise ValueError(f"{path}: format version {metadata.get('format_version')} unknown")
         with np.load(os.path.join(directory, PARAMS)) as npz:
             params = [npz[f"p{i:04d}"] for i in range(metadata["num_params"])]
-        return cls(directory, metadata, params)
+        return cls(directory, metadata, params, batch_tokens)
 
     @property
     def tokenizer_path(self) -> str:
@@ -172,18 +176,14 @@ class ExportedTranslator:
                 self._programs[width] = jax.export.deserialize(bytearray(f.read()))
         return self._programs[width].call(self.params, src)
 
-    def translate_ids(
-        self,
-        sources: Sequence[Sequence[int]],
-        *,
-        batch_tokens: int = 4096,
-        progress: Callable[[int, int], None] | None = None,
+    def translate(
+        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
     ) -> list[list[Hypothesis]]:
-        """As `training.translate.translate_ids` with the exported beam, alpha and n_best."""
+        """As `inference.translate.translate_ids` with the exported beam, alpha and n_best."""
         return run_batches(
             self._search,
             sources,
-            max_len=self.metadata["max_len"],
-            batch_tokens=batch_tokens,
+            max_len=self.max_len,
+            batch_tokens=self.batch_tokens,
             progress=progress,
         )

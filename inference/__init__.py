@@ -1,0 +1,14 @@
+"""Translating with a trained model: decode.py's library, and the in-loop evaluation's.
+
+    translate.py   token ids -> hypotheses: the Translator interface, the live model's
+                   (`LiveTranslator`, `translate_ids`) and the batching every backend shares
+    lines.py       lines of text <-> segments of ids <-> per-line hypotheses; read, write, BLEU
+    alignment.py   word alignments from cross-attention
+    plots.py       cross-attention heatmaps
+    export.py      a self-contained StableHLO translator (`ExportedTranslator`)
+    restore.py     a trained model back from a training workdir (the one import of training/)
+    options.py     `DecodeOptions`, decode.py's settings, and their checks
+    run.py         decode.py's command: `run(options)`
+
+Nothing is imported here, so that importing one module loads only what it needs.
+"""

@@ -1,0 +1,173 @@
+"""Lines of text in, lines of translations out: reading, writing, and what a line becomes.
+
+    lines, bad = read_lines("test.de")                      # split on '\\n' only
+    segments, line_tokens, num_long = encode_lines(tokenizer, lines, 256, split=False)
+    done = translate_segments(translator, tokenizer, segments, line_tokens)
+    write_lines("test.en", format_lines(done.hypotheses, "text"))
+
+Each step is a function of its inputs alone, so a driver that reads and writes a
+file in chunks calls them once per chunk. A line is encoded into one segment
+(ids + EOS), or into several when it is longer than `max_length` and `split` is
+asked for (else it is truncated); its translation joins its segments' ones.
+Bad input never shifts lines: an empty or whitespace-only line gives no
+hypotheses (an empty text line, or an object with an empty list in jsonl).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from data.files import atomic_write
+from inference.translate import Hypothesis, Progress, Translator
+from model import EOS_ID
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A piece of one input line, as translated: ids [*line tokens[start:...], EOS]."""
+
+    line: int  # index of its line
+    start: int  # index in the line's tokens of its first token
+    ids: list[int]
+
+
+@dataclasses.dataclass
+class Translated:
+    """Lines translated: per line its hypotheses (dicts: text, score, tokens), best first,
+    and what they came from (for alignments and plots)."""
+
+    hypotheses: list[list[dict[str, Any]]]
+    segments: list[Segment]
+    search: list[list[Hypothesis]]  # per segment
+    line_tokens: list[list[int]]  # per line, its (possibly truncated) token ids
+
+
+def read_lines(path: str) -> tuple[list[str], int]:
+    """Lines of `path` ('-' = stdin) split on '\\n' only, and how many had invalid UTF-8.
+
+    str.splitlines would also split on \\x0b, \\x1c, U+2028, ... and shift lines.
+    Raises OSError if the file cannot be read.
+    """
+    if path == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()  # the newline that ends the last line starts no new line
+    lines, bad = [], 0
+    for b in raw:
+        try:
+            line = b.decode("utf-8")
+        except UnicodeDecodeError:
+            line, bad = b.decode("utf-8", errors="replace"), bad + 1
+        lines.append(line.removesuffix("\r"))
+    return lines, bad
+
+
+def write_lines(path: str, lines: Sequence[str]) -> None:
+    """One line each ('-' = stdout); a file is replaced only once it is complete.
+
+    Raises OSError if the file cannot be written.
+    """
+    text = "".join(line.replace("\n", " ") + "\n" for line in lines)
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    with atomic_write(path, "w") as f:
+        f.write(text)
+
+
+def encode_lines(
+    tokenizer: Any, lines: Sequence[str], max_length: int, split: bool
+) -> tuple[list[Segment], list[list[int]], int]:
+    """(segments to translate, each line's token ids, the number of long lines).
+
+    A line of more than max_length - 1 tokens is truncated to them, or with
+    `split` cut into segments of at most that many.
+    """
+    per_line = tokenizer.encode_batch([line.strip() for line in lines])
+    segments, long = [], 0
+    for i, ids in enumerate(per_line):
+        if len(ids) + 1 > max_length:
+            long += 1
+            if not split:
+                ids = per_line[i] = ids[: max_length - 1]
+        for start in range(0, len(ids), max_length - 1):
+            segments.append(Segment(i, start, [*ids[start : start + max_length - 1], EOS_ID]))
+    return segments, per_line, long
+
+
+def line_hypotheses(
+    tokenizer: Any, segments: Sequence[Segment], search: Sequence[list[Hypothesis]], num_lines: int
+) -> list[list[dict[str, Any]]]:
+    """Per line, its hypotheses as dicts (text, score, tokens), best first.
+
+    A line cut into several segments has as many hypotheses as its segment with
+    the fewest; hypothesis k joins the segments' k-th ones (texts with a space,
+    tokens end to end, scores added up).
+    """
+    parts: list[list[list[Hypothesis]]] = [[] for _ in range(num_lines)]
+    for segment, hyps in zip(segments, search, strict=True):
+        parts[segment.line].append(hyps)
+    out = []
+    for segs in parts:
+        ranks = min((len(h) for h in segs), default=0)
+        line = []
+        for k in range(ranks):
+            hs = [h[k] for h in segs]
+            line.append(
+                {
+                    "text": " ".join(tokenizer.decode(h.tokens) for h in hs),
+                    "score": sum(h.score for h in hs),
+                    "tokens": [t for h in hs for t in h.tokens],
+                }
+            )
+        out.append(line)
+    return out
+
+
+def translate_segments(
+    translator: Translator,
+    tokenizer: Any,
+    segments: Sequence[Segment],
+    line_tokens: list[list[int]],
+    progress: Progress | None = None,
+) -> Translated:
+    """Translate the segments of `encode_lines`; `progress(sentences, tokens)` per batch."""
+    search = translator.translate([s.ids for s in segments], progress)
+    hypotheses = line_hypotheses(tokenizer, segments, search, len(line_tokens))
+    return Translated(hypotheses, list(segments), search, line_tokens)
+
+
+def format_lines(hypotheses: Sequence[list[dict[str, Any]]], output_format: str) -> list[str]:
+    """What is printed per line: the best text ("text"), or all hypotheses ("jsonl")."""
+    if output_format == "jsonl":
+        return [json.dumps({"hypotheses": line}, ensure_ascii=False) for line in hypotheses]
+    return best_texts(hypotheses)
+
+
+def best_texts(hypotheses: Sequence[list[dict[str, Any]]]) -> list[str]:
+    """Each line's best translation ('' for a line without hypotheses)."""
+    return [line[0]["text"] if line else "" for line in hypotheses]
+
+
+def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
+    """Corpus BLEU and chrF from sacreBLEU, with their signatures."""
+    import sacrebleu
+
+    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+    b = bleu.corpus_score(list(hyps), [list(refs)])
+    c = chrf.corpus_score(list(hyps), [list(refs)])
+    return {
+        "bleu": b.score,
+        "chrf": c.score,
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+    }

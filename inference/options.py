@@ -1,0 +1,92 @@
+"""What decode.py is asked to do: one typed, frozen options object, and its checks.
+
+    options = DecodeOptions(workdir="workdir/tiny", input="test.de", n_best=4,
+                            output_format="jsonl")
+    options.check()          # UsageError for combinations that cannot work
+    inference.run.run(options)
+
+decode.py fills it from its flags (a setting left at its default is None where
+"not given" matters: an exported translator has its own beam, alpha and n_best).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+
+LONG_LINES = ("truncate", "split")
+OUTPUT_FORMATS = ("text", "jsonl")
+SPLITS = ("train", "dev", "test")
+
+
+class UsageError(Exception):
+    """Something the user can fix; decode.py prints it as one line and exits with 1."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """Every setting of decode.py (its flags; docs/decoding.md says what each does)."""
+
+    workdir: str | None = None  # a training workdir: config.json, checkpoints/, tokenizer.model
+    exported: str | None = None  # or an exported translator's directory
+    input: str = "-"  # '-' = stdin
+    output: str = "-"  # '-' = stdout; a file is written atomically
+    reference: str | None = None  # print BLEU and chrF against it
+    split: str | None = None  # translate and score this split of the workdir's dataset
+    beam_size: int | None = None  # None: 4, or the export's
+    alpha: float | None = None  # None: 0.6, or the export's
+    n_best: int | None = None  # None: 1, or the export's
+    checkpoint_step: int | None = None  # None: the newest checkpoint
+    average_last: int = 1  # average the parameters of the last N checkpoints
+    batch_tokens: int = 4096  # padded source tokens per batch
+    max_length: int | None = None  # longest source in tokens with EOS (None: the model's)
+    long_lines: str = "truncate"  # or "split" into segments of max_length
+    output_format: str = "text"  # or "jsonl": n-best texts, scores, tokens
+    alignment: bool = False  # jsonl: add word alignments
+    plot_attention: str | None = None  # write cross-attention PNGs into this directory
+    num_plots: int = 4
+    export: str | None = None  # write a self-contained translator into this directory
+    export_platforms: tuple[str, ...] = ()  # backends to lower for (default: this one)
+
+    @property
+    def search(self) -> tuple[int, float, int]:
+        """(beam_size, alpha, n_best), defaults filled in."""
+        beam = DEFAULT_BEAM_SIZE if self.beam_size is None else self.beam_size
+        alpha = DEFAULT_ALPHA if self.alpha is None else self.alpha
+        return beam, alpha, 1 if self.n_best is None else self.n_best
+
+    def check(self) -> None:
+        """Combinations that cannot work, before anything slow happens (UsageError)."""
+        if self.exported and (self.workdir or self.export):
+            raise UsageError("--exported translates on its own: drop --workdir and --export")
+        if not self.exported and not self.workdir:
+            raise UsageError("--workdir is required (the directory train.py wrote), or --exported")
+        beam_size, alpha, n_best = self.search
+        if beam_size < 1 or alpha < 0 or self.batch_tokens < 1:
+            raise UsageError("need --beam_size >= 1, --alpha >= 0 and --batch_tokens >= 1")
+        if not 1 <= n_best <= beam_size:
+            raise UsageError(f"--n_best must be in [1, --beam_size={beam_size}]")
+        if self.output_format == "text" and n_best > 1 and not self.export:
+            raise UsageError(
+                "--n_best > 1 needs --output_format=jsonl (text is the best translation)"
+            )
+        if self.alignment and self.output_format != "jsonl":
+            raise UsageError("--alignment needs --output_format=jsonl")
+        needs_model = ["alignment", "plot_attention", "split", "checkpoint_step"]
+        used = [f"--{n}" for n in needs_model if getattr(self, n)]
+        used += ["--average_last"] if self.average_last != 1 else []
+        if self.exported and used:
+            raise UsageError(f"{', '.join(used)} need the trained model: use --workdir")
+        if self.split and (self.input != "-" or self.reference):
+            raise UsageError("--split replaces --input and --reference; give one or the other")
+        self._check_choices()
+
+    def _check_choices(self) -> None:
+        for name, allowed in (
+            ("long_lines", LONG_LINES),
+            ("output_format", OUTPUT_FORMATS),
+            ("split", (None, *SPLITS)),
+        ):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")

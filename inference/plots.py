@@ -1,0 +1,76 @@
+"""Cross-attention heatmaps: one PNG per sentence, a panel per decoder layer.
+
+paths = plot_lines(model, tokenizer, translated, "pictures/", count=4)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from inference.lines import Translated
+from model import BOS_ID, EOS_ID, Transformer
+
+
+def plot_attention(
+    model: Transformer,
+    tokenizer: Any,
+    sources: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    directory: str,
+) -> list[str]:
+    """One PNG per (source ids with EOS, output ids) pair: cross-attention, mean over heads.
+
+    Returns the paths written (DIRECTORY/attention_000.png, ...).
+    """
+    import jax.numpy as jnp
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for n, (src, out) in enumerate(zip(sources, outputs, strict=True)):
+        tgt = [*out, EOS_ID]
+        tgt_in = jnp.asarray([[BOS_ID, *tgt[:-1]]], jnp.int32)  # row t predicts tgt[t]
+        weights = model.cross_attention_weights(jnp.asarray([src], jnp.int32), tgt_in)
+        weights = np.asarray(weights[:, 0].mean(axis=1))  # [L_dec, 1, N, T, S] -> [L_dec, T, S]
+        src_pieces = [tokenizer.id_to_piece(t) for t in src]
+        tgt_pieces = [tokenizer.id_to_piece(t) for t in tgt]
+        layers = weights.shape[0]
+        size = (max(4, 0.35 * len(src)) * layers, max(3, 0.35 * len(tgt)) + 1)
+        fig, axes = plt.subplots(1, layers, figsize=size, squeeze=False)
+        for layer, ax in enumerate(axes[0]):
+            ax.imshow(weights[layer], cmap="viridis", vmin=0.0, aspect="auto")
+            ax.set_xticks(range(len(src)), src_pieces, rotation=90, fontsize=8)
+            ax.set_yticks(range(len(tgt)), tgt_pieces, fontsize=8)
+            ax.set_title(f"layer {layer + 1}", fontsize=9)
+            ax.set_xlabel("source")
+        axes[0][0].set_ylabel("output")
+        fig.tight_layout()
+        path = os.path.join(directory, f"attention_{n:03d}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_lines(
+    model: Transformer, tokenizer: Any, translated: Translated, directory: str, count: int
+) -> list[str]:
+    """Plots of the first `count` lines' first segments and their best translations."""
+    firsts: dict[int, int] = {}  # each line's first segment
+    for n, segment in enumerate(translated.segments):
+        firsts.setdefault(segment.line, n)
+    chosen = [n for _, n in sorted(firsts.items())][:count]
+    search = translated.search
+    return plot_attention(
+        model,
+        tokenizer,
+        [translated.segments[n].ids for n in chosen],
+        [search[n][0].tokens if search[n] else [] for n in chosen],
+        directory,
+    )

@@ -1,0 +1,109 @@
+"""A trained model back from a training workdir, for inference: the one door into training/.
+
+    model, config, step = restore_model("workdir/tiny", average_last=5)
+    model, config, step, tokenizer = load_workdir("workdir/tiny")   # decode.py's: UsageError
+
+The workdir's config.json says how to build the model (training/config.py,
+training/steps.py: the code that built it for training), and its checkpoints
+hold the parameters (training/checkpoints.py); only the `params` item is read.
+This module is the only one of inference/ that imports training/, and nothing
+of training/ imports it: the in-loop evaluation, which does import inference/,
+already holds its model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import ml_collections
+from flax import nnx
+
+from data import DataError, Tokenizer
+from data.tokenizer import TOKENIZER_FILENAME
+from inference.options import UsageError
+from model import Transformer
+from training.checkpoints import CHECKPOINT_DIR, Checkpoints
+from training.config import CONFIG_FILE, load_config, model_config
+from training.errors import TrainingError
+from training.steps import build_model
+
+_log = logging.getLogger(__name__)
+
+
+def restore_model(
+    workdir: str, *, step: int | None = None, average_last: int = 1
+) -> tuple[Transformer, ml_collections.ConfigDict, int]:
+    """The trained model of WORKDIR, its config, and the checkpoint step it was loaded from.
+
+    Args:
+      workdir: a training workdir (config.json + checkpoints/).
+      step: the checkpoint to load; None = the newest complete one.
+      average_last: average the parameters of this many checkpoints ending at
+        `step` (paper section 6.1); 1 = no averaging.
+    Raises:
+      TrainingError: no workdir, no config.json, no checkpoint, unknown step, or a
+        checkpoint that cannot be read (see `Checkpoints.restore_params`).
+    """
+    config = load_config(workdir)
+    if average_last < 1:
+        raise TrainingError(f"average_last must be >= 1, got {average_last}")
+    try:
+        model_cfg = model_config(config)  # attention resolved here, once, before tracing
+    except ValueError as e:  # a hand-edited config.json
+        raise TrainingError(f"{workdir}/{CONFIG_FILE}: {e}") from e
+    abstract_model = nnx.eval_shape(lambda: build_model(config, model_cfg))
+    graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
+    )
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        raise TrainingError(f"no complete checkpoint in {directory}; train the model first")
+    with Checkpoints(workdir, create=False) as manager:
+        step, chosen = _choose(manager.all_steps(), step, average_last, directory)
+        params = manager.mean_params(chosen, abstract_params)
+    # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
+    rngs = jax.jit(lambda: nnx.split(build_model(config, model_cfg), nnx.Param, ...)[2])()
+    return nnx.merge(graphdef, params, rngs), config, step
+
+
+def _choose(
+    available: list[int], step: int | None, average_last: int, directory: str
+) -> tuple[int, list[int]]:
+    """(the step asked for, or the newest; the steps whose parameters to average)."""
+    if not available:
+        raise TrainingError(f"no complete checkpoint in {directory}; train the model first")
+    if step is None:
+        step = available[-1]
+    if step not in available:
+        raise TrainingError(f"no checkpoint for step {step} in {directory}; have {available}")
+    chosen = [s for s in available if s <= step][-average_last:]
+    if average_last > 1:
+        what = f"averaged the parameters of {len(chosen)} checkpoint(s), steps {chosen}"
+        if len(chosen) < average_last:
+            _log.warning(
+                f"asked to average the last {average_last} checkpoints up to step {step}, "
+                f"but only {len(chosen)} exist: {what}"
+            )
+        else:
+            _log.info(what)
+    return step, chosen
+
+
+def load_workdir(
+    workdir: str, *, step: int | None = None, average_last: int = 1
+) -> tuple[Transformer, ml_collections.ConfigDict, int, Tokenizer]:
+    """`restore_model` and the workdir's tokenizer, for decode.py: UsageError says what is
+    wrong (a missing workdir, tokenizer, config.json or checkpoint)."""
+    tokenizer_path = os.path.join(workdir, TOKENIZER_FILENAME)
+    if os.path.isdir(workdir) and not os.path.isfile(tokenizer_path):
+        raise UsageError(f"{tokenizer_path} is missing; was {workdir} made by train.py?")
+    try:
+        model, config, step = restore_model(workdir, step=step, average_last=average_last)
+        tokenizer = Tokenizer.load(tokenizer_path)
+    except (TrainingError, DataError) as e:
+        raise UsageError(str(e)) from e
+    return model, config, step, tokenizer
