@@ -5,7 +5,7 @@ Training and the dev loss (token-budget batches in length buckets, or packed row
     buckets = fit_buckets(histogram, rows, count)           # widths fitted to the corpus
     buckets = length_buckets(max_length, widths)            # or given ones (eval: a rule)
     plan = plan_bucketed(None, bucket_of, rows, rng)        # batch j -> (bucket, example indices)
-    plan = plan_packed(src_len, tgt_len, max_length, rows, rng)   # batch j -> rows of examples
+    plan = plan_packed(src_len, tgt_len, max_length, rows, rng)   # data/packing.py
 
 Translation and alignment (batches of a few static shapes, so that a file of any
 size compiles a handful of programs):
@@ -15,7 +15,10 @@ size compiles a handful of programs):
 
 A plan is a pure function of the lengths and the seeded generator, so an
 epoch's batches can be recomputed exactly on resume; it holds a few bytes per
-example (int32 indices), never the tokens. Nothing here talks to other
+example (int32 indices), never the tokens. Both kinds of training plans come
+out piece by piece (`bucket_members`, `data.packing.packed_rows`), so that an
+epoch's plan can be written to disk as it is made and mapped back at a restart
+(data/epoch_plans.py). Nothing here talks to other
 processes: shards that must plan the same number of batches (every process of
 a job) agree on their counts first and pass them in (`min_counts`; for packed
 plans `PackedPlan.with_batches`), as training/input.py does.
@@ -24,7 +27,6 @@ plans `PackedPlan.with_batches`), as training/input.py does.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -32,14 +34,10 @@ import numpy as np
 
 from data.files import DataError
 
-# Open rows considered by the packer for each pair (first fit among the newest).
-_PACK_WINDOW = 16
 # The narrowest bucket, and the step between bucket widths up to 12 steps wide
 # (48 tokens); from there the step doubles whenever the width doubles.
 _MIN_BUCKET = 8
 _BUCKET_STEP = 4
-# Pairs handed to the packer's Python loop at a time (bounds its list memory).
-_PACK_CHUNK = 1 << 20
 
 
 def length_buckets(max_length: int, buckets: Sequence[int] = ()) -> np.ndarray:
@@ -135,13 +133,6 @@ def epoch_rng(seed: int, shuffle_seed: int, epoch: int, stream: int) -> np.rando
     return np.random.default_rng([seed, shuffle_seed, epoch, stream])
 
 
-def _shuffled(n: int, rng: np.random.Generator) -> np.ndarray:
-    """A seeded permutation of range(n), int32 when it fits (half of int64's memory)."""
-    order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
-    rng.shuffle(order)
-    return order
-
-
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
     """An epoch's bucketed batches: batch j is `members[start[j]:stop[j]]` in bucket[j]."""
@@ -181,8 +172,50 @@ def bucket_batches(
     return batched, -(-batched // rows_k)
 
 
+def bucket_members(
+    lengths: np.ndarray | None,
+    bucket_of: np.ndarray,
+    sizes: np.ndarray,
+    rng: np.random.Generator | None,
+) -> Iterator[np.ndarray]:
+    """The batched members of each bucket in turn: the pieces of `BucketPlan.members`.
+
+    Bucket k's pairs (with those carried over from narrower buckets first) are
+    shuffled with `rng` (None: sorted by `lengths`, for eval); its first
+    `sizes[k]` (see `bucket_batches`) are yielded, int32 [sizes[k]], and the
+    rest carry over to bucket k + 1. Memory: one bucket's pairs at a time.
+    """
+    dtype = np.int32 if len(bucket_of) < 2**31 else np.int64
+    carried = np.zeros(0, dtype)
+    for k in range(len(sizes)):
+        m = np.concatenate([carried, np.flatnonzero(bucket_of == k).astype(dtype)])
+        if rng is not None:
+            rng.shuffle(m)
+        else:
+            m = m[np.argsort(lengths[m], kind="stable")]
+        yield m[: sizes[k]]
+        carried = m[sizes[k] :]
+
+
+def bucket_table(
+    members: np.ndarray, sizes: np.ndarray, counts: np.ndarray, rows: Sequence[int]
+) -> BucketPlan:
+    """The batches of `members` (bucket after bucket, `sizes[k]` pairs in bucket k) cut
+    into `counts[k]` batches of `rows[k]` rows per bucket; batches beyond a bucket's
+    pairs are empty (filler batches). Per-batch arrays only: cheap to recompute."""
+    rows_k, sizes = np.asarray(rows, np.int64), np.asarray(sizes, np.int64)
+    counts = np.asarray(counts, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    bucket = np.repeat(np.arange(len(rows_k)), counts)
+    j = np.arange(len(bucket)) - np.repeat(np.cumsum(counts) - counts, counts)
+    size_b, rows_b, off_b = sizes[bucket], rows_k[bucket], offsets[bucket]
+    start = off_b + np.minimum(j * rows_b, size_b)
+    stop = off_b + np.minimum((j + 1) * rows_b, size_b)
+    return BucketPlan(bucket, start, stop, members)
+
+
 def plan_bucketed(
-    lengths: np.ndarray,
+    lengths: np.ndarray | None,
     bucket_of: np.ndarray,
     rows: Sequence[int],
     rng: np.random.Generator | None,
@@ -202,109 +235,15 @@ def plan_bucketed(
     bucket-sized temporary, whatever the corpus size.
     """
     n, num_buckets = len(bucket_of), len(rows)
-    rows_k = np.asarray(rows, np.int64)
     sizes, counts = bucket_batches(np.bincount(bucket_of, minlength=num_buckets), rows, carry_over)
     members = np.empty(n, np.int32 if n < 2**31 else np.int64)
-    carried, pos = members[:0], 0
-    for k in range(num_buckets):
-        m = np.concatenate([carried, np.flatnonzero(bucket_of == k).astype(members.dtype)])
-        if rng is not None:
-            rng.shuffle(m)
-        else:
-            m = m[np.argsort(lengths[m], kind="stable")]
-        members[pos : pos + sizes[k]] = m[: sizes[k]]
-        carried, pos = m[sizes[k] :], pos + sizes[k]
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    pos = 0
+    for m in bucket_members(lengths, bucket_of, sizes, rng):
+        members[pos : pos + len(m)] = m
+        pos += len(m)
     if min_counts is not None:
         counts = np.maximum(counts, min_counts)
-    bucket = np.repeat(np.arange(len(rows_k)), counts)
-    j = np.arange(len(bucket)) - np.repeat(np.cumsum(counts) - counts, counts)
-    size_b, rows_b, off_b = sizes[bucket], rows_k[bucket], offsets[bucket]
-    start = off_b + np.minimum(j * rows_b, size_b)
-    stop = off_b + np.minimum((j + 1) * rows_b, size_b)
-    return BucketPlan(bucket, start, stop, members)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedPlan:
-    """An epoch's packed batches: batch j holds rows j*rows_per_batch, ...; row r holds
-    the examples `members[row_start[r]:row_start[r + 1]]`."""
-
-    members: np.ndarray  # local example indices, row after row
-    row_start: np.ndarray  # int64 [num_rows + 1]
-    rows_per_batch: int
-    num_batches: int
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def with_batches(self, num_batches: int) -> PackedPlan:
-        """This plan with `num_batches` batches (at least its own), the extra ones empty:
-        the count the shards of one global batch agreed on."""
-        return dataclasses.replace(self, num_batches=max(self.num_batches, int(num_batches)))
-
-    def __getitem__(self, j: int) -> list[list[int]]:
-        """Batch j's rows, each a list of local example indices (fewer rows at the end)."""
-        num_rows = len(self.row_start) - 1
-        first, last = j * self.rows_per_batch, min((j + 1) * self.rows_per_batch, num_rows)
-        rs = self.row_start
-        return [self.members[rs[r] : rs[r + 1]].tolist() for r in range(first, last)]
-
-
-def _first_fit(src_len: list[int], tgt_len: list[int], length: int, state: list[Any]) -> list[int]:
-    """Row id of each pair, first fit among the newest _PACK_WINDOW open rows.
-
-    `state` = [open rows' used source tokens, used target tokens, ids, rows so
-    far] carries over between chunks. A plain loop: each pair depends on where
-    the ones before it went.
-    """
-    used_s, used_t, ids, num_rows = state
-    out = [0] * len(src_len)
-    for k, (ls, lt) in enumerate(zip(src_len, tgt_len, strict=True)):
-        for w in range(len(ids)):
-            if used_s[w] + ls <= length and used_t[w] + lt <= length:
-                used_s[w] += ls
-                used_t[w] += lt
-                out[k] = ids[w]
-                break
-        else:
-            used_s.append(ls)
-            used_t.append(lt)
-            ids.append(num_rows)
-            out[k] = num_rows
-            num_rows += 1
-            if len(ids) > _PACK_WINDOW:
-                del used_s[0], used_t[0], ids[0]
-    state[3] = num_rows
-    return out
-
-
-def plan_packed(
-    src_len: np.ndarray,
-    tgt_len: np.ndarray,
-    length: int,
-    rows: int,
-    rng: np.random.Generator,
-) -> PackedPlan:
-    """Packs shuffled examples into rows of `length` tokens per side.
-
-    `src_len`/`tgt_len` include EOS. First fit among the newest open rows keeps
-    it linear in the corpus size while filling rows well (~2 µs per pair).
-    """
-    order = _shuffled(len(src_len), rng)
-    row_of = np.empty(len(order), np.int32)
-    state: list[Any] = [[], [], [], 0]
-    for lo in range(0, len(order), _PACK_CHUNK):
-        idx = order[lo : lo + _PACK_CHUNK]
-        row_of[lo : lo + len(idx)] = _first_fit(
-            src_len[idx].tolist(), tgt_len[idx].tolist(), length, state
-        )
-    num_rows = state[3]
-    # Group by row, keeping each row's pairs in the order they were placed.
-    members = order[np.argsort(row_of, kind="stable")]
-    row_start = np.zeros(num_rows + 1, np.int64)
-    np.cumsum(np.bincount(row_of, minlength=num_rows), out=row_start[1:])
-    return PackedPlan(members, row_start, rows, math.ceil(num_rows / rows))
+    return bucket_table(members, sizes, counts, rows)
 
 
 # --- Static shapes for inference ---------------------------------------------------------

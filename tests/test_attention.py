@@ -161,7 +161,7 @@ def pipeline_batch() -> dict[str, np.ndarray]:
     every side), which the pipeline emits to give every process the same number of
     batches.
     """
-    from data.pipeline import assemble_bucketed
+    from data.batches import assemble_bucketed
     from data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(0)

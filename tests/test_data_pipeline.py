@@ -414,14 +414,14 @@ def reference_first_fit(order, src_len, tgt_len, length, window=16):
 
 
 def test_packed_plan_equals_the_reference_first_fit(monkeypatch):
-    from data import plans
+    from data import packing
 
     rng = np.random.default_rng(0)
     src_len = rng.integers(1, 33, 5000)
     tgt_len = rng.integers(1, 33, 5000)
-    monkeypatch.setattr(plans, "_PACK_CHUNK", 777)  # the packer's state crosses chunks
-    plan = plans.plan_packed(src_len, tgt_len, 32, 8, np.random.default_rng(5))
-    order = plans._shuffled(5000, np.random.default_rng(5))
+    monkeypatch.setattr(packing, "_PACK_CHUNK", 777)  # the packer's state crosses chunks
+    plan = packing.plan_packed(src_len, tgt_len, 32, 8, np.random.default_rng(5))
+    order = packing.shuffled(5000, np.random.default_rng(5))
     rows = reference_first_fit(order, src_len, tgt_len, 32)
     assert [r for j in range(len(plan)) for r in plan[j]] == rows
     assert len(plan) == -(-len(rows) // 8)

@@ -224,7 +224,7 @@ def _synthetic_batches(num: int, rows: int = 16, length: int = 16, vocab: int = 
     """A copy task laid out by data.pipeline: ragged rows of 0..15 Zipf-distributed ids
     before EOS/BOS (odd lengths, length 1 included), two all-padding filler rows each.
     Learnable enough that 20 steps move the loss, so the two runs are compared in motion."""
-    from data.pipeline import assemble_bucketed
+    from data.batches import assemble_bucketed
     from data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(0)
