@@ -11,6 +11,8 @@ shard, format version), named `CORPUS-KEYHASH-sIIIIIofNNNNN`:
     src_len.bin, tgt_len.bin       int16 lengths (EOS not included; long_pairs applied)
     index.bin                      int64 position of each pair in the corpus
     manifest.json                  the key, counts and dtypes; written last
+    plans/                         epoch plans, added when they are first made
+                                   (data/epoch_plans.py; not part of the build)
 
 Plain little-endian arrays, so `np.memmap` maps them with no parsing and no
 copy, and the batch plans read only the two length arrays. The build streams
@@ -292,7 +294,7 @@ def open_shard(directory: str, key: dict[str, Any]) -> TokenizedCorpus | None:
         arrays[field] = (
             np.memmap(path, dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
         )
-    return TokenizedCorpus(**arrays, num_dropped=manifest["dropped"])
+    return TokenizedCorpus(**arrays, num_dropped=manifest["dropped"], directory=directory)
 
 
 # --- The cache ---------------------------------------------------------------------------------

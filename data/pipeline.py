@@ -4,9 +4,12 @@ Each process's shard of the corpus is tokenized once into flat arrays,
 memory-mapped from a cache on disk (data/cache.py; built on the first run).
 Each epoch then has a *batch plan*, computed from the length arrays alone: a
 seeded shuffle of the examples, cut into batches by token budget within a
-fixed set of length buckets (or packed into rows of `max_length`). A batch is
-assembled from the flat arrays by index arithmetic, so the pipeline is cheap
-and its state is just `(epoch, position in the epoch's plan)`.
+fixed set of length buckets (or packed into rows of `max_length`). It is made
+when the epoch's first batch is asked for, stored beside the cache and mapped
+back at later starts (data/epoch_plans.py), and the next epoch's is prepared
+halfway through this one. A batch is assembled from the flat arrays by index
+arithmetic (data/batches.py), so the pipeline is cheap and its state is just
+`(epoch, position in the epoch's plan)`.
 
 Batch format (all np.int32; 0 is padding everywhere):
     src      [B, S]  source ids + EOS
@@ -28,18 +31,19 @@ import numpy as np
 
 from data.batches import assemble_bucketed, assemble_packed
 from data.cache import ShardSpec, tokenized_shard
+from data.epoch_plans import EpochPlans, PlanSpec
 from data.files import DataError
-from data.packing import plan_packed
 from data.plans import (
     bucket_batches,
     bucket_of,
+    bucket_table,
     epoch_rng,
     fit_buckets,
     length_buckets,
     plan_bucketed,
     rows_per_batch,
 )
-from data.tokenized import TokenizedCorpus, apply_long_pairs
+from data.tokenized import TokenizedCorpus, apply_long_pairs, effective_lengths, length_chunks
 from data.tokenizer import Tokenizer
 
 # grain is imported where it is used, and JAX never: the cache's worker processes
@@ -61,32 +65,10 @@ def _check_shard(shard: int, num_shards: int) -> tuple[int, int]:
     return int(shard), int(num_shards)
 
 
-def _effective_lengths(
-    tc: TokenizedCorpus, max_length: int, lo: int = 0, hi: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-side lengths with EOS, capped at max_length (truncation), of pairs lo..hi-1.
-
-    A cached shard's lengths are read from its files rather than through the
-    map, so that a pass over them leaves no mapped pages behind.
-    """
-    hi = len(tc) if hi is None else hi
-
-    def read(a: np.ndarray) -> np.ndarray:
-        if isinstance(a, np.memmap) and hi > lo:
-            offset = a.offset + lo * a.itemsize
-            a = np.fromfile(a.filename, a.dtype, count=hi - lo, offset=offset)
-        else:
-            a = np.asarray(a[lo:hi])
-        return np.minimum(a + 1, max_length)
-
-    return read(tc.src_len), read(tc.tgt_len)
-
-
-def length_histogram(tc: TokenizedCorpus, max_length: int, chunk: int = 1 << 22) -> np.ndarray:
+def length_histogram(tc: TokenizedCorpus, max_length: int) -> np.ndarray:
     """[max_length + 1] int64: how many pairs have a longer side (with EOS) of each length."""
     out = np.zeros(max_length + 1, np.int64)
-    for lo in range(0, len(tc), chunk):
-        src, tgt = _effective_lengths(tc, max_length, lo, lo + chunk)
+    for _, src, tgt in length_chunks(tc, max_length):
         out += np.bincount(np.maximum(src, tgt), minlength=max_length + 1)
     return out
 
@@ -115,18 +97,16 @@ def train_shard(
     )
 
 
-def _buckets_and_tokens(
-    tc: TokenizedCorpus, max_length: int, buckets: np.ndarray, chunk: int = 1 << 22
+def _bucket_sizes_and_tokens(
+    tc: TokenizedCorpus, max_length: int, buckets: np.ndarray
 ) -> tuple[np.ndarray, int]:
-    """(bucket of each pair [n] uint8, source + target tokens with EOS), in chunks: all a
-    bucketed plan needs, at 1 byte per pair."""
-    out = np.empty(len(tc), np.min_scalar_type(len(buckets)))
-    tokens = 0
-    for lo in range(0, len(tc), chunk):
-        src, tgt = _effective_lengths(tc, max_length, lo, lo + chunk)
-        out[lo : lo + len(src)] = bucket_of(buckets, np.maximum(src, tgt))
+    """(pairs in each bucket [K] int64, source + target tokens with EOS), in one pass over
+    the lengths in chunks: what an epoch's batch counts and padding follow from."""
+    sizes, tokens = np.zeros(len(buckets), np.int64), 0
+    for _, src, tgt in length_chunks(tc, max_length):
+        sizes += np.bincount(bucket_of(buckets, np.maximum(src, tgt)), minlength=len(buckets))
         tokens += int(src.sum(dtype=np.int64) + tgt.sum(dtype=np.int64))
-    return out, tokens
+    return sizes, tokens
 
 
 class TrainIterator:
@@ -153,7 +133,9 @@ class TrainIterator:
     ):
         """Shard `shard` of `num_shards`: corpus indices shard, shard + num_shards, ...
 
-        `cache_dir`: where the tokenized shard is cached (None = tokenize in memory).
+        `cache_dir`: where the tokenized shard is cached (None = tokenize in memory);
+        its epoch plans are stored beside it (a `tokenized` shard mapped from the
+        cache has its directory too).
         `tokenized` skips tokenization (e.g. bench/train.py's synthetic corpus);
         `config.long_pairs` is still applied to it. `widths`: the bucket widths
         (e.g. fitted to every shard's lengths); None = config.length_buckets, else
@@ -173,29 +155,42 @@ class TrainIterator:
         if len(self._tc) == 0:
             raise DataError("no training pairs left after dropping pairs longer than max_length")
         self.budget = int(config.batch_tokens) // self.num_shards
-        # What the epoch plans need, and no more: per-side lengths to pack, buckets otherwise.
+        # What an epoch's batch counts and padding follow from, in one pass over the lengths
+        # (the plans read them again when they are made, not at a restart that maps them).
         if self.packing:
             self.buckets = np.array([self.max_length], np.int64)
-            self.src_len, self.tgt_len = _effective_lengths(self._tc, self.max_length)
-            self._tokens = int(self.src_len.sum(dtype=np.int64) + self.tgt_len.sum(dtype=np.int64))
         else:
             self.buckets = self._widths(config, batch_multiple, widths)
-            self._bucket_of, self._tokens = _buckets_and_tokens(
-                self._tc, self.max_length, self.buckets
-            )
+        self._bucket_sizes, self._tokens = _bucket_sizes_and_tokens(
+            self._tc, self.max_length, self.buckets
+        )
         self.rows = [rows_per_batch(self.budget, int(b), batch_multiple) for b in self.buckets]
+        spec = PlanSpec(
+            self.packing,
+            self.seed,
+            self.shuffle_seed,
+            self.max_length,
+            tuple(self.rows),
+            tuple(int(b) for b in self.buckets),
+        )
+        self._plans = EpochPlans(self._tc, spec)
         self.epoch, self.position = 0, 0
         self._real_tokens = self._slots = 0
         self._min_counts = None
         if agree is not None and not self.packing:  # bucketed counts are the same every epoch
             self._min_counts = agree(self.bucket_batch_counts())
-        self._load_epoch(0)
+        # An epoch is planned when its first batch is asked for (a restart goes straight
+        # to the saved epoch), and the next one is prepared halfway through.
+        self._epoch_ds: Any = None
         _log.info(
             f"shard {self.shard}/{self.num_shards}: {self.num_examples:,} pairs "
             f"({self.num_dropped:,} longer than max_length dropped), "
-            f"{self.batches_per_epoch:,} batches/epoch in {len(self.shapes)} shape(s), "
-            f"padding {self.planned_padding_fraction:.1%} of the batch slots"
-            + ("" if self.packing else f"; widths {','.join(map(str, self.buckets))}")
+            + (
+                f"packed into rows of {self.max_length} tokens"
+                if self.packing
+                else f"{sum(self._counts()):,} batches/epoch in {len(self.shapes)} shape(s); "
+                f"widths {','.join(map(str, self.buckets))}"
+            )
         )
 
     def _widths(self, config: Any, batch_multiple: int, widths: Any) -> np.ndarray:
@@ -208,32 +203,30 @@ class TrainIterator:
         histogram = length_histogram(self._tc, self.max_length)
         return fit_widths(config, histogram, self.budget, batch_multiple, self.num_shards)
 
+    def _counts(self) -> np.ndarray:
+        """Batches of each bucket in every epoch (bucketed): this shard's, or those agreed on."""
+        counts = self.bucket_batch_counts()
+        return counts if self._min_counts is None else np.maximum(counts, self._min_counts)
+
     # The epoch's batches as a grain MapDataset: random access by position.
     def _load_epoch(self, epoch: int) -> None:
         import grain
 
-        rng = epoch_rng(self.seed, self.shuffle_seed, epoch, 0)
+        plan: Any = self._plans.get(epoch)
         if self.packing:
-            plan: Any = plan_packed(self.src_len, self.tgt_len, self.max_length, self.rows[0], rng)
             if self._agree is not None:  # packed batch counts differ from epoch to epoch
                 plan = plan.with_batches(int(self._agree(np.array([len(plan)], np.int64))[0]))
             make = lambda j: assemble_packed(self._tc, plan[j], self.rows[0], self.max_length)
             slots = len(plan) * self.rows[0] * self.max_length
         else:
-            plan = plan_bucketed(
-                None,
-                self._bucket_of,
-                self.rows,
-                rng,
-                carry_over=True,
-                min_counts=self._min_counts,
-            )
+            sizes = bucket_batches(self._bucket_sizes, self.rows, carry_over=True)[0]
+            plan = bucket_table(plan, sizes, self._counts(), self.rows)
             rows, widths = np.asarray(self.rows), self.buckets
             make = lambda j: assemble_bucketed(
                 self._tc, plan[j][1], int(rows[plan.bucket[j]]), int(widths[plan.bucket[j]])
             )
             slots = int((rows[plan.bucket] * widths[plan.bucket]).sum())
-        self.planned_padding_fraction = 1.0 - self._tokens / max(2 * slots, 1)
+        self._planned_padding = 1.0 - self._tokens / max(2 * slots, 1)
         # The plan is in bucket order; shuffle the batches (same seed on every
         # shard, and the same number of batches, so shapes agree across hosts).
         order_seed = int(epoch_rng(self.seed, self.shuffle_seed, epoch, 1).integers(2**31))
@@ -241,21 +234,31 @@ class TrainIterator:
             grain.MapDataset.source(range(len(plan))).shuffle(seed=order_seed).map(make)
         )
         self.epoch = epoch
+        _log.info(
+            f"shard {self.shard}/{self.num_shards} epoch {epoch}: {len(plan):,} batches, "
+            f"padding {self._planned_padding:.1%} of the batch slots "
+            f"(plan {self._plans.last_source})"
+        )
+
+    def _epoch(self) -> Any:
+        """This epoch's batches, planned (or mapped) if they are not yet."""
+        if self._epoch_ds is None:
+            self._load_epoch(self.epoch)
+        return self._epoch_ds
 
     def bucket_batch_counts(self) -> np.ndarray:
         """Batches of each bucket in an epoch of this shard alone (the same every epoch)."""
-        sizes = np.bincount(self._bucket_of, minlength=len(self.rows))
-        return bucket_batches(sizes, self.rows, carry_over=True)[1]
+        return bucket_batches(self._bucket_sizes, self.rows, carry_over=True)[1]
 
     def share_batch_counts(self, counts: np.ndarray) -> None:
         """Plan at least `counts` batches per bucket from now on (filler batches make up
         the difference): shards read by one process agree as the job's processes do."""
         self._min_counts = np.asarray(counts, np.int64)
-        self._load_epoch(self.epoch)
+        self._epoch_ds = None  # the plan's batches are cut again when next needed
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self._epoch_ds)
+        return len(self._epoch())
 
     @property
     def num_examples(self) -> int:
@@ -273,9 +276,11 @@ class TrainIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        if self.position >= len(self._epoch_ds):
+        if self.position >= len(self._epoch()):
             self._load_epoch(self.epoch + 1)
             self.position = 0
+        if 2 * self.position >= len(self._epoch_ds):  # half of the epoch is behind us
+            self._plans.prefetch(self.epoch + 1)
         batch = self._epoch_ds[self.position]
         self.position += 1
         self._real_tokens += np.count_nonzero(batch["src"]) + np.count_nonzero(batch["tgt_out"])
@@ -300,13 +305,19 @@ class TrainIterator:
                 f"shard has {self.num_examples}: the dataset or its config changed"
             )
         if int(state["epoch"]) != self.epoch:
-            self._load_epoch(int(state["epoch"]))
+            self.epoch, self._epoch_ds = int(state["epoch"]), None  # planned when first needed
         self.position = int(state["position"])
 
     @property
     def padding_fraction(self) -> float:
         """Padding share of the source and target slots of the batches served so far."""
         return float(1.0 - self._real_tokens / self._slots) if self._slots else 0.0
+
+    @property
+    def planned_padding_fraction(self) -> float:
+        """Padding share of the source and target slots of this epoch's plan."""
+        self._epoch()
+        return self._planned_padding
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -348,7 +359,7 @@ def eval_batches(
     max_length = int(config.max_length)
     spec = ShardSpec(shard, num_shards, max_length, "truncate")
     tc = tokenized_shard(corpus, tokenizer, spec, cache_dir=None, workers=1)
-    src_len, tgt_len = _effective_lengths(tc, max_length)
+    src_len, tgt_len = effective_lengths(tc, max_length)
     lengths = np.maximum(src_len, tgt_len)
     buckets = length_buckets(max_length, tuple(config.length_buckets))
     budget = int(batch_tokens or config.batch_tokens) // num_shards

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,9 @@ class TokenizedCorpus:
     tgt_len: np.ndarray
     index: np.ndarray  # int64 [n]
     num_dropped: int = 0  # pairs of the shard left out by long_pairs="drop"
+    # The cache directory the arrays are mapped from (None: in memory); epoch plans
+    # are stored beside them (data/epoch_plans.py).
+    directory: str | None = None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -167,3 +170,36 @@ def apply_long_pairs(tc: TokenizedCorpus, max_length: int, long_pairs: str) -> T
         tc.index[keep],
         num_dropped=tc.num_dropped + len(tc) - len(keep),
     )
+
+
+# --- Lengths, as the batch plans see them ----------------------------------------------
+
+
+def effective_lengths(
+    tc: TokenizedCorpus, max_length: int, lo: int = 0, hi: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-side lengths with EOS, capped at max_length (truncation), of pairs lo..hi-1.
+
+    A cached shard's lengths are read from its files rather than through the
+    map, so that a pass over them leaves no mapped pages behind.
+    """
+    hi = len(tc) if hi is None else hi
+
+    def read(a: np.ndarray) -> np.ndarray:
+        if isinstance(a, np.memmap) and hi > lo:
+            offset = a.offset + lo * a.itemsize
+            a = np.fromfile(a.filename, a.dtype, count=hi - lo, offset=offset)
+        else:
+            a = np.asarray(a[lo:hi])
+        return np.minimum(a + 1, max_length)
+
+    return read(tc.src_len), read(tc.tgt_len)
+
+
+def length_chunks(
+    tc: TokenizedCorpus, max_length: int, chunk: int = 1 << 22
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(first pair, source lengths, target lengths) of `effective_lengths`, `chunk` pairs
+    at a time: a pass over a shard of any size in bounded memory."""
+    for lo in range(0, len(tc), chunk):
+        yield lo, *effective_lengths(tc, max_length, lo, lo + chunk)
