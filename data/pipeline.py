@@ -351,8 +351,10 @@ def eval_batches(
 
     Examples longer than max_length are truncated, never dropped. Batches are
     sorted by length (little padding); the indices ([B] int64, -1 for filler
-    rows) let the caller put results back in corpus order. Dev sets are small:
-    they are tokenized in memory at each call, not cached. `agree`: as for
+    rows) let the caller put results back in corpus order. A bucket's batches
+    hold `batch_tokens` each, except its last, which has only the rows its pairs
+    need (a power of two, `_last_batch_rows`). Dev sets are small: they are
+    tokenized in memory at each call, not cached. `agree`: as for
     `TrainIterator` (every process of a job must run the same eval steps).
     """
     shard, num_shards = _check_shard(shard, num_shards)
@@ -365,12 +367,38 @@ def eval_batches(
     budget = int(batch_tokens or config.batch_tokens) // num_shards
     rows = [rows_per_batch(budget, int(b), batch_multiple) for b in buckets]
     own = bucket_of(buckets, lengths)
-    counts = None
-    if agree is not None:
-        counts = agree(bucket_batches(np.bincount(own, minlength=len(rows)), rows, False)[1])
+    counts, last = _eval_counts(np.bincount(own, minlength=len(rows)), rows, agree)
     plan = plan_bucketed(lengths, own, rows, None, min_counts=counts)
-    for k, members in plan:
-        batch = assemble_bucketed(tc, members, rows[k], int(buckets[k]))
-        index = np.full(rows[k], -1, np.int64)
+    for j, (k, members) in enumerate(plan):
+        num_rows = rows[k]
+        if j + 1 == len(plan) or plan.bucket[j + 1] != k:  # the bucket's last batch
+            num_rows = _last_batch_rows(int(last[k]), rows[k], batch_multiple)
+        batch = assemble_bucketed(tc, members, num_rows, int(buckets[k]))
+        index = np.full(num_rows, -1, np.int64)
         index[: len(members)] = tc.index[members]
         yield batch, index
+
+
+def _eval_counts(
+    sizes: np.ndarray, rows: list[int], agree: AgreeCounts
+) -> tuple[np.ndarray, np.ndarray]:
+    """(batches of each bucket, pairs in its last batch) of the dev loss, agreed on by the
+    shards: the most batches, and the fullest last batch among the shards that have that
+    many (the others' last batch is a filler), in one collective: the max of
+    count * (R + 1) + last orders first by count, then by last."""
+    rows_k = np.asarray(rows, np.int64)
+    counts = bucket_batches(sizes, rows, False)[1]
+    last = np.where(counts > 0, sizes - (counts - 1) * rows_k, 0)
+    if agree is None:
+        return counts, last
+    scale = int(rows_k.max()) + 1
+    agreed = np.asarray(agree(counts * scale + last), np.int64)
+    return agreed // scale, agreed % scale
+
+
+def _last_batch_rows(pairs: int, full: int, multiple: int) -> int:
+    """Rows of a bucket's last dev-loss batch: a power of two that holds `pairs`, rounded up
+    to `multiple`, at most a full batch. A dev set of a few pairs then runs a few small
+    steps (each shape compiles once) instead of full token-budget batches of padding."""
+    pow2 = 1 << (max(pairs, 1) - 1).bit_length()
+    return min(full, -(-pow2 // multiple) * multiple)

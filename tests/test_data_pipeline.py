@@ -239,6 +239,36 @@ def test_eval_batches_every_example_once_in_recoverable_order(num_shards):
     assert sorted(found) == list(range(len(corpus)))
 
 
+def test_eval_batches_of_a_few_pairs_are_small_and_agree_across_shards():
+    """A bucket's last dev batch has the rows its pairs need (a power of two, a multiple
+    of batch_multiple), not a token budget of padding; shards agree on each batch's shape
+    (the fullest last batch among those with the most batches)."""
+    corpus = make_corpus(9, max_words=30)
+    c = config(batch_tokens=4096)
+    shapes = [b["src"].shape for b, _ in eval_batches(c, TOK, corpus, batch_multiple=2)]
+    assert sum(r for r, _ in shapes) <= 2 * 9 and all(r % 2 == 0 for r, _ in shapes)
+    assert max(r for r, _ in shapes) < 4096 // 32
+    corpus = make_corpus(300, max_words=40)
+    c = config(batch_tokens=1024)
+    offers = []  # what each of 3 shards offers to agree on; then the element-wise max
+    for p in range(3):
+        list(
+            eval_batches(
+                c, TOK, corpus, shard=p, num_shards=3, agree=lambda x: offers.append(x) or x
+            )
+        )
+    agreed = np.max(offers, axis=0)
+    runs, seen = [], []
+    for p in range(3):
+        out = list(eval_batches(c, TOK, corpus, shard=p, num_shards=3, agree=lambda x: agreed))
+        runs.append([b["src"].shape for b, _ in out])
+        seen += [int(i) for _, index in out for i in index if i >= 0]
+    assert runs[0] == runs[1] == runs[2]
+    full = {w: 1024 // 3 // w for _, w in runs[0]}
+    assert any(r < full[w] for r, w in runs[0])  # some last batches are cut
+    assert sorted(seen) == list(range(300))
+
+
 def test_shard_batch_single_device():
     import jax
 
