@@ -344,7 +344,7 @@ def _load(spec: str, split: str, config: Any, whole_file: bool) -> Any:
         corpus, _ = read_tsv(os.path.expanduser(spec[len("tsv:") :]))
         if whole_file:
             return corpus
-        # The held-out lines were drawn with `split_tsv` when the file was indexed.
+        # The held-out lines were drawn with `tsv.held_out_lines` when the file was indexed.
         held_out = corpus.index.held_out
         name = f"{corpus.name}/{split}"
         if split == "train":

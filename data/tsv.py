@@ -142,15 +142,20 @@ def _scan_file(path: str, out_dir: str) -> tuple[int, int]:
 # --- Held-out splits ---------------------------------------------------------------------
 
 
-def split_tsv(n: int, eval_size: int = TSV_EVAL_SIZE) -> dict[str, np.ndarray]:
-    """Deterministic train/dev/test line numbers for a TSV file without an eval set."""
+def held_out_lines(n: int, eval_size: int = TSV_EVAL_SIZE) -> dict[str, np.ndarray]:
+    """Deterministic dev/test line numbers (int64, sorted) for a TSV file without an eval set;
+    training is every other line.
+
+    The first 2k of a seeded permutation of range(n), shuffled in int32 (the values
+    of `rng.permutation(n)`, whose draws depend on n alone, at half its memory:
+    144 MB for 36M lines, where int64 and the sorted training lines took 576 MB).
+    """
     k = min(eval_size, n // 20)  # at most 5% per held-out split
-    order = np.random.default_rng(SPLIT_SEED).permutation(n)
-    return {
-        "dev": np.sort(order[:k]),
-        "test": np.sort(order[k : 2 * k]),
-        "train": np.sort(order[2 * k :]),
-    }
+    order = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    np.random.default_rng(SPLIT_SEED).shuffle(order)
+    held = order[: 2 * k].astype(np.int64)
+    del order
+    return {"dev": np.sort(held[:k]), "test": np.sort(held[k:])}
 
 
 # --- The cached index -----------------------------------------------------------------------
@@ -239,9 +244,8 @@ def _valid_index(directory: str, fingerprint: dict[str, Any]) -> LineIndex | Non
 def _write_index(path: str, directory: str, fingerprint: dict[str, Any]) -> dict[str, Any]:
     """Scans `path` into `directory` (offsets, held-out lines, manifest); the manifest."""
     valid, total = _scan_file(path, directory)
-    for split, lines in split_tsv(valid).items():
-        if split != "train":  # train is every other line: nothing to store
-            np.save(os.path.join(directory, f"{split}.npy"), lines)
+    for split, lines in held_out_lines(valid).items():
+        np.save(os.path.join(directory, f"{split}.npy"), lines)
     manifest = {"fingerprint": fingerprint, "num_valid": valid, "num_lines": total}
     files.write_manifest(directory, manifest)
     return manifest

@@ -188,3 +188,17 @@ def test_small_files_are_indexed_in_memory(tmp_path):
     assert not (tmp_path / "cache").exists()
     copy = pickle.loads(pickle.dumps(corpus))
     assert [copy[i] for i in range(len(copy))] == [corpus[i] for i in range(len(corpus))]
+
+
+@pytest.mark.parametrize("n", [0, 19, 20, 1000, 54_321, 3_000_000])
+def test_held_out_lines_are_the_first_of_the_seeded_permutation(n):
+    """Shuffled in int32 to halve the index build's memory: the lines of the int64
+    permutation all the same (its draws depend on n alone)."""
+    from data.tsv import SPLIT_SEED, held_out_lines
+
+    k = min(1000, n // 20)
+    order = np.random.default_rng(SPLIT_SEED).permutation(n)
+    held = held_out_lines(n)
+    np.testing.assert_array_equal(held["dev"], np.sort(order[:k]))
+    np.testing.assert_array_equal(held["test"], np.sort(order[k : 2 * k]))
+    assert held["dev"].dtype == held["test"].dtype == np.int64
