@@ -98,3 +98,79 @@ def _fmt(v) -> str:
             return f"{v:,.0f}"
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
     return str(v)
+
+
+def _children(root: int) -> list[int]:
+    """root and every process below it (from /proc; Linux)."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += kids.get(pid, [])
+    return out
+
+
+def _rss_gb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def run_sampled(
+    cmd: Sequence[str], log_path: str, *, env: dict | None = None, cwd: str | None = None
+) -> dict[str, Any]:
+    """Runs cmd, sampling the RSS of its process tree every 0.1 s (Linux /proc).
+
+    Its stderr goes to `log_path`, each line prefixed with the seconds since the start
+    (for phase timings). Returns wall_s, peak_rss_gb (the largest single process, what
+    /usr/bin/time reports) and peak_tree_rss_gb (all its processes together: the cache
+    build's workers included). Raises RuntimeError if cmd fails.
+    """
+    import subprocess
+    import threading
+
+    peak = {"one": 0.0, "tree": 0.0}
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log, open(log_path + ".stdout", "w+") as out:
+        proc = subprocess.Popen(
+            list(cmd), cwd=cwd, env=env, stdout=out, stderr=subprocess.PIPE, text=True
+        )
+
+        def sample() -> None:
+            while proc.poll() is None:
+                rss = [_rss_gb(p) for p in _children(proc.pid)]
+                peak["one"] = max(peak["one"], max(rss, default=0.0))
+                peak["tree"] = max(peak["tree"], sum(rss))
+                time.sleep(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        for line in proc.stderr or ():
+            log.write(f"{time.perf_counter() - t0:8.2f} {line}")
+            log.flush()
+        proc.wait()
+        sampler.join(1.0)
+        out.seek(0)
+        stdout = out.read()
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed; see {log_path}")
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "peak_rss_gb": peak["one"],
+        "peak_tree_rss_gb": peak["tree"],
+        "stdout": stdout,
+    }
