@@ -315,3 +315,26 @@ def test_a_restart_maps_the_saved_epochs_plan_and_plans_no_other(tmp_path, packe
     plain.set_state(state)
     for b in expected[:5]:
         np.testing.assert_array_equal(next(plain)["src"], b["src"])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_making_a_stored_plan_holds_a_few_bytes_per_pair(tmp_path, packed, monkeypatch):
+    """The plan goes to its file as it is made: the permutation (4 bytes per pair), the
+    lengths to pack (4) or the buckets (1), and chunk-sized temporaries, never the plan
+    or an int64 array over all pairs (numpy reports its arrays to tracemalloc)."""
+    import tracemalloc
+
+    monkeypatch.setattr(packing, "_PACK_CHUNK", 1 << 14)
+    n = 400_000
+    tc = lengths_shard(n, 64, 0, str(tmp_path))
+    widths = (64,) if packed else (8, 16, 24, 32, 40, 48, 56, 64)
+    rows = tuple(1024 // w for w in widths)
+    tracemalloc.start()
+    try:
+        EpochPlans(tc, PlanSpec(packed, 0, 0, 64, rows, widths)).get(0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Before: the permutation, each pair's row (int32), their argsort (int64) and the plan
+    # (4 + 4 + 8 + 4 + 8 per row), ~25 bytes per pair for a packed plan in memory.
+    assert peak < 12.5 * n, peak / n
