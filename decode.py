@@ -63,13 +63,22 @@ flags.DEFINE_string(
     "Persistent XLA compilation cache ('off' = none; default: "
     "$ATTENTION_JAX_COMPILATION_CACHE or ~/.cache/attention-jax/xla).",
 )  # fmt: skip
+flags.DEFINE_integer(
+    "read_lines", 10_000,
+    "Lines per chunk: read, sorted into batches, translated and written before the next. "
+    "An --output file is resumable: run the same command again after a kill.",
+)  # fmt: skip
+flags.DEFINE_boolean("restart", False, "Discard a partial --output of an earlier run.")
+flags.DEFINE_boolean(
+    "dry_run", False, "Read, tokenize, batch and write without the model (lines are copied)."
+)
 
 # Settings an exported translator fixes: None in the options when not given here.
 _SEARCH = ("beam_size", "alpha", "n_best")
 _OPTIONS = (
     "workdir", "exported", "input", "output", "reference", "split", "checkpoint_step",
     "average_last", "batch_tokens", "max_length", "long_lines", "output_format", "alignment",
-    "plot_attention", "num_plots", "export",
+    "plot_attention", "num_plots", "export", "read_lines", "restart", "dry_run",
 )  # fmt: skip
 
 

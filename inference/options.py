@@ -18,6 +18,8 @@ from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 LONG_LINES = ("truncate", "split")
 OUTPUT_FORMATS = ("text", "jsonl")
 SPLITS = ("train", "dev", "test")
+# Lines per chunk of a streamed job (docs/decoding.md: how it was measured).
+DEFAULT_READ_LINES = 10_000
 
 
 class UsageError(Exception):
@@ -48,6 +50,9 @@ class DecodeOptions:
     num_plots: int = 4
     export: str | None = None  # write a self-contained translator into this directory
     export_platforms: tuple[str, ...] = ()  # backends to lower for (default: this one)
+    read_lines: int = DEFAULT_READ_LINES  # lines per chunk: read, translated, written
+    restart: bool = False  # ignore a partial output of an earlier run and start over
+    dry_run: bool = False  # read, tokenize, plan and write without running the model
 
     @property
     def search(self) -> tuple[int, float, int]:
@@ -80,6 +85,10 @@ class DecodeOptions:
             raise UsageError(f"{', '.join(used)} need the trained model: use --workdir")
         if self.split and (self.input != "-" or self.reference):
             raise UsageError("--split replaces --input and --reference; give one or the other")
+        if self.read_lines < 1:
+            raise UsageError(f"--read_lines must be >= 1, got {self.read_lines}")
+        if self.dry_run and (self.alignment or self.plot_attention):
+            raise UsageError("--dry_run runs no model: drop --alignment and --plot_attention")
         self._check_choices()
 
     def _check_choices(self) -> None:
