@@ -42,11 +42,12 @@ from inference.stream import ListReader, Reader, StreamJob, Totals, translate_st
 from inference.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
 from model import Transformer
 
-# Options that are not settings of a job's output: the files (described by their
-# identity instead), --restart itself, and what only --export uses.
+# Options that are not settings of a job's output: the files and the checkpoint
+# (described by their identity instead: --checkpoint_step=N resumes a job that loaded
+# step N as the newest), --restart itself, and what only --export uses.
 _NOT_SETTINGS = (
-    "input", "output", "reference", "workdir", "exported", "restart", "export",
-    "export_platforms", "plot_attention",
+    "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
+    "restart", "export", "export_platforms", "plot_attention",
 )  # fmt: skip
 
 

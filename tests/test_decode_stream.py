@@ -110,6 +110,18 @@ def test_split_streams_and_scores_the_whole_split(workdir, tmp_path):  # noqa: F
     assert outs[0] == outs[1] and len(outs[0].splitlines()) == 10
 
 
+def test_attention_plots_continue_across_chunks(workdir, tmp_path):  # noqa: F811
+    plots = tmp_path / "plots"
+    stdin = b"eins\n\nzwei drei\nvier\nfuenf\n"
+    r = run_decode(
+        f"--workdir={workdir}", f"--plot_attention={plots}", "--num_plots=3", "--read_lines=1",
+        stdin=stdin,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode()
+    assert sorted(os.listdir(plots)) == [f"attention_00{i}.png" for i in range(3)]
+    assert "wrote 3 attention plot(s)" in r.stderr.decode()
+
+
 # --- Kills ---------------------------------------------------------------------------------
 
 # Runs decode.py in a child that SIGKILLs itself in the append that would record `lines`
