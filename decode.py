@@ -64,9 +64,10 @@ flags.DEFINE_string(
     "$ATTENTION_JAX_COMPILATION_CACHE or ~/.cache/attention-jax/xla).",
 )  # fmt: skip
 flags.DEFINE_integer(
-    "read_lines", 10_000,
-    "Lines per chunk: read, sorted into batches, translated and written before the next. "
-    "An --output file is resumable: run the same command again after a kill.",
+    "read_lines", None,
+    "Lines per chunk: read, sorted into batches, translated and written before the next "
+    "(default: max(10000, 2.5 x --batch_tokens)). An --output file is resumable: run the "
+    "same command again after a kill.",
 )  # fmt: skip
 flags.DEFINE_boolean("restart", False, "Discard a partial --output of an earlier run.")
 flags.DEFINE_boolean(

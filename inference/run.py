@@ -197,7 +197,7 @@ def describe_job(
     plots = options.plot_attention and os.path.abspath(options.plot_attention)
     settings.update(
         beam_size=t.beam_size, alpha=t.alpha, n_best=t.n_best, max_length=max_length,
-        plot_attention=plots,
+        plot_attention=plots, read_lines=options.chunk_lines,
     )  # fmt: skip
     model = loaded.identity or {"translator": loaded.description}
     return {"inputs": inputs, "model": model, "settings": settings, "jax": jax.__version__}
@@ -268,7 +268,7 @@ def _translate(
             loaded.translator,
             loaded.tokenizer,
             source,
-            read_lines=options.read_lines,
+            read_lines=options.chunk_lines,
             max_length=max_length,
             long_lines=options.long_lines,
             output_format=options.output_format,

@@ -19,7 +19,6 @@ import time
 import numpy as np
 import pytest
 
-from inference.options import DEFAULT_READ_LINES
 from inference.resume import PARTIAL, RECORD
 from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
 
@@ -43,11 +42,6 @@ def hostile_input(seed=5, n=30):
         lines.insert(i, line)
         expected.insert(i, want)
     return b"\n".join(lines), expected
-
-
-def test_decode_py_default_is_the_options_default():
-    with open(os.path.join(ROOT, "decode.py")) as f:
-        assert f'"read_lines", {DEFAULT_READ_LINES:_},' in f.read()
 
 
 def test_tiny_chunks_keep_order_and_every_line(workdir, tmp_path):  # noqa: F811

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from inference.lines import CorpusScores, LineReader, bleu_chrf, count_lines, read_lines
-from inference.options import UsageError
+from inference.options import DecodeOptions, UsageError
 from inference.progress import Meter, format_eta, progress_line
 from inference.resume import PARTIAL, RECORD, differences, file_identity, open_output
 from inference.stream import ListReader
@@ -215,3 +215,12 @@ def test_meter_draws_a_bar_on_a_terminal():
     meter.end_chunk()
     meter.close()
     assert "10/10" in stream.getvalue() and "tok_s" in stream.getvalue()
+
+
+def test_chunk_lines_grow_with_the_batch_budget():
+    assert DecodeOptions(workdir="w").chunk_lines == 10_240  # 2.5 x 4096
+    assert DecodeOptions(workdir="w", batch_tokens=1024).chunk_lines == 10_000
+    assert DecodeOptions(workdir="w", batch_tokens=32768).chunk_lines == 81_920
+    assert DecodeOptions(workdir="w", read_lines=3).chunk_lines == 3
+    with pytest.raises(UsageError, match="--read_lines must be >= 1"):
+        DecodeOptions(workdir="w", read_lines=0).check()
