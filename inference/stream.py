@@ -133,44 +133,54 @@ def _references(job: StreamJob, count: int) -> list[str]:
     return refs
 
 
+def _chunk(
+    job: StreamJob, totals: Totals, scores: CorpusScores | None, meter: Meter
+) -> tuple[bytes, Totals] | None:
+    """The next chunk translated: (its output bytes, the totals with it), None at the end.
+
+    A function of its own so that the chunk's lines and translations are freed when it
+    returns, before the next chunk is read (never two chunks in memory).
+    """
+    lines, bad_utf8 = job.source.read(job.read_lines)
+    if not lines:
+        return None
+    start = time.perf_counter()
+    translated, num_long = translate_chunk(job, lines, meter)
+    seconds = time.perf_counter() - start
+    if scores is not None:
+        scores.add(best_texts(translated.hypotheses), _references(job, len(lines)))
+    plots = totals.plots
+    if job.plot_attention and plots < job.num_plots:
+        count = job.num_plots - plots
+        plots += len(
+            plot_lines(job.model, job.tokenizer, translated, job.plot_attention, count, plots)
+        )
+    text = output_text(format_lines(translated.hypotheses, job.output_format))
+    totals = dataclasses.replace(
+        totals,
+        lines=totals.lines + len(lines),
+        input_offset=job.source.offset,
+        reference_offset=job.references.offset if job.references else 0,
+        bad_utf8=totals.bad_utf8 + bad_utf8,
+        long=totals.long + num_long,
+        empty=totals.empty + sum(1 for h in translated.hypotheses if not h),
+        segments=totals.segments + len(translated.segments),
+        tokens=totals.tokens + sum(len(h[0].tokens) + 1 for h in translated.search if h),
+        seconds=totals.seconds + seconds,
+        plots=plots,
+        scores=scores.stats if scores is not None else None,
+    )
+    return text.encode("utf-8"), totals
+
+
 def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
     """Translate `job.source` chunk by chunk into `out`, from where its record says."""
     totals = Totals.from_record(out.done)
     scores = CorpusScores(totals.scores) if job.references is not None else None
-    while True:
-        lines, bad_utf8 = job.source.read(job.read_lines)
-        if not lines:
-            break
-        start = time.perf_counter()
-        translated, num_long = translate_chunk(job, lines, meter)
-        seconds = time.perf_counter() - start
-        if scores is not None:
-            scores.add(best_texts(translated.hypotheses), _references(job, len(lines)))
-        if job.plot_attention and totals.plots < job.num_plots:
-            paths = plot_lines(
-                job.model,
-                job.tokenizer,
-                translated,
-                job.plot_attention,
-                job.num_plots - totals.plots,
-                first=totals.plots,
-            )
-            totals.plots += len(paths)
-        text = output_text(format_lines(translated.hypotheses, job.output_format))
-        totals = dataclasses.replace(
-            totals,
-            lines=totals.lines + len(lines),
-            input_offset=job.source.offset,
-            reference_offset=job.references.offset if job.references else 0,
-            bad_utf8=totals.bad_utf8 + bad_utf8,
-            long=totals.long + num_long,
-            empty=totals.empty + sum(1 for h in translated.hypotheses if not h),
-            segments=totals.segments + len(translated.segments),
-            tokens=totals.tokens + sum(len(h[0].tokens) + 1 for h in translated.search if h),
-            seconds=totals.seconds + seconds,
-            scores=scores.stats if scores is not None else None,
-        )
-        out.append(text.encode("utf-8"), dataclasses.asdict(totals))
+    while (chunk := _chunk(job, totals, scores, meter)) is not None:
+        data, totals = chunk
+        out.append(data, dataclasses.asdict(totals))
+        del chunk, data
         meter.end_chunk()
     if job.references is not None and job.references.read(1)[0]:
         raise UsageError("--reference has more lines than the input")
