@@ -6,7 +6,8 @@
     write_lines("test.en", format_lines(done.hypotheses, "text"))
 
 Each step is a function of its inputs alone, so a driver that reads and writes a
-file in chunks calls them once per chunk. A line is encoded into one segment
+file in chunks (inference/stream.py: `LineReader` for the lines, `CorpusScores`
+for BLEU/chrF) calls them once per chunk. A line is encoded into one segment
 (ids + EOS), or into several when it is longer than `max_length` and `split` is
 asked for (else it is truncated); its translation joins its segments' ones.
 Bad input never shifts lines: an empty or whitespace-only line gives no
