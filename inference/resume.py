@@ -178,6 +178,8 @@ class PartialOutput:
                 f"cannot read the progress record {self.record} ({e}); add --restart to start over"
             ) from e
         done = record.get("done", {})
+        if not done.get("lines"):
+            return {}  # killed in its first chunk: nothing to keep, whatever the job was
         if record.get("version") != _RECORD_VERSION or record.get("job") != self.job:
             changed = differences(record.get("job"), self.job)
             raise UsageError(

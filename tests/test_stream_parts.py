@@ -124,6 +124,17 @@ def test_partial_output_refuses_another_job_and_restarts(tmp_path):
         assert f.read() == "uno\n"
 
 
+def test_a_job_killed_in_its_first_chunk_is_started_over_whatever_it_was(tmp_path):
+    path = str(tmp_path / "test.en")
+    out = open_output(path, job(), restart=False)
+    out.close()
+    with open(path + PARTIAL, "wb") as f:
+        f.write(b"half a ch")
+    out = open_output(path, job(beam_size=2), restart=False)
+    assert out.done == {} and os.path.getsize(path + PARTIAL) == 0
+    out.close()
+
+
 def test_partial_output_is_locked_and_damage_is_refused(tmp_path):
     path = str(tmp_path / "test.en")
     out = open_output(path, job(), restart=False)
