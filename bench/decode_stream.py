@@ -13,7 +13,9 @@
 Inputs are the Ding sources (data/corpora.py: the training split's German side,
 repeated up to the size asked; or the test split), written to a scratch directory.
 Each run is `decode.py` in a fresh process; its peak RSS is the kernel's
-ru_maxrss of that child (os.wait4), its wall time covers start-up to exit, and
+ru_maxrss of that child (os.wait4), its wall time covers start-up to exit (as
+does cpu_s, the CPU seconds of all its threads, the measure to compare when other
+processes share the cores), and
 the translation rates are decode.py's own summary line (encoding, translating,
 writing; no start-up). Runs are repeated (--repeats) and the median wall time
 and rates kept, with the largest RSS. --read_lines=0 means one chunk for the
@@ -79,6 +81,9 @@ def run_decode(decode_py: str, args: list[str]) -> dict:
     return {
         "wall_s": wall,
         "peak_rss_mb": usage.ru_maxrss / 1024,  # Linux: KiB
+        # CPU seconds of all its threads: the work done, much less sensitive than wall time
+        # to other processes sharing the cores.
+        "cpu_s": usage.ru_utime + usage.ru_stime,
         "lines": int(m.group(1)),
         "translate_s": float(m.group(2)),
         "sentences_per_s": float(m.group(3)),
@@ -188,7 +193,7 @@ def main(argv=None) -> None:
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
     }
-    columns = ["input_lines", "read_lines", "peak_rss_mb", "wall_s", "translate_s"]
+    columns = ["input_lines", "read_lines", "peak_rss_mb", "wall_s", "cpu_s", "translate_s"]
     common.report("decode_stream", meta, rows, [*columns, "sentences_per_s", "tokens_per_s"])
 
 

@@ -107,6 +107,8 @@ class StreamJob:
 
 
 class Output(Protocol):
+    """Where chunks go (inference/resume.py): `done` is the record an earlier run left."""
+
     done: dict[str, Any]
 
     def append(self, data: bytes, done: dict[str, Any]) -> None: ...
