@@ -18,6 +18,12 @@ from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
 LONG_LINES = ("truncate", "split")
 OUTPUT_FORMATS = ("text", "jsonl")
 SPLITS = ("train", "dev", "test")
+# Lines per chunk of a streamed job, by default: enough that the batches of a chunk
+# (data/plans.py: a width's last batch is padded with filler rows) cost ~2% more than
+# those of the whole file, measured on Ding sources for --batch_tokens from 1k to 32k
+# (docs/decoding.md, bench/decode_stream.py --plans).
+READ_LINES_PER_BATCH_TOKEN = 2.5
+MIN_READ_LINES = 10_000
 
 
 class UsageError(Exception):
@@ -48,6 +54,9 @@ class DecodeOptions:
     num_plots: int = 4
     export: str | None = None  # write a self-contained translator into this directory
     export_platforms: tuple[str, ...] = ()  # backends to lower for (default: this one)
+    read_lines: int | None = None  # lines per chunk (None: see `chunk_lines`)
+    restart: bool = False  # ignore a partial output of an earlier run and start over
+    dry_run: bool = False  # read, tokenize, plan and write without running the model
 
     @property
     def search(self) -> tuple[int, float, int]:
@@ -55,6 +64,13 @@ class DecodeOptions:
         beam = DEFAULT_BEAM_SIZE if self.beam_size is None else self.beam_size
         alpha = DEFAULT_ALPHA if self.alpha is None else self.alpha
         return beam, alpha, 1 if self.n_best is None else self.n_best
+
+    @property
+    def chunk_lines(self) -> int:
+        """Lines per chunk: --read_lines, or max(10000, 2.5 x --batch_tokens)."""
+        if self.read_lines is not None:
+            return self.read_lines
+        return max(MIN_READ_LINES, round(READ_LINES_PER_BATCH_TOKEN * self.batch_tokens))
 
     def check(self) -> None:
         """Combinations that cannot work, before anything slow happens (UsageError)."""
@@ -80,6 +96,10 @@ class DecodeOptions:
             raise UsageError(f"{', '.join(used)} need the trained model: use --workdir")
         if self.split and (self.input != "-" or self.reference):
             raise UsageError("--split replaces --input and --reference; give one or the other")
+        if self.read_lines is not None and self.read_lines < 1:
+            raise UsageError(f"--read_lines must be >= 1, got {self.read_lines}")
+        if self.dry_run and (self.alignment or self.plot_attention):
+            raise UsageError("--dry_run runs no model: drop --alignment and --plot_attention")
         self._check_choices()
 
     def _check_choices(self) -> None:

@@ -278,3 +278,31 @@ class LiveTranslator:
             vocab_limit=self.vocab_limit,
             progress=progress,
         )
+
+
+def _echo(src: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A batch 'translated' into itself: src [B, S] -> tokens [B, 1, S], scores [B, 1] = 0."""
+    return src[:, None, :], jax.numpy.zeros((src.shape[0], 1), jax.numpy.float32)
+
+
+@dataclasses.dataclass
+class PlanOnlyTranslator:
+    """A `Translator` that plans, fills, places and reads back every batch as the real one
+    does, but runs no search: each source's one hypothesis is itself (without EOS), score 0.
+
+    decode.py --dry_run: everything but the model (reading, tokenizing, batching,
+    writing), to check an input and measure that part's memory and time.
+    """
+
+    max_len: int
+    beam_size: int = 4
+    alpha: float = 0.6
+    n_best: int = 1
+    batch_tokens: int = 4096
+
+    def translate(
+        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+    ) -> list[list[Hypothesis]]:
+        return run_batches(
+            _echo, sources, max_len=self.max_len, batch_tokens=self.batch_tokens, progress=progress
+        )

@@ -58,7 +58,6 @@ def test_tiny_data_parallel_on_v5e_4(tmp_path):
     assert set(train["collectives"]) == {"all-reduce"}, train["collectives"]
     assert "all-to-all" not in train_hlo(texts)
     assert program(report, "beam_search")["fits"]  # decode.py's search compiles
-    assert report["seconds"] < 120  # the bound for a tiny compile on 2 cores
 
 
 def test_tiny_fsdp_shards_parameters_and_gathers_them(tmp_path):
