@@ -138,12 +138,14 @@ def run_sampled(
     Its stderr goes to `log_path`, each line prefixed with the seconds since the start
     (for phase timings). Returns wall_s, peak_rss_gb (the largest single process, what
     /usr/bin/time reports) and peak_tree_rss_gb (all its processes together: the cache
-    build's workers included). Raises RuntimeError if cmd fails.
+    build's workers included), cpu_s. Raises RuntimeError if cmd fails.
     """
+    import resource
     import subprocess
     import threading
 
     peak = {"one": 0.0, "tree": 0.0}
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with open(log_path, "w") as log, open(log_path + ".stdout", "w+") as out:
         proc = subprocess.Popen(
@@ -166,10 +168,15 @@ def run_sampled(
         sampler.join(1.0)
         out.seek(0)
         stdout = out.read()
+    wall = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd[:3])} ... failed; see {log_path}")
     return {
-        "wall_s": time.perf_counter() - t0,
+        "wall_s": wall,
+        # User + system seconds of cmd and every descendant it waited for (the cache
+        # build's workers): next to wall_s, it shows how much the shared cores held us back.
+        "cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
         "peak_rss_gb": peak["one"],
         "peak_tree_rss_gb": peak["tree"],
         "stdout": stdout,

@@ -159,6 +159,7 @@ def _run(name: str, row: dict, cmd: list[str], logs: str) -> dict:
     log = os.path.join(logs, f"{name}.log")
     r = common.run_sampled(cmd, log, env=_env(), cwd=ROOT)
     row[f"{name}_s"] = r["wall_s"]
+    row[f"{name}_cpu_s"] = r["cpu_s"]
     row[f"{name}_peak_rss_gb"] = r["peak_rss_gb"]
     row[f"{name}_peak_tree_rss_gb"] = r["peak_tree_rss_gb"]
     if cmd[1] == "train.py":
@@ -178,11 +179,15 @@ def scale_one(n: int, args) -> dict:
         write_synthetic_tsv(dev, 8, seed=args.seed + 1)
     row["tsv_gb"] = os.path.getsize(tsv) / 1e9
     workdir = os.path.join(args.dir, f"workdir-{args.config}-{n}")
-    os.environ["ATTENTION_JAX_CACHE"] = os.path.join(args.dir, "user-cache")
+    # The TSV's line index is kept in the user cache: one per run, so that a first run
+    # indexes the TSV as a new user's would.
+    user_cache = os.path.join(args.dir, f"user-cache-{args.config}-{n}")
+    os.environ["ATTENTION_JAX_CACHE"] = user_cache
     logs = os.path.join(args.dir, f"logs-{args.config}-{n}")
     os.makedirs(logs, exist_ok=True)
     if not args.restart_only:
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(user_cache, ignore_errors=True)
         _run("first", row, train_command(args, tsv, dev, workdir, args.steps), logs)
     done = max(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
     _run("restart", row, train_command(args, tsv, dev, workdir, done + args.steps), logs)
@@ -201,6 +206,7 @@ def scale_one(n: int, args) -> dict:
     row["load_after"] = _load()
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(user_cache, ignore_errors=True)
     return row
 
 
@@ -293,12 +299,14 @@ def main() -> None:
     cols = [
         "pairs",
         "first_s",
+        "first_cpu_s",
         "first_cache_build_s",
         "first_plan_s",
         "first_peak_rss_gb",
         "restart_first_step_at_s",
         "restart_data_ready_at_s",
         "restart_s",
+        "restart_cpu_s",
         "restart_peak_rss_gb",
         "plan_made_s",
         "plan_mapped_s",
