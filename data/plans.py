@@ -277,6 +277,7 @@ def plan_static(
     rows_multiple: int = 1,
     order: Sequence[int] | None = None,
     widest_first: bool = False,
+    min_rows: int = MIN_ROWS,
 ) -> list[tuple[np.ndarray, Any, int]]:
     """Batches of static shapes: items grouped by shape, cut into batches of few sizes.
 
@@ -287,9 +288,10 @@ def plan_static(
         a mesh's batch axes).
       order: the items in the order they fill batches (default: input order).
       widest_first: shapes in decreasing order (default: increasing).
+      min_rows: the fewest rows of a batch (see below).
     Returns:
       (item indices [n] int64, shape, rows B) per batch, n <= B. A shape's last batch
-      is padded up to a power of two (at least MIN_ROWS) rows, so each shape compiles
+      is padded up to a power of two (at least `min_rows`) rows, so each shape compiles
       at most a few batch sizes.
     """
     groups: dict[Any, list[int]] = {}
@@ -301,13 +303,18 @@ def plan_static(
         for start in range(0, len(items), full):
             chunk = items[start : start + full]
             pow2 = 1 << (len(chunk) - 1).bit_length()
-            rows = min(full, _round_up(max(MIN_ROWS, pow2), rows_multiple))
+            rows = min(full, _round_up(max(min_rows, pow2), rows_multiple))
             batches.append((chunk, key, rows))
     return batches
 
 
 def plan_translation(
-    lengths: Sequence[int], *, batch_tokens: int, max_len: int, rows_multiple: int = 1
+    lengths: Sequence[int],
+    *,
+    batch_tokens: int,
+    max_len: int,
+    rows_multiple: int = 1,
+    min_rows: int = MIN_ROWS,
 ) -> list[tuple[np.ndarray, int, int]]:
     """Sources to translate in batches of static shape; longest first.
 
@@ -316,6 +323,9 @@ def plan_translation(
       batch_tokens: budget of padded source tokens per batch (rows * width).
       max_len: the model's longest position.
       rows_multiple: every batch's row count is a multiple of this.
+      min_rows: the fewest rows of a batch. MIN_ROWS bounds the programs a stream of
+        files compiles; a fixed set of sources (a dev set) can take 1: its shapes
+        are the same at every call, and a few sources run a few rows, not 8.
     Returns:
       (indices into `lengths`, width S, rows B) per batch, with len(indices) <= B.
       Full batches have B = the largest power of two with B * S <= batch_tokens
@@ -334,4 +344,5 @@ def plan_translation(
         rows_multiple=rows_multiple,
         order=np.argsort(-lengths, kind="stable"),
         widest_first=True,
+        min_rows=min_rows,
     )

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from data.plans import plan_translation
+from data.plans import MIN_ROWS, plan_translation
 from model import EOS_ID, PAD_ID, Transformer
 from model.decoding import beam_search, greedy_search, length_penalty
 
@@ -162,6 +162,7 @@ def translate_ids(
     vocab_limit: int | None = None,
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
+    min_rows: int = MIN_ROWS,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -177,6 +178,8 @@ def translate_ids(
       sharding: how each batch's [B, S] rows are placed (rows split over devices);
         None = on the default device.
       progress: called after each batch with (sentences, output tokens) it finished.
+      min_rows: the fewest rows of a batch (data.plans.plan_translation): 1 for a
+        dev set translated again and again, where 8 rows of filler cost 8x the search.
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).
@@ -193,6 +196,7 @@ def translate_ids(
         batch_tokens=batch_tokens,
         sharding=sharding,
         progress=progress,
+        min_rows=min_rows,
     )
 
 
@@ -204,6 +208,7 @@ def run_batches(
     batch_tokens: int,
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
+    min_rows: int = MIN_ROWS,
 ) -> list[list[Hypothesis]]:
     """`translate_ids` for any batch search (a live model's `search_fn`, or an exported one)."""
     too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
@@ -219,6 +224,7 @@ def run_batches(
         batch_tokens=batch_tokens,
         max_len=max_len,
         rows_multiple=_rows_multiple(sharding),
+        min_rows=min_rows,
     )
     results: list[list[Hypothesis]] = [[] for _ in sources]
 

@@ -49,6 +49,29 @@ def test_plan_translation_rows_divide_over_the_batch_devices():
         assert sorted(np.concatenate([i for i, _, _ in batches]).tolist()) == list(range(500))
 
 
+def test_min_rows_pads_a_few_sources_only_to_a_power_of_two():
+    # 1 source, 3 of one width, 5 of another: rows 1, 4 and 8, not 8 each; the
+    # devices' multiple still applies.
+    lengths = [40] + [10] * 3 + [3] * 5
+    for multiple, want in ((1, [1, 4, 8]), (2, [2, 4, 8]), (8, [8, 8, 8])):
+        batches = plan_translation(
+            lengths, batch_tokens=4096, max_len=64, rows_multiple=multiple, min_rows=1
+        )
+        assert [rows for _, _, rows in batches] == want
+        assert [len(idx) for idx, _, _ in batches] == [1, 3, 5]
+    default = plan_translation(lengths, batch_tokens=4096, max_len=64)
+    assert [rows for _, _, rows in default] == [8, 8, 8]
+
+
+def test_min_rows_does_not_change_the_translations(model):
+    sources = sources_of([5, 8, 3, 12, 6, 2, 9], seed=5)
+    padded = translate_ids(model, sources, beam_size=3, n_best=2)
+    tight = translate_ids(model, sources, beam_size=3, n_best=2, min_rows=1)
+    assert [[h.tokens for h in hs] for hs in tight] == [[h.tokens for h in hs] for hs in padded]
+    for a, b in zip(tight, padded, strict=True):
+        np.testing.assert_allclose([h.score for h in a], [h.score for h in b], rtol=1e-5)
+
+
 def test_translate_ids_keeps_input_order(model):
     lengths = np.random.default_rng(3).permutation([2, 9, 3, 14, 5, 1, 7, 11, 4, 13])
     sources = sources_of(lengths)
