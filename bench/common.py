@@ -119,15 +119,20 @@ def _children(root: int) -> list[int]:
     return out
 
 
-def _rss_gb(pid: int) -> float:
+def _rss_gb(pid: int) -> tuple[float, float]:
+    """(VmRSS, RssAnon) of a process in GB: all its resident pages, and the private ones
+    (not file pages such as shared libraries or mapped files, which a sum over processes
+    would count once per process)."""
+    out = {"VmRSS:": 0.0, "RssAnon:": 0.0}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 2**20
+                key = line.split(":", 1)[0] + ":"
+                if key in out:
+                    out[key] = int(line.split()[1]) / 2**20
     except OSError:
         pass
-    return 0.0
+    return out["VmRSS:"], out["RssAnon:"]
 
 
 def run_sampled(
@@ -138,13 +143,14 @@ def run_sampled(
     Its stderr goes to `log_path`, each line prefixed with the seconds since the start
     (for phase timings). Returns wall_s, peak_rss_gb (the largest single process, what
     /usr/bin/time reports) and peak_tree_rss_gb (all its processes together: the cache
-    build's workers included), cpu_s. Raises RuntimeError if cmd fails.
+    build's workers included), peak_tree_anon_gb (their private memory together),
+    cpu_s. Raises RuntimeError if cmd fails.
     """
     import resource
     import subprocess
     import threading
 
-    peak = {"one": 0.0, "tree": 0.0}
+    peak = {"one": 0.0, "tree": 0.0, "tree_anon": 0.0}
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with open(log_path, "w") as log, open(log_path + ".stdout", "w+") as out:
@@ -155,8 +161,9 @@ def run_sampled(
         def sample() -> None:
             while proc.poll() is None:
                 rss = [_rss_gb(p) for p in _children(proc.pid)]
-                peak["one"] = max(peak["one"], max(rss, default=0.0))
-                peak["tree"] = max(peak["tree"], sum(rss))
+                peak["one"] = max(peak["one"], max((r for r, _ in rss), default=0.0))
+                peak["tree"] = max(peak["tree"], sum(r for r, _ in rss))
+                peak["tree_anon"] = max(peak["tree_anon"], sum(a for _, a in rss))
                 time.sleep(0.1)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -179,5 +186,6 @@ def run_sampled(
         "cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
         "peak_rss_gb": peak["one"],
         "peak_tree_rss_gb": peak["tree"],
+        "peak_tree_anon_gb": peak["tree_anon"],
         "stdout": stdout,
     }

@@ -162,6 +162,7 @@ def _run(name: str, row: dict, cmd: list[str], logs: str) -> dict:
     row[f"{name}_cpu_s"] = r["cpu_s"]
     row[f"{name}_peak_rss_gb"] = r["peak_rss_gb"]
     row[f"{name}_peak_tree_rss_gb"] = r["peak_tree_rss_gb"]
+    row[f"{name}_peak_tree_anon_gb"] = r["peak_tree_anon_gb"]
     if cmd[1] == "train.py":
         row.update({f"{name}_{k}": v for k, v in _phases(log).items()})
     return r
@@ -303,6 +304,8 @@ def main() -> None:
         "first_cache_build_s",
         "first_plan_s",
         "first_peak_rss_gb",
+        "first_peak_tree_rss_gb",
+        "first_peak_tree_anon_gb",
         "restart_first_step_at_s",
         "restart_data_ready_at_s",
         "restart_s",
