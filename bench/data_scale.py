@@ -1,15 +1,17 @@
 """Data at WMT scale: first run, restart, planning time and peak memory for N pairs.
 
     python bench/data_scale.py --pairs=4500000,36000000 --config=tiny --vocab_size=2000 \\
-        --model=config                       # packed (tiny): ~15 min for 36M pairs, 2 cores
+        --model=config                       # packed (tiny): 910 CPU s for 36M pairs
     python bench/data_scale.py --pairs=4500000,36000000 --config=base --vocab_size=8000 \\
         --batch_tokens=4096                  # bucketed, base's data settings, a small model
 
 For each N: a synthetic WMT-like TSV of N pairs (Zipf words, log-normal sentence
 lengths, a fixed seed; written once under --dir and reused) and a dev file of 8
 pairs, then three processes, each with the peak RSS of its process tree sampled
-every 0.1 s (the largest process, as /usr/bin/time reports it, and all of them
-together: the cache build's workers):
+every 0.1 s (the largest process, as /usr/bin/time reports it; all of them
+together, the cache build's workers included; and their private memory, which
+leaves out the mapped cache's page-cache pages that RSS counts) and its CPU
+seconds beside the wall time (the box may be shared):
 
   first run   train.py on a new workdir: TSV index, tokenizer, tokenized cache,
               epoch 0's plan, --steps steps, the final eval (2 dev pairs)
