@@ -39,7 +39,7 @@ from data.files import atomic_write, atomic_write_bytes
 from data.plans import inference_widths
 from inference.translate import Hypothesis, Progress, run_batches, search_fn
 from model import Transformer
-from model.decoding import EXTRA_DECODE_LEN
+from model.decoding import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN
 
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
@@ -64,13 +64,14 @@ def export_translator(
     vocab_limit: int | None = None,
     config: dict | None = None,
     platforms: Sequence[str] | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
 ) -> dict:
     """Write the translator into `directory` (created; files replaced); returns the metadata.
 
     Args:
       model: the Transformer to export (its config's max_len bounds the widths).
       tokenizer_proto: the serialized SentencePiece model.
-      beam_size, alpha, n_best, vocab_limit: fixed into the programs.
+      beam_size, alpha, n_best, vocab_limit, length_penalty: fixed into the programs.
       config: the training config, stored in the metadata for reference.
       platforms: backends to lower for (e.g. ("cpu", "cuda")); None = this one.
     """
@@ -84,7 +85,12 @@ def export_translator(
         def translate(flat_params, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
             live = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat_params), rest)
             search = search_fn(
-                live, beam_size=beam_size, alpha=alpha, n_best=n_best, vocab_limit=vocab_limit
+                live,
+                beam_size=beam_size,
+                alpha=alpha,
+                n_best=n_best,
+                vocab_limit=vocab_limit,
+                length_penalty=length_penalty,
             )
             return search(src)
 
@@ -113,6 +119,7 @@ def export_translator(
         "format_version": FORMAT_VERSION,
         "beam_size": beam_size,
         "alpha": alpha,
+        "length_penalty": length_penalty,
         "n_best": n_best,
         "vocab_limit": vocab_limit,
         "max_len": max_len,
@@ -146,6 +153,8 @@ class ExportedTranslator:
         self.batch_tokens = batch_tokens
         self.max_len, self.n_best = metadata["max_len"], metadata["n_best"]
         self.beam_size, self.alpha = metadata["beam_size"], metadata["alpha"]
+        # Exports made before length penalties could be chosen used GNMT's.
+        self.length_penalty = metadata.get("length_penalty", DEFAULT_LENGTH_PENALTY)
         self._programs: dict[int, jax.export.Exported] = {}
 
     @classmethod

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 
 from data.plans import plan_translation
 from model import EOS_ID, PAD_ID, Transformer
-from model.decoding import beam_search, greedy_search, length_penalty
+from model.decoding import DEFAULT_LENGTH_PENALTY, beam_search, greedy_search, normalized_score
 
 # progress(sentences, output tokens) after each batch
 Progress = Callable[[int, int], None]
@@ -48,8 +48,9 @@ Search = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 class Hypothesis:
     """One translation: output ids (no BOS, EOS or padding) and the search's score.
 
-    score = log P(tokens + EOS | source) / ((5 + len) / 6)^alpha, what beam search
-    ranks by (len counts EOS); greedy search (beam 1) is scored the same way.
+    score = log P(tokens + EOS | source) / lp(len), what beam search ranks by (gnmt:
+    ((5 + len) / 6)^alpha, len counting EOS; model.decoding.length_penalty); greedy
+    search (beam 1) is scored the same way.
     """
 
     tokens: list[int]
@@ -115,6 +116,7 @@ def search_fn(
     alpha: float,
     n_best: int = 1,
     vocab_limit: int | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
 ) -> Search:
     """The search of one batch: src [B, S] -> tokens [B, n_best, L], scores [B, n_best].
 
@@ -127,10 +129,15 @@ def search_fn(
         if beam_size == 1:
             tokens, logp = greedy_search(model, src, vocab_limit=vocab_limit, return_logprob=True)
             lengths = (tokens != PAD_ID).sum(axis=1)  # [B], EOS included
-            scores = logp / length_penalty(lengths, alpha)  # [B]
+            scores = normalized_score(logp, lengths, alpha, length_penalty)  # [B]
             return tokens[:, None], scores[:, None]  # [B, L] -> [B, 1, L]
         tokens, scores = beam_search(
-            model, src, beam_size=beam_size, alpha=alpha, vocab_limit=vocab_limit
+            model,
+            src,
+            beam_size=beam_size,
+            alpha=alpha,
+            vocab_limit=vocab_limit,
+            length_penalty=length_penalty,
         )  # [B, K, L], [B, K]
         return tokens[:, :n_best], scores[:, :n_best]
 
@@ -162,6 +169,7 @@ def translate_ids(
     vocab_limit: int | None = None,
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -177,6 +185,7 @@ def translate_ids(
       sharding: how each batch's [B, S] rows are placed (rows split over devices);
         None = on the default device.
       progress: called after each batch with (sentences, output tokens) it finished.
+      length_penalty: "gnmt" or "average" (model.decoding.length_penalty).
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).
@@ -184,7 +193,12 @@ def translate_ids(
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
     search = search_fn(
-        model, beam_size=beam_size, alpha=alpha, n_best=n_best, vocab_limit=vocab_limit
+        model,
+        beam_size=beam_size,
+        alpha=alpha,
+        n_best=n_best,
+        vocab_limit=vocab_limit,
+        length_penalty=length_penalty,
     )
     return run_batches(
         search,
@@ -260,6 +274,7 @@ class LiveTranslator:
     n_best: int = 1
     batch_tokens: int = 4096
     vocab_limit: int | None = None
+    length_penalty: str = DEFAULT_LENGTH_PENALTY
 
     @property
     def max_len(self) -> int:
@@ -277,4 +292,5 @@ class LiveTranslator:
             batch_tokens=self.batch_tokens,
             vocab_limit=self.vocab_limit,
             progress=progress,
+            length_penalty=self.length_penalty,
         )

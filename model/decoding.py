@@ -46,6 +46,10 @@ from model.transformer import DecodeCache, Transformer
 DEFAULT_BEAM_SIZE = 4
 DEFAULT_ALPHA = 0.6
 EXTRA_DECODE_LEN = 50
+# How scores are normalized by length: "gnmt" (the default, as the paper's setup) or
+# "average" (CTranslate2's and OpenNMT's; see `length_penalty`).
+LENGTH_PENALTIES = ("gnmt", "average")
+DEFAULT_LENGTH_PENALTY = "gnmt"
 
 NEG_INF = -jnp.inf
 
@@ -53,9 +57,32 @@ NEG_INF = -jnp.inf
 # --- shared pieces ----------------------------------------------------------
 
 
-def length_penalty(length: jax.Array, alpha: jax.Array | float) -> jax.Array:
-    """GNMT's lp(Y) = ((5 + |Y|) / 6)^alpha (Wu et al., 2016); scores are log P / lp."""
-    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+def length_penalty(
+    length: jax.Array, alpha: jax.Array | float, kind: str = DEFAULT_LENGTH_PENALTY
+) -> jax.Array:
+    """lp(Y), by which scores are log P(Y) / lp(Y); `length` = |Y|, EOS included.
+
+    gnmt: ((5 + |Y|) / 6)^alpha (Wu et al., 2016).
+    average: (|Y| - 1)^alpha, the tokens without EOS to the alpha, as CTranslate2
+      and OpenNMT rank (alpha 1: the mean log-probability per token). A hypothesis
+      of EOS alone scores -inf for alpha > 0, as there.
+    Both grow with |Y| for alpha >= 0, so the best score a live beam can still
+    reach is its log-probability over lp(its length limit).
+    """
+    length = jnp.asarray(length, jnp.float32)
+    if kind == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    if kind == "average":
+        return jnp.maximum(length - 1.0, 0.0) ** alpha
+    raise ValueError(f"length penalty must be one of {LENGTH_PENALTIES}, got {kind!r}")
+
+
+def normalized_score(
+    logp: jax.Array, length: jax.Array, alpha: jax.Array | float, kind: str = DEFAULT_LENGTH_PENALTY
+) -> jax.Array:
+    """log P / lp(length), what searches rank by; -inf where lp is 0 (never NaN)."""
+    lp = length_penalty(length, alpha, kind)
+    return jnp.where(lp > 0, logp / jnp.where(lp > 0, lp, 1.0), NEG_INF)
 
 
 def _decode_shape(model: Transformer, src: jax.Array, max_decode_len: int | None):
@@ -254,16 +281,14 @@ def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "length", "extra", "beam_size", "vocab_limit")
+    jax.jit,
+    static_argnames=("graphdef", "length", "extra", "beam_size", "vocab_limit", "penalty"),
 )
-def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size, vocab_limit):
+def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size, vocab_limit, penalty):
     """src [B, S] -> tokens [B, K, L], scores [B, K], best first."""
     model = nnx.merge(graphdef, state)
     b, k = src.shape[0], beam_size
     limits = _row_limits(src, length, extra)  # [B]
-    # alpha >= 0 makes lp grow with length, so the best score a live beam can
-    # still reach is its log-probability (which only falls) over lp(limit).
-    max_lp = length_penalty(limits, alpha)  # [B]
     init = _BeamState(
         step=jnp.zeros((), jnp.int32),
         live_seqs=jnp.zeros((b, k, length), jnp.int32),
@@ -276,7 +301,9 @@ def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size, vocab
 
     def row_done(s: _BeamState) -> jax.Array:
         """[B] bool: no live beam can beat the worst of the K finished ones."""
-        best_live = jnp.max(s.live_logp, axis=1) / max_lp  # [B]
+        # alpha >= 0 makes lp grow with length, so the best score a live beam can
+        # still reach is its log-probability (which only falls) over lp(limit).
+        best_live = normalized_score(jnp.max(s.live_logp, axis=1), limits, alpha, penalty)  # [B]
         return jnp.min(s.fin_scores, axis=1) >= best_live
 
     def cond(s: _BeamState) -> jax.Array:
@@ -315,7 +342,7 @@ def _beam_search(graphdef, state, src, alpha, *, length, extra, beam_size, vocab
         # fairseq), so beam size 1 with alpha 0 is exactly greedy search. Merge the
         # new ones with the K kept so far.
         in_beam = jnp.arange(2 * k) < k  # [2K]
-        new_scores = top_logp / length_penalty(t + 1, alpha)  # [B, 2K]
+        new_scores = normalized_score(top_logp, t + 1, alpha, penalty)  # [B, 2K]
         new_scores = jnp.where(is_eos & in_beam, new_scores, NEG_INF)
         all_scores = jnp.concatenate([s.fin_scores, new_scores], axis=1)  # [B, 3K]
         all_seqs = jnp.concatenate([s.fin_seqs, top_seqs], axis=1)  # [B, 3K, L]
@@ -338,8 +365,9 @@ def beam_search(
     alpha: float = DEFAULT_ALPHA,
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
 ) -> tuple[jax.Array, jax.Array]:
-    """Beam search with GNMT length penalty and early stopping (paper: K=4, alpha=0.6).
+    """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's).
 
     A source stops early once none of its live beams can beat the worst of its
     K finished hypotheses; the loop ends when every source has stopped.
@@ -351,10 +379,11 @@ def beam_search(
       alpha: length penalty exponent >= 0 (0 = raw log-probability).
       max_decode_len: output columns L (see `greedy_search`).
       vocab_limit: never emit ids >= this (None = the whole vocabulary).
+      length_penalty: "gnmt" or "average" (see `length_penalty`).
     Returns:
       tokens [B, K, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores
-      [B, K] float32 = log P / ((5 + len) / 6)^alpha with len counting EOS,
-      both sorted best first. A slot that never held a hypothesis has score -inf.
+      [B, K] float32 = log P / lp(len) (gnmt: ((5 + len) / 6)^alpha, len counting
+      EOS), both sorted best first. A slot that never held a hypothesis has score -inf.
     """
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
@@ -363,6 +392,10 @@ def beam_search(
         raise ValueError(f"beam_size {beam_size} too large for a vocabulary of {vocab}")
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if length_penalty not in LENGTH_PENALTIES:
+        raise ValueError(
+            f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
+        )
     src = jnp.asarray(src, jnp.int32)
     length, extra = _decode_shape(model, src, max_decode_len)
     graphdef, state = nnx.split(model)
@@ -375,6 +408,7 @@ def beam_search(
         extra=extra,
         beam_size=beam_size,
         vocab_limit=vocab_limit,
+        penalty=length_penalty,
     )
 
 
@@ -386,6 +420,7 @@ def translate(
     alpha: float = DEFAULT_ALPHA,
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
 ) -> jax.Array:
     """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy).
 
@@ -400,5 +435,6 @@ def translate(
         alpha=alpha,
         max_decode_len=max_decode_len,
         vocab_limit=vocab_limit,
+        length_penalty=length_penalty,
     )
     return tokens[:, 0]  # [B, K, L] -> [B, L]

@@ -63,9 +63,16 @@ def reference_greedy(model, src_row, limit):
     return out
 
 
-def reference_beam(model, src_row, k, alpha, limit):
+# lp(n) of a hypothesis of n tokens, EOS included: the paper's and CTranslate2's.
+PENALTIES = {
+    "gnmt": lambda n, alpha: ((5 + n) / 6) ** alpha,
+    "average": lambda n, alpha: (n - 1) ** alpha,
+}
+
+
+def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt"):
     """Textbook beam search over full forward passes (same stopping rule, no cache)."""
-    lp = lambda n: ((5 + n) / 6) ** alpha
+    lp = lambda n: PENALTIES[penalty](n, alpha)
     live, finished = [((), 0.0)], []
     for t in range(limit):
         cands = []
@@ -99,15 +106,16 @@ def test_greedy_cached_equals_full_forward(model):
         assert as_list(tokens[b]) == reference_greedy(model, src[b], 9)
 
 
-def test_beam_cached_equals_full_forward(model):
+@pytest.mark.parametrize(("penalty", "alpha"), [("gnmt", 0.6), ("average", 1.0)])
+def test_beam_cached_equals_full_forward(model, penalty, alpha):
     src = ragged_src(1, [4, 6])
-    k, alpha, limit = 3, 0.6, 7
+    k, limit = 3, 7
     tokens, scores = decoding.beam_search(
-        model, src, beam_size=k, alpha=alpha, max_decode_len=limit
+        model, src, beam_size=k, alpha=alpha, max_decode_len=limit, length_penalty=penalty
     )
     assert tokens.shape == (2, k, limit) and scores.shape == (2, k)
     for b in range(2):
-        ref = reference_beam(model, src[b], k, alpha, limit)
+        ref = reference_beam(model, src[b], k, alpha, limit, penalty)
         assert [as_list(tokens[b, i]) for i in range(k)] == [list(s) for s, _ in ref]
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
@@ -238,3 +246,16 @@ def test_bad_arguments_raise_value_error(model, kwargs):
 def test_length_penalty_matches_gnmt():
     assert float(decoding.length_penalty(7, 0.6)) == pytest.approx(math.pow(12 / 6, 0.6))
     assert float(decoding.length_penalty(7, 0.0)) == 1.0
+
+
+def test_average_length_penalty_counts_tokens_without_eos():
+    # CTranslate2's: log P / len^alpha over the tokens before EOS.
+    assert float(decoding.length_penalty(7, 0.6, "average")) == pytest.approx(6**0.6)
+    assert float(decoding.length_penalty(7, 0.0, "average")) == 1.0
+    # EOS alone has no tokens: -inf for alpha > 0 (as there), and never NaN.
+    score = decoding.normalized_score(jnp.array([0.0, -2.0]), jnp.array([1, 1]), 0.6, "average")
+    assert np.asarray(score).tolist() == [-np.inf, -np.inf]
+    score = decoding.normalized_score(jnp.array([-2.0]), jnp.array([5]), 1.0, "average")
+    assert float(score[0]) == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="length_penalty must be one of"):
+        decoding.beam_search(make(), ragged_src(0, [3]), length_penalty="wu")
