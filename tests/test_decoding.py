@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, decoding
+from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, beam, decoding
 from tests.conftest import model_fields
 
 TINY = model_fields(vocab_size=12, num_decoder_layers=2)
@@ -224,14 +224,14 @@ def test_sampling_respects_top_k_and_is_reproducible(model):
 
 
 def test_repeated_calls_do_not_retrace(model):
-    if not hasattr(decoding._beam_search, "_cache_size"):
+    if not hasattr(beam._start, "_cache_size"):
         pytest.skip("this jax has no jit _cache_size()")
     src = ragged_src(6, [4, 4])
     decoding.translate(model, src)
-    before = decoding._beam_search._cache_size()
+    before = beam._start._cache_size()
     decoding.translate(model, ragged_src(7, [3, 4]))
     decoding.translate(model, ragged_src(8, [4, 2]), alpha=0.3)
-    assert decoding._beam_search._cache_size() == before
+    assert beam._start._cache_size() == before
 
 
 @pytest.mark.parametrize(
