@@ -8,6 +8,8 @@
     python decode.py --workdir=workdir/tiny --n_best=4 --output_format=jsonl --alignment
     python decode.py --workdir=workdir/tiny --export=translator/     # self-contained export
     python decode.py --exported=translator/ --input=test.de          # ... used alone
+    python decode.py --workdir=workdir/tiny --export_ct2=serve/ [--quantization=int8]
+    python decode.py --ct2=serve/ --input=test.de --threads=2        # with CTranslate2
 
 Bad input never shifts lines: empty or whitespace-only lines give empty lines
 (in jsonl, an object with no hypotheses), undecodable bytes are replaced (and
@@ -32,7 +34,12 @@ flags.DEFINE_string(
 flags.DEFINE_string("input", "-", "Source text, one sentence a line; '-' = stdin.")
 flags.DEFINE_string("output", "-", "Translations, one a line; '-' = stdout. Written atomically.")
 flags.DEFINE_integer("beam_size", 4, "Beam size K; 1 = greedy search.")
-flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / ((5 + len) / 6)^alpha.")
+flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / lp(len)^alpha.")
+flags.DEFINE_enum(
+    "length_penalty", "gnmt", ["gnmt", "average"],
+    "gnmt: lp = ((5 + len) / 6)^alpha, len with EOS (default). average: lp = len^alpha, len "
+    "without EOS (CTranslate2's; the default of --ct2).",
+)  # fmt: skip
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
 flags.DEFINE_string("reference", None, "Reference translations: print sacreBLEU BLEU and chrF.")
@@ -59,17 +66,30 @@ flags.DEFINE_string("export", None, "Write a self-contained translator into this
 flags.DEFINE_list("export_platforms", [], "Backends to export for (e.g. cpu,cuda); default: this.")
 flags.DEFINE_string("exported", None, "Translate with an exported translator (no --workdir).")
 flags.DEFINE_string(
+    "export_ct2", None, "Write a CTranslate2 model (pip install '.[serve]') into this directory."
+)
+flags.DEFINE_enum(
+    "quantization", "float32",
+    ["float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"],
+    "--export_ct2: the weight type CTranslate2 stores.",
+)  # fmt: skip
+flags.DEFINE_string("ct2", None, "Translate with a CTranslate2 model directory (no --workdir).")
+flags.DEFINE_enum("device", None, ["cpu", "cuda"], "--ct2: where CTranslate2 runs (default cpu).")
+flags.DEFINE_integer("threads", 0, "--ct2: CTranslate2's threads (0 = its default).")
+flags.DEFINE_string(
     "compilation_cache", None,
     "Persistent XLA compilation cache ('off' = none; default: "
     "$ATTENTION_JAX_COMPILATION_CACHE or ~/.cache/attention-jax/xla).",
 )  # fmt: skip
 
-# Settings an exported translator fixes: None in the options when not given here.
-_SEARCH = ("beam_size", "alpha", "n_best")
+# Settings an exported translator fixes (a CTranslate2 model has defaults for them):
+# None in the options when not given here.
+_SEARCH = ("beam_size", "alpha", "n_best", "length_penalty")
 _OPTIONS = (
     "workdir", "exported", "input", "output", "reference", "split", "checkpoint_step",
     "average_last", "batch_tokens", "max_length", "long_lines", "output_format", "alignment",
-    "plot_attention", "num_plots", "export",
+    "plot_attention", "num_plots", "export", "export_ct2", "quantization", "ct2", "device",
+    "threads",
 )  # fmt: skip
 
 

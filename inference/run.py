@@ -77,9 +77,12 @@ def _read(path: str) -> tuple[list[str], int]:
 
 
 def open_translator(options: DecodeOptions) -> Loaded:
-    """The exported translator of --exported, or the live model of --workdir."""
+    """The exported translator of --exported, the CTranslate2 model of --ct2, or the live
+    model of --workdir."""
     if options.exported:
         return _open_exported(options)
+    if options.ct2:
+        return _open_ct2(options)
     model, config, step, tokenizer = load_workdir(
         options.workdir, step=options.checkpoint_step, average_last=options.average_last
     )
@@ -91,6 +94,7 @@ def open_translator(options: DecodeOptions) -> Loaded:
         n_best=n_best,
         batch_tokens=options.batch_tokens,
         vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
+        length_penalty=options.penalty,
     )
     return Loaded(translator, tokenizer, f"step {step}", model, config)
 
@@ -101,13 +105,32 @@ def _open_exported(options: DecodeOptions) -> Loaded:
         tokenizer = Tokenizer.load(translator.tokenizer_path)
     except (OSError, ValueError, DataError) as e:
         raise UsageError(str(e)) from e
-    for name in ("beam_size", "alpha", "n_best"):
-        asked, exported = getattr(options, name), translator.metadata[name]
+    for name in ("beam_size", "alpha", "n_best", "length_penalty"):
+        asked, exported = getattr(options, name), getattr(translator, name)
         if asked is not None and asked != exported:
             raise UsageError(
                 f"{options.exported} was exported with {name}={exported}; export again to change it"
             )
     return Loaded(translator, tokenizer, f"the translator exported in {options.exported}")
+
+
+def _open_ct2(options: DecodeOptions) -> Loaded:
+    from inference.ct2 import CT2Translator
+
+    try:
+        translator = CT2Translator.load(
+            options.ct2,
+            beam_size=options.beam_size,
+            alpha=options.alpha,
+            n_best=options.search[2],
+            device=options.device or "cpu",
+            threads=options.threads,
+            batch_tokens=options.batch_tokens,
+        )
+        tokenizer = Tokenizer.load(translator.tokenizer_path)
+    except (ImportError, OSError, ValueError, DataError) as e:
+        raise UsageError(str(e)) from e
+    return Loaded(translator, tokenizer, f"the CTranslate2 model in {options.ct2}")
 
 
 def export(loaded: Loaded, options: DecodeOptions) -> None:
@@ -124,6 +147,7 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
         vocab_limit=loaded.translator.vocab_limit,
         config=loaded.config.to_dict(),
         platforms=list(options.export_platforms) or None,
+        length_penalty=options.penalty,
     )
     print(
         f"decode.py: exported {len(meta['widths'])} search programs (widths "
@@ -131,6 +155,39 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
         f"{alpha}, n_best {n_best}, {'+'.join(meta['platforms'])}) and "
         f"{meta['num_params']} parameter arrays to {options.export} in "
         f"{time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+
+
+def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
+    """--export_ct2: the live model as a CTranslate2 model (inference/ct2_export.py)."""
+    from inference.ct2_export import export_ct2 as write
+
+    t0 = time.perf_counter()
+    beam_size, alpha, _ = options.search
+    tokenizer = loaded.tokenizer
+    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    source = {
+        "workdir": os.path.abspath(options.workdir),
+        "checkpoint": loaded.description,
+        "average_last": options.average_last,
+    }
+    try:
+        write(
+            loaded.model,
+            pieces,
+            tokenizer.proto,
+            options.export_ct2,
+            quantization=options.quantization,
+            alpha=alpha,
+            beam_size=beam_size,
+            source=source,
+        )
+    except (ImportError, OSError, ValueError) as e:
+        raise UsageError(str(e)) from e
+    print(
+        f"decode.py: wrote the {options.quantization} CTranslate2 model of {loaded.description} "
+        f"to {options.export_ct2} in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
     )
 
@@ -173,10 +230,19 @@ def translate(
 
 def run(options: DecodeOptions) -> None:
     """decode.py after its flags were checked; raises UsageError for what the user can fix."""
+    if options.ct2 or options.export_ct2:
+        from inference.ct2_export import import_ctranslate2
+
+        try:
+            import_ctranslate2()  # before the slow part: how to install it
+        except ImportError as e:
+            raise UsageError(str(e)) from e
     lines, bad_utf8, refs = read_inputs(options)
     loaded = open_translator(options)
     if options.export:
         return export(loaded, options)
+    if options.export_ct2:
+        return export_ct2(loaded, options)
     if options.split:
         lines, refs = split_lines(loaded.config, options.split)
     max_len = loaded.translator.max_len
