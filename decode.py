@@ -8,8 +8,14 @@
     python decode.py --workdir=workdir/tiny --n_best=4 --output_format=jsonl --alignment
     python decode.py --workdir=workdir/tiny --export=translator/     # self-contained export
     python decode.py --exported=translator/ --input=test.de          # ... used alone
+    python decode.py --workdir=workdir/tiny --input=big.de --output=big.en   # killed? run it again
     python decode.py --workdir=workdir/tiny --export_ct2=serve/ [--quantization=int8]
     python decode.py --ct2=serve/ --input=test.de --threads=2        # with CTranslate2
+
+Any input size: lines are read, translated and written a chunk (--read_lines) at
+a time. An --output file is written as FILE.partial with a progress record and
+renamed when complete; the same command run again after a kill goes on after the
+last complete chunk (another input, model or flags: refused; --restart).
 
 Bad input never shifts lines: empty or whitespace-only lines give empty lines
 (in jsonl, an object with no hypotheses), undecodable bytes are replaced (and
@@ -32,7 +38,9 @@ flags.DEFINE_string(
     "workdir", None, "Training workdir (config.json, checkpoints/, tokenizer.model)."
 )
 flags.DEFINE_string("input", "-", "Source text, one sentence a line; '-' = stdin.")
-flags.DEFINE_string("output", "-", "Translations, one a line; '-' = stdout. Written atomically.")
+flags.DEFINE_string(
+    "output", "-", "Translations, one a line; '-' = stdout. A file appears when complete."
+)
 flags.DEFINE_integer("beam_size", 4, "Beam size K; 1 = greedy search.")
 flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / lp(len)^alpha.")
 flags.DEFINE_enum(
@@ -81,6 +89,16 @@ flags.DEFINE_string(
     "Persistent XLA compilation cache ('off' = none; default: "
     "$ATTENTION_JAX_COMPILATION_CACHE or ~/.cache/attention-jax/xla).",
 )  # fmt: skip
+flags.DEFINE_integer(
+    "read_lines", None,
+    "Lines per chunk: read, sorted into batches, translated and written before the next "
+    "(default: max(10000, 2.5 x --batch_tokens)). An --output file is resumable: run the "
+    "same command again after a kill.",
+)  # fmt: skip
+flags.DEFINE_boolean("restart", False, "Discard a partial --output of an earlier run.")
+flags.DEFINE_boolean(
+    "dry_run", False, "Read, tokenize, batch and write without the model (lines are copied)."
+)
 
 # Settings an exported translator fixes (a CTranslate2 model has defaults for them):
 # None in the options when not given here.
@@ -88,8 +106,8 @@ _SEARCH = ("beam_size", "alpha", "n_best", "length_penalty")
 _OPTIONS = (
     "workdir", "exported", "input", "output", "reference", "split", "checkpoint_step",
     "average_last", "batch_tokens", "max_length", "long_lines", "output_format", "alignment",
-    "plot_attention", "num_plots", "export", "export_ct2", "quantization", "ct2", "device",
-    "threads",
+    "plot_attention", "num_plots", "export", "read_lines", "restart", "dry_run", "export_ct2",
+    "quantization", "ct2", "device", "threads",
 )  # fmt: skip
 
 

@@ -2,7 +2,11 @@
 
     translate.py   token ids -> hypotheses: the Translator interface, the live model's
                    (`LiveTranslator`, `translate_ids`) and the batching every backend shares
-    lines.py       lines of text <-> segments of ids <-> per-line hypotheses; read, write, BLEU
+    lines.py       lines of text <-> segments of ids <-> per-line hypotheses; read (whole or
+                   in chunks), write, BLEU (whole or from summed statistics)
+    stream.py      the chunk loop of decode.py: read, translate, write in order, count
+    resume.py      decode.py's output: FILE.partial, its progress record, resume or refuse
+    progress.py    lines, lines/s, tokens/s and ETA on stderr
     alignment.py   word alignments from cross-attention
     plots.py       cross-attention heatmaps
     export.py      a self-contained StableHLO translator (`ExportedTranslator`)

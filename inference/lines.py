@@ -6,7 +6,8 @@
     write_lines("test.en", format_lines(done.hypotheses, "text"))
 
 Each step is a function of its inputs alone, so a driver that reads and writes a
-file in chunks calls them once per chunk. A line is encoded into one segment
+file in chunks (inference/stream.py: `LineReader` for the lines, `CorpusScores`
+for BLEU/chrF) calls them once per chunk. A line is encoded into one segment
 (ids + EOS), or into several when it is longer than `max_length` and `split` is
 asked for (else it is truncated); its translation joins its segments' ones.
 Bad input never shifts lines: an empty or whitespace-only line gives no
@@ -50,7 +51,8 @@ def read_lines(path: str) -> tuple[list[str], int]:
     """Lines of `path` ('-' = stdin) split on '\\n' only, and how many had invalid UTF-8.
 
     str.splitlines would also split on \\x0b, \\x1c, U+2028, ... and shift lines.
-    Raises OSError if the file cannot be read.
+    Raises OSError if the file cannot be read. `LineReader` reads the same lines a
+    chunk at a time.
     """
     if path == "-":
         data = sys.stdin.buffer.read()
@@ -62,12 +64,66 @@ def read_lines(path: str) -> tuple[list[str], int]:
         raw.pop()  # the newline that ends the last line starts no new line
     lines, bad = [], 0
     for b in raw:
-        try:
-            line = b.decode("utf-8")
-        except UnicodeDecodeError:
-            line, bad = b.decode("utf-8", errors="replace"), bad + 1
-        lines.append(line.removesuffix("\r"))
+        line, invalid = decode_line(b)
+        lines.append(line)
+        bad += invalid
     return lines, bad
+
+
+def decode_line(raw: bytes) -> tuple[str, bool]:
+    """One line's bytes (without its '\\n') as text, a trailing '\\r' dropped; and whether
+    it had invalid UTF-8 (replaced with U+FFFD)."""
+    try:
+        line, invalid = raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        line, invalid = raw.decode("utf-8", errors="replace"), True
+    return line.removesuffix("\r"), invalid
+
+
+class LineReader:
+    """The lines `read_lines` gives, read `n` at a time from byte `offset` of a file.
+
+        reader = LineReader("corpus.de")
+        lines, bad = reader.read(10_000)   # [] at the end; reader.offset: bytes consumed
+        reader = LineReader("corpus.de", offset=saved)   # on again where a job stopped
+
+    Memory holds one chunk of lines, whatever the file's size. '-' reads stdin
+    (offset 0 only). Raises OSError if the file cannot be read.
+    """
+
+    def __init__(self, path: str, offset: int = 0):
+        self._file = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
+        self._owned = path != "-"
+        if offset:
+            self._file.seek(offset)
+        self.offset = offset
+
+    def read(self, n: int) -> tuple[list[str], int]:
+        """(up to n lines, how many of them had invalid UTF-8)."""
+        lines, bad = [], 0
+        while len(lines) < n:
+            raw = self._file.readline()  # binary: ends at b"\n" only
+            if not raw:
+                break
+            self.offset += len(raw)
+            line, invalid = decode_line(raw.removesuffix(b"\n"))
+            lines.append(line)
+            bad += invalid
+        return lines, bad
+
+    def close(self) -> None:
+        if self._owned:
+            self._file.close()
+
+
+def count_lines(path: str, block: int = 1 << 20) -> int:
+    """How many lines `read_lines` finds in the file at `path`, in constant memory."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while data := f.read(block):
+            count += data.count(b"\n")
+            last = data[-1:]
+    return count + (last != b"\n")  # a last line without its newline counts
 
 
 def write_lines(path: str, lines: Sequence[str]) -> None:
@@ -75,13 +131,18 @@ def write_lines(path: str, lines: Sequence[str]) -> None:
 
     Raises OSError if the file cannot be written.
     """
-    text = "".join(line.replace("\n", " ") + "\n" for line in lines)
+    text = output_text(lines)
     if path == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
     with atomic_write(path, "w") as f:
         f.write(text)
+
+
+def output_text(lines: Sequence[str]) -> str:
+    """Lines as written: each ends with '\\n' (a newline inside a line becomes a space)."""
+    return "".join(line.replace("\n", " ") + "\n" for line in lines)
 
 
 def encode_lines(
@@ -171,3 +232,45 @@ def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
     }
+
+
+class CorpusScores:
+    """BLEU and chrF of a corpus seen a chunk at a time, equal to `bleu_chrf` of all of it.
+
+    sacreBLEU's corpus scores are functions of per-sentence statistics summed
+    over the corpus (n-gram matches and totals, lengths); this keeps only those
+    sums, so memory holds no text, and `stats` can be saved and resumed:
+
+        scores = CorpusScores()
+        scores.add(hyps_of_chunk, refs_of_chunk)   # per chunk
+        scores.result()                            # as bleu_chrf(all hyps, all refs)
+        CorpusScores(scores.stats)                 # go on from saved sums
+    """
+
+    def __init__(self, stats: dict[str, list[int]] | None = None):
+        import sacrebleu
+
+        self._metrics = {"bleu": sacrebleu.metrics.BLEU(), "chrf": sacrebleu.metrics.CHRF()}
+        self.stats = {name: list(v) for name, v in (stats or {}).items()}
+
+    def add(self, hyps: Sequence[str], refs: Sequence[str]) -> None:
+        if not hyps:
+            return
+        for name, metric in self._metrics.items():
+            # The statistics corpus_score sums (sacreBLEU >= 2.0's own significance tests
+            # use the same two methods).
+            rows = metric._extract_corpus_statistics(list(hyps), [list(refs)])
+            sums = [int(sum(column)) for column in zip(*rows, strict=True)]
+            old = self.stats.get(name, [0] * len(sums))
+            self.stats[name] = [a + b for a, b in zip(old, sums, strict=True)]
+
+    def result(self) -> dict[str, Any]:
+        """As `bleu_chrf`: scores and signatures."""
+        out = {}
+        for name, metric in self._metrics.items():
+            # Also sets num_refs for the signature; an empty corpus scores 0.
+            (empty,) = metric._extract_corpus_statistics([""], [[""]])
+            stats = self.stats.get(name, [0] * len(empty))
+            out[name] = float(metric._compute_score_from_stats(stats).score)
+            out[f"{name}_signature"] = str(metric.get_signature())
+        return out

@@ -24,6 +24,12 @@ from model.decoding import (
 LONG_LINES = ("truncate", "split")
 OUTPUT_FORMATS = ("text", "jsonl")
 SPLITS = ("train", "dev", "test")
+# Lines per chunk of a streamed job, by default: enough that the batches of a chunk
+# (data/plans.py: a width's last batch is padded with filler rows) cost ~2% more than
+# those of the whole file, measured on Ding sources for --batch_tokens from 1k to 32k
+# (docs/decoding.md, bench/decode_stream.py --plans).
+READ_LINES_PER_BATCH_TOKEN = 2.5
+MIN_READ_LINES = 10_000
 
 
 class UsageError(Exception):
@@ -60,6 +66,9 @@ class DecodeOptions:
     ct2: str | None = None  # or translate with a CTranslate2 model directory
     device: str | None = None  # --ct2: "cpu" (None) or "cuda"
     threads: int = 0  # --ct2: CTranslate2's intra-op threads (0 = its default)
+    read_lines: int | None = None  # lines per chunk (None: see `chunk_lines`)
+    restart: bool = False  # ignore a partial output of an earlier run and start over
+    dry_run: bool = False  # read, tokenize, plan and write without running the model
 
     @property
     def search(self) -> tuple[int, float, int]:
@@ -74,6 +83,13 @@ class DecodeOptions:
         if self.length_penalty is not None:
             return self.length_penalty
         return "average" if self.ct2 else DEFAULT_LENGTH_PENALTY
+
+    @property
+    def chunk_lines(self) -> int:
+        """Lines per chunk: --read_lines, or max(10000, 2.5 x --batch_tokens)."""
+        if self.read_lines is not None:
+            return self.read_lines
+        return max(MIN_READ_LINES, round(READ_LINES_PER_BATCH_TOKEN * self.batch_tokens))
 
     def check(self) -> None:
         """Combinations that cannot work, before anything slow happens (UsageError)."""
@@ -102,6 +118,10 @@ class DecodeOptions:
             raise UsageError(f"{', '.join(used)} need the trained model: use --workdir")
         if self.split and (self.input != "-" or self.reference):
             raise UsageError("--split replaces --input and --reference; give one or the other")
+        if self.read_lines is not None and self.read_lines < 1:
+            raise UsageError(f"--read_lines must be >= 1, got {self.read_lines}")
+        if self.dry_run and (self.alignment or self.plot_attention):
+            raise UsageError("--dry_run runs no model: drop --alignment and --plot_attention")
         self._check_choices()
 
     def _check_ct2(self) -> None:

@@ -19,10 +19,11 @@ def plot_attention(
     sources: Sequence[Sequence[int]],
     outputs: Sequence[Sequence[int]],
     directory: str,
+    first: int = 0,
 ) -> list[str]:
     """One PNG per (source ids with EOS, output ids) pair: cross-attention, mean over heads.
 
-    Returns the paths written (DIRECTORY/attention_000.png, ...).
+    Returns the paths written (DIRECTORY/attention_000.png, ..., numbered from `first`).
     """
     import jax.numpy as jnp
     import matplotlib
@@ -51,7 +52,7 @@ def plot_attention(
             ax.set_xlabel("source")
         axes[0][0].set_ylabel("output")
         fig.tight_layout()
-        path = os.path.join(directory, f"attention_{n:03d}.png")
+        path = os.path.join(directory, f"attention_{first + n:03d}.png")
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
@@ -59,9 +60,15 @@ def plot_attention(
 
 
 def plot_lines(
-    model: Transformer, tokenizer: Any, translated: Translated, directory: str, count: int
+    model: Transformer,
+    tokenizer: Any,
+    translated: Translated,
+    directory: str,
+    count: int,
+    first: int = 0,
 ) -> list[str]:
-    """Plots of the first `count` lines' first segments and their best translations."""
+    """Plots of the first `count` lines' first segments and their best translations (files
+    numbered from `first`: a chunk after plots of earlier chunks)."""
     firsts: dict[int, int] = {}  # each line's first segment
     for n, segment in enumerate(translated.segments):
         firsts.setdefault(segment.line, n)
@@ -73,4 +80,5 @@ def plot_lines(
         [translated.segments[n].ids for n in chosen],
         [search[n][0].tokens if search[n] else [] for n in chosen],
         directory,
+        first,
     )

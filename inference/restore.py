@@ -23,6 +23,7 @@ from flax import nnx
 from data import DataError, Tokenizer
 from data.tokenizer import TOKENIZER_FILENAME
 from inference.options import UsageError
+from inference.resume import files_identity
 from model import Transformer
 from training.checkpoints import CHECKPOINT_DIR, Checkpoints
 from training.config import CONFIG_FILE, load_config, model_config
@@ -107,3 +108,16 @@ def load_workdir(
     except (TrainingError, DataError) as e:
         raise UsageError(str(e)) from e
     return model, config, step, tokenizer
+
+
+def workdir_identity(workdir: str, step: int, average_last: int = 1) -> dict:
+    """What a model restored by `restore_model(workdir, step=step, average_last=...)` is made
+    of, for decode.py's resumable jobs: the workdir, the steps averaged, and a digest of the
+    names, sizes and mtimes of their checkpoint files, config.json and the tokenizer (a
+    retrained or edited workdir gives another identity)."""
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
+    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit() and int(d) <= step)
+    steps = steps[-average_last:]
+    files = [os.path.join(workdir, CONFIG_FILE), os.path.join(workdir, TOKENIZER_FILENAME)]
+    files += [os.path.join(directory, str(s)) for s in steps]
+    return {"workdir": os.path.abspath(workdir), "steps": steps, "files": files_identity(files)}

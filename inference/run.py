@@ -1,13 +1,17 @@
-"""decode.py's command: open a translator, translate lines in order, write them, report.
+"""decode.py's command: open a translator, stream the lines through it in order, report.
 
     run(DecodeOptions(workdir="workdir/tiny", input="test.de", output="test.en"))
 
-Steps: read the input lines (or a split of the workdir's dataset); open a
-`Translator` (the workdir's live model, or an exported one); encode, translate
-and join the lines (inference/lines.py); add alignments; write; print the
-summary, BLEU/chrF against references, attention plots. Progress, warnings and
-the summary go to stderr; BLEU/chrF go to stdout unless the translations do.
-Everything the user can fix is a UsageError.
+Steps: check the input (and references); open a `Translator` (the workdir's
+live model, an exported one, or, with --dry_run, a stand-in that plans batches
+without a model); describe the job (its inputs, model and settings) and open
+the output, which goes on from an earlier run's record of the same job
+(inference/resume.py); translate chunk by chunk (inference/stream.py) with
+progress on stderr (inference/progress.py); then the summary, BLEU/chrF
+against references and the plots' count. Progress, warnings and the summary
+go to stderr; BLEU/chrF go to stdout unless the translations do. Everything
+the user can fix is a UsageError; a failure or Ctrl-C mid-job keeps the
+chunks done for the next run.
 """
 
 from __future__ import annotations
@@ -18,24 +22,34 @@ import sys
 import time
 from typing import Any
 
+import jax
+
 from data import DataError, Tokenizer, load_split
-from inference.alignment import add_alignments
 from inference.export import ExportedTranslator, export_translator
-from inference.lines import (
-    Translated,
-    best_texts,
-    bleu_chrf,
-    encode_lines,
-    format_lines,
-    read_lines,
-    translate_segments,
-    write_lines,
-)
+from inference.lines import CorpusScores, LineReader, count_lines
 from inference.options import DecodeOptions, UsageError
-from inference.plots import plot_lines
-from inference.restore import load_workdir
-from inference.translate import LiveTranslator, Translator, vocab_limit
+from inference.progress import Meter
+from inference.restore import load_workdir, workdir_identity
+from inference.resume import (
+    PartialOutput,
+    StreamOutput,
+    file_identity,
+    files_identity,
+    lines_identity,
+    open_output,
+)
+from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
+from inference.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
 from model import Transformer
+
+# Options that are not settings of a job's output: the files and the checkpoint
+# (described by their identity instead: --checkpoint_step=N resumes a job that loaded
+# step N as the newest), --restart itself, and what only --export uses.
+_NOT_SETTINGS = (
+    "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
+    "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
+    "quantization",
+)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -48,37 +62,35 @@ class Loaded:
     description: str  # "step 3000", "the translator exported in DIR"
     model: Transformer | None = None
     config: Any = None
+    # What the translations depend on, for resuming a job (None: the description); a new
+    # backend gives e.g. {"ct2": files_identity([directory])}.
+    identity: dict[str, Any] | None = None
 
 
 def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
 
 
-def read_inputs(options: DecodeOptions) -> tuple[list[str], int, list[str] | None]:
-    """(lines, lines with invalid UTF-8, reference lines or None) of --input/--reference."""
-    if options.split:
-        return [], 0, None
-    if options.input != "-" and not os.path.isfile(options.input):
+def check_inputs(options: DecodeOptions) -> int | None:
+    """Before anything slow: --input exists and --reference has as many lines. Returns the
+    input's number of lines (None for stdin or --split), for the ETA."""
+    if options.split or options.input == "-":
+        return None
+    if not os.path.isfile(options.input):
         raise UsageError(f"--input {options.input} does not exist")
-    lines, bad_utf8 = _read(options.input)
-    refs = None
-    if options.reference:
-        refs, _ = _read(options.reference)
-        if len(refs) != len(lines):
-            raise UsageError(f"--reference has {len(refs)} lines but the input {len(lines)}")
-    return lines, bad_utf8, refs
-
-
-def _read(path: str) -> tuple[list[str], int]:
     try:
-        return read_lines(path)
+        total = count_lines(options.input)
+        if options.reference:
+            refs = count_lines(options.reference)
+            if refs != total:
+                raise UsageError(f"--reference has {refs} lines but the input {total}")
     except OSError as e:
-        raise UsageError(f"cannot read {path}: {e.strerror}") from e
+        raise UsageError(f"cannot read {e.filename}: {e.strerror}") from e
+    return total
 
 
 def open_translator(options: DecodeOptions) -> Loaded:
-    """The exported translator of --exported, the CTranslate2 model of --ct2, or the live
-    model of --workdir."""
+    """The translator of --exported or --ct2 (CTranslate2), or the live model of --workdir."""
     if options.exported:
         return _open_exported(options)
     if options.ct2:
@@ -96,7 +108,8 @@ def open_translator(options: DecodeOptions) -> Loaded:
         vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
         length_penalty=options.penalty,
     )
-    return Loaded(translator, tokenizer, f"step {step}", model, config)
+    identity = workdir_identity(options.workdir, step, options.average_last)
+    return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
 
 
 def _open_exported(options: DecodeOptions) -> Loaded:
@@ -111,7 +124,20 @@ def _open_exported(options: DecodeOptions) -> Loaded:
             raise UsageError(
                 f"{options.exported} was exported with {name}={exported}; export again to change it"
             )
-    return Loaded(translator, tokenizer, f"the translator exported in {options.exported}")
+    identity = {"exported": os.path.abspath(options.exported)}
+    identity["files"] = files_identity([options.exported])
+    description = f"the translator exported in {options.exported}"
+    return Loaded(translator, tokenizer, description, identity=identity)
+
+
+def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
+    """--dry_run: `loaded` with a translator that plans and fills its batches but runs no
+    model (each line comes out as its own tokens, detokenized)."""
+    t = loaded.translator
+    stand_in = PlanOnlyTranslator(t.max_len, t.beam_size, t.alpha, t.n_best, options.batch_tokens)
+    return dataclasses.replace(
+        loaded, translator=stand_in, description=f"{loaded.description} (dry run: no model)"
+    )
 
 
 def _open_ct2(options: DecodeOptions) -> Loaded:
@@ -130,7 +156,9 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
         tokenizer = Tokenizer.load(translator.tokenizer_path)
     except (ImportError, OSError, ValueError, DataError) as e:
         raise UsageError(str(e)) from e
-    return Loaded(translator, tokenizer, f"the CTranslate2 model in {options.ct2}")
+    identity = {"ct2": os.path.abspath(options.ct2), "files": files_identity([options.ct2])}
+    description = f"the CTranslate2 model in {options.ct2}"
+    return Loaded(translator, tokenizer, description, identity=identity)
 
 
 def export(loaded: Loaded, options: DecodeOptions) -> None:
@@ -202,30 +230,58 @@ def split_lines(config: Any, split: str) -> tuple[list[str], list[str]]:
     return [src for src, _ in pairs], [tgt for _, tgt in pairs]
 
 
-def translate(
-    loaded: Loaded, lines: list[str], max_length: int, split: bool
-) -> tuple[Translated, dict[str, float]]:
-    """The lines translated, with a progress bar; and (seconds, segments, tokens)."""
-    from tqdm import tqdm
+def describe_inputs(
+    options: DecodeOptions, loaded: Loaded, split: tuple[list[str], list[str]] | None
+) -> dict[str, Any] | None:
+    """The identity of what is translated (and scored): --input and --reference, or the
+    split's (sources, targets); None for stdin (it cannot be read again: not resumable)."""
+    if split is not None:
+        what = {"split": options.split, "dataset": str(loaded.config.dataset)}
+        return {"split": lines_identity([*split[0], *split[1]], **what)}
+    if options.input == "-" or not os.path.isfile(options.input):
+        return None
+    refs = options.reference
+    return {"input": file_identity(options.input), "reference": refs and file_identity(refs)}
 
-    segments, line_tokens, num_long = encode_lines(loaded.tokenizer, lines, max_length, split)
-    if num_long:
-        _warn(f"{num_long} line(s) over {max_length} tokens {'split' if split else 'truncated'}")
-    bar = tqdm(total=len(segments), unit="sent", file=sys.stderr, dynamic_ncols=True)
-    start, done = time.perf_counter(), [0, 0]
 
-    def progress(sentences: int, tokens: int) -> None:
-        done[0] += sentences
-        done[1] += tokens
-        bar.update(sentences)
-        bar.set_postfix(tok_s=f"{done[1] / (time.perf_counter() - start):.0f}", refresh=False)
+def describe_job(
+    options: DecodeOptions, loaded: Loaded, inputs: dict[str, Any] | None, max_length: int
+) -> dict[str, Any] | None:
+    """What a job's output depends on, compared when a partial output is resumed: inputs,
+    model, every setting (as resolved), and the JAX version (numerics)."""
+    if inputs is None:
+        return None
+    settings = {k: v for k, v in dataclasses.asdict(options).items() if k not in _NOT_SETTINGS}
+    t = loaded.translator
+    plots = options.plot_attention and os.path.abspath(options.plot_attention)
+    settings.update(
+        beam_size=t.beam_size, alpha=t.alpha, n_best=t.n_best, max_length=max_length,
+        plot_attention=plots, read_lines=options.chunk_lines,
+        length_penalty=getattr(t, "length_penalty", None),
+    )  # fmt: skip
+    model = loaded.identity or {"translator": loaded.description}
+    return {"inputs": inputs, "model": model, "settings": settings, "jax": jax.__version__}
 
-    translated = translate_segments(
-        loaded.translator, loaded.tokenizer, segments, line_tokens, progress
-    )
-    bar.close()
-    stats = {"seconds": time.perf_counter() - start, "segments": len(segments), "tokens": done[1]}
-    return translated, stats
+
+def open_readers(
+    options: DecodeOptions, split: tuple[list[str], list[str]] | None, done: dict[str, Any]
+) -> tuple[Reader, Reader | None]:
+    """(source, references or None) readers, at the offsets of an earlier run's record."""
+    if split is not None:
+        sources, targets = split
+        lines = done.get("lines", 0)
+        return ListReader(sources, lines), ListReader(targets, lines)
+    source = LineReader(options.input, done.get("input_offset", 0))
+    if not options.reference:
+        return source, None
+    return source, LineReader(options.reference, done.get("reference_offset", 0))
+
+
+def _kept(out: Any) -> str:
+    lines = out.done.get("lines", 0)
+    if not (out.resumable and lines):
+        return ""
+    return f"; {lines} lines are kept in {out.partial}: run the same command again to go on"
 
 
 def run(options: DecodeOptions) -> None:
@@ -237,53 +293,105 @@ def run(options: DecodeOptions) -> None:
             import_ctranslate2()  # before the slow part: how to install it
         except ImportError as e:
             raise UsageError(str(e)) from e
-    lines, bad_utf8, refs = read_inputs(options)
+    total = check_inputs(options)
     loaded = open_translator(options)
     if options.export:
         return export(loaded, options)
     if options.export_ct2:
         return export_ct2(loaded, options)
-    if options.split:
-        lines, refs = split_lines(loaded.config, options.split)
+    if options.dry_run:
+        loaded = dry_run(loaded, options)
     max_len = loaded.translator.max_len
     max_length = min(options.max_length or max_len, max_len)
     if max_length < 2:
         raise UsageError(f"--max_length must be >= 2, got {max_length}")
-    if bad_utf8:
-        _warn(f"{bad_utf8} line(s) had invalid UTF-8 (replaced)")
-    translated, stats = translate(loaded, lines, max_length, options.long_lines == "split")
-    if options.alignment:
-        add_alignments(loaded.model, loaded.tokenizer, translated)
-    try:
-        write_lines(options.output, format_lines(translated.hypotheses, options.output_format))
-    except OSError as e:
-        raise UsageError(f"cannot write {options.output}: {e.strerror}") from e
-    report(lines, translated, stats, loaded)
-    if refs is not None:
-        print_scores(best_texts(translated.hypotheses), refs, options.output)
-    if options.plot_attention:
-        paths = plot_lines(
-            loaded.model, loaded.tokenizer, translated, options.plot_attention, options.num_plots
+    split = split_lines(loaded.config, options.split) if options.split else None
+    job = describe_job(options, loaded, describe_inputs(options, loaded, split), max_length)
+    out = open_output(options.output, job, options.restart)
+    if out.done.get("lines"):
+        print(
+            f"decode.py: going on with {out.partial}: {out.done['lines']} lines were done by "
+            "an earlier run of this command",
+            file=sys.stderr,
         )
-        print(f"wrote {len(paths)} attention plot(s) to {options.plot_attention}", file=sys.stderr)
+    if split is not None:
+        total = len(split[0])
+    totals = _translate(options, loaded, out, max_length, split, total)
+    report(totals, loaded, options, max_length)
 
 
-def report(lines: list[str], translated: Translated, stats: dict, loaded: Loaded) -> None:
-    """The summary line on stderr."""
-    seconds = max(stats["seconds"], 1e-9)
-    empty = sum(1 for x in translated.hypotheses if not x)
+def _translate(
+    options: DecodeOptions,
+    loaded: Loaded,
+    out: PartialOutput | StreamOutput,
+    max_length: int,
+    split: tuple[list[str], list[str]] | None,
+    total: int | None,
+) -> Totals:
+    """The stream loop around `out`: finished when complete, kept for a resume otherwise."""
+    meter = Meter(total, out.done.get("lines", 0))
+    source = references = None
+    try:
+        source, references = open_readers(options, split, out.done)
+        stream = StreamJob(
+            loaded.translator,
+            loaded.tokenizer,
+            source,
+            read_lines=options.chunk_lines,
+            max_length=max_length,
+            long_lines=options.long_lines,
+            output_format=options.output_format,
+            references=references,
+            model=loaded.model,
+            alignment=options.alignment,
+            plot_attention=options.plot_attention,
+            num_plots=options.num_plots,
+        )
+        totals = translate_stream(stream, out, meter)
+        meter.close()
+        out.finish()
+        return totals
+    except KeyboardInterrupt:
+        meter.close()
+        print(f"decode.py: interrupted{_kept(out)}", file=sys.stderr)
+        sys.exit(130)
+    except OSError as e:
+        raise UsageError(f"{e.filename or options.output}: {e.strerror}{_kept(out)}") from e
+    except UsageError as e:
+        raise UsageError(f"{e}{_kept(out)}") from e
+    finally:
+        meter.close()
+        out.close()
+        for reader in (source, references):
+            if reader is not None:
+                reader.close()
+
+
+def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: int) -> None:
+    """Warnings, the summary line (stderr), scores and the plots written."""
+    if totals.bad_utf8:
+        _warn(f"{totals.bad_utf8} line(s) had invalid UTF-8 (replaced)")
+    if totals.long:
+        how = "split" if options.long_lines == "split" else "truncated"
+        _warn(f"{totals.long} line(s) over {max_length} tokens {how}")
+    seconds = max(totals.seconds, 1e-9)
     translator = loaded.translator
     print(
-        f"decode.py: {len(lines)} lines ({empty} empty) from {loaded.description}, beam "
-        f"{translator.beam_size}, alpha {translator.alpha}: {seconds:.1f} s, "
-        f"{stats['segments'] / seconds:.1f} sentences/s, {stats['tokens'] / seconds:.0f} tokens/s",
+        f"decode.py: {totals.lines} lines ({totals.empty} empty) from {loaded.description}, "
+        f"beam {translator.beam_size}, alpha {translator.alpha}: {seconds:.1f} s, "
+        f"{totals.segments / seconds:.1f} sentences/s, {totals.tokens / seconds:.0f} tokens/s",
         file=sys.stderr,
     )
+    if options.reference or options.split:
+        print_scores(CorpusScores(totals.scores).result(), options.output)
+    if options.plot_attention:
+        print(
+            f"wrote {totals.plots} attention plot(s) to {options.plot_attention}", file=sys.stderr
+        )
 
 
-def print_scores(hyps: list[str], refs: list[str], output: str) -> None:
+def print_scores(scores: dict[str, Any], output: str) -> None:
     """BLEU and chrF with their signatures: on stdout, or stderr when it holds the output."""
-    scores = bleu_chrf(hyps, refs)
     out = sys.stderr if output == "-" else sys.stdout
     print(f"BLEU = {scores['bleu']:.2f}  {scores['bleu_signature']}", file=out)
     print(f"chrF = {scores['chrf']:.2f}  {scores['chrf_signature']}", file=out)

@@ -32,7 +32,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from inference.stages import Progress, run_stages
+from data.plans import plan_translation
+from inference.stages import Progress, fetch, place, run_stages
 from model import EOS_ID, PAD_ID, Transformer, beam
 from model.scoring import DEFAULT_LENGTH_PENALTY, decode_shape
 
@@ -237,3 +238,61 @@ class LiveTranslator:
             progress=progress,
             length_penalty=self.length_penalty,
         )
+
+
+@dataclasses.dataclass
+class PlanOnlyTranslator:
+    """A `Translator` that plans, fills, places and reads back every batch as the real one
+    does, but runs no search: each source's one hypothesis is itself (without EOS), score 0.
+
+    decode.py --dry_run: everything but the model (reading, tokenizing, batching,
+    writing), to check an input and measure that part's memory and time.
+    """
+
+    max_len: int
+    beam_size: int = 4
+    alpha: float = 0.6
+    n_best: int = 1
+    batch_tokens: int = 4096
+
+    def translate(
+        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+    ) -> list[list[Hypothesis]]:
+        return echo_batches(
+            sources, max_len=self.max_len, batch_tokens=self.batch_tokens, progress=progress
+        )
+
+
+def echo_batches(
+    sources: Sequence[Sequence[int]],
+    *,
+    max_len: int,
+    batch_tokens: int,
+    progress: Progress | None = None,
+) -> list[list[Hypothesis]]:
+    """`run_stages`'s batches (planned, filled, placed on the device, read back) with each
+    source 'translated' into itself, score 0: everything but the search."""
+    too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} source(s) exceed max_len {max_len} (first: #{too_long[0]})"
+        )
+    nonempty = [i for i, s in enumerate(sources) if len(s)]
+    plan = plan_translation(
+        [len(sources[i]) for i in nonempty], batch_tokens=batch_tokens, max_len=max_len
+    )
+    results: list[list[Hypothesis]] = [[] for _ in sources]
+    for chunk, width, rows in plan:
+        src = np.zeros((rows, width), np.int32)  # [B, S]
+        src[len(chunk) :, 0] = EOS_ID
+        for r, j in enumerate(chunk):
+            ids = sources[nonempty[j]]
+            src[r, : len(ids)] = ids
+        tokens = fetch(place(src, None))[:, None, :]  # [B, S] -> [B, 1, S]
+        count = 0
+        for r, j in enumerate(chunk):
+            results[nonempty[j]] = hypotheses(tokens[r], np.zeros(1, np.float32))
+            count += len(results[nonempty[j]][0].tokens) + 1
+        if progress is not None:
+            progress(len(chunk), count)
+    return results

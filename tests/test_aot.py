@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from data.plans import rows_per_batch
 from training import aot, hlo, targets
 from training.errors import TrainingError
 
@@ -114,7 +115,7 @@ def _mesh(data, fsdp=1, tensor=1):
 
 def test_batch_shapes_follow_the_input_pipeline():
     from configs import base, tiny
-    from data.plans import length_buckets, rows_per_batch
+    from data.plans import length_buckets
 
     c = base.get_config()  # 25k tokens, max_length 256, 34 fitted widths
     shapes, others = aot.batch_shapes(c, _mesh(8), num_processes=1, all_buckets=False)
@@ -132,6 +133,20 @@ def test_batch_shapes_follow_the_input_pipeline():
     t = tiny.get_config()  # packed rows of max_length
     shapes, others = aot.batch_shapes(t, _mesh(4), num_processes=1, all_buckets=True)
     assert shapes == [(rows_per_batch(1024, 64, 4), 64)] and others == 0
+
+
+def test_eval_rows_are_shared_by_the_processes():
+    from configs import base
+
+    c = base.get_config()
+    assert aot.eval_rows(c, _mesh(8), 1, 256) == rows_per_batch(25_000, 256, 8)
+    # A v5e-256 pod, FSDP over every chip, 64 hosts: each host reads 1024 of the
+    # 65536 tokens, 4 rows of 256 (the global 256 rows, one per chip).
+    c.batch_tokens = 65536
+    assert aot.eval_rows(c, _mesh(1, 256), 64, 256) == 256
+    # More hosts than the batch axes hold rows: a host's share may be a single row.
+    c.batch_tokens = 16384
+    assert aot.eval_rows(c, _mesh(4, 1, 64), 64, 256) == 64
 
 
 def test_per_device_bytes_divides_by_the_sharding():

@@ -39,6 +39,7 @@ from training import config as config_lib
 from training import hlo, steps
 from training.aot_report import advice
 from training.errors import TrainingError
+from training.input import shard_multiple
 from training.mesh import AXES, batch_divisor, batch_sharding, make_mesh, mesh_shape
 from training.metrics import train_flops
 from training.targets import Target, abstract_devices, parse_target
@@ -84,7 +85,7 @@ def batch_shapes(
     """
     shards = config.data_shards or num_processes
     wanted = batch_divisor(mesh) * config.grad_accum_steps
-    multiple = wanted // math.gcd(wanted, shards)
+    multiple = shard_multiple(wanted, shards)
     budget = config.batch_tokens // shards
     max_length = int(config.max_length)
     if config.packing:
@@ -96,6 +97,13 @@ def batch_shapes(
         others = max(0, count - len(widths))
     shapes = [(rows_per_batch(budget, w, multiple) * shards, w) for w in sorted(widths)[::-1]]
     return shapes, others
+
+
+def eval_rows(config: Any, mesh: Mesh, num_processes: int, width: int) -> int:
+    """Global rows of a dev-loss batch `width` wide, as training.input.eval_batches plans:
+    each process a share of batch_tokens, the global rows a multiple of the batch axes."""
+    multiple = shard_multiple(batch_divisor(mesh), num_processes)
+    return rows_per_batch(config.batch_tokens // num_processes, width, multiple) * num_processes
 
 
 def abstract_batch(config: Any, mesh: Mesh, rows: int, width: int) -> dict[str, Any]:
@@ -297,8 +305,7 @@ def _train_and_eval(ctx: Context, all_buckets: bool) -> tuple[list[dict[str, Any
         )  # fmt: skip
     # Evaluation batches: the default rule's widths, rows for batch_tokens per process.
     width = shapes[0][1]
-    per_process = config.batch_tokens // ctx.processes
-    rows = rows_per_batch(per_process, width, batch_divisor(mesh)) * ctx.processes
+    rows = eval_rows(config, mesh, ctx.processes, width)
     batch = abstract_batch(config, mesh, rows, width)
     args = (setup.abstract.params, setup.abstract.rngs, batch)
     program = _compile(ctx, "eval_step", eval_step, args, (rows, width))
@@ -404,7 +411,7 @@ def find_batch(config: Any, target_name: str, *, slices: int = 1, cap: int = 64)
     ctx = _setup(config, parse_target(target_name), slices)
     shards = config.data_shards or ctx.processes
     wanted = batch_divisor(ctx.mesh) * config.grad_accum_steps
-    unit = wanted // math.gcd(wanted, shards) * shards  # global rows per step of the search
+    unit = shard_multiple(wanted, shards) * shards  # global rows per step of the search
     width = int(config.max_length)
     train_step = steps.make_train_step(ctx.setup)
     probes: list[dict[str, Any]] = []

@@ -35,7 +35,7 @@ def eval_loss(
 ) -> dict[str, float]:
     """Token-weighted loss, accuracy and perplexity over every pair of `corpus`."""
     total = None
-    for batch, _ in eval_batches(config, tokenizer, corpus, batch_multiple=batch_divisor(mesh)):
+    for batch, _ in eval_batches(config, tokenizer, corpus, global_multiple=batch_divisor(mesh)):
         sums = eval_step(params, rngs, shard_batch(batch, mesh))
         total = sums if total is None else jax.tree.map(jnp.add, total, sums)
     if total is None:

@@ -115,8 +115,8 @@ def _is_matmul(opcode: str, line: str) -> bool:
 
 
 def matmul_dtypes(hlo: str) -> dict[str, int]:
-    """{operand element types: count} of the matrix multiplies: dots and convolutions, and
-    on GPUs the cuBLAS calls they become ("bf16": both operands bf16)."""
+    """{factor element types: count} of the matrix multiplies: dots and convolutions, and
+    on GPUs the cuBLAS calls they become ("bf16": both factors bf16)."""
     shapes: dict[str, str] = {}
     out: dict[str, int] = {}
     for line in hlo.splitlines():
@@ -128,7 +128,8 @@ def matmul_dtypes(hlo: str) -> dict[str, int]:
         if not _is_matmul(opcode, line):
             continue
         operands = re.findall(r"%([\w.\-]+)", line.split(f"{opcode}(", 1)[1].split(")", 1)[0])
-        kinds = {array_bytes(shapes.get(o, ""))[1][0] for o in operands if shapes.get(o)}
+        # The two factors; a cuBLAS call's third operand is the matrix it adds to (C).
+        kinds = {array_bytes(shapes.get(o, ""))[1][0] for o in operands[:2] if shapes.get(o)}
         key = "+".join(sorted(kinds)) or array_bytes(shape)[1][0]
         out[key] = out.get(key, 0) + 1
     return out

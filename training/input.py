@@ -3,7 +3,7 @@
     inputs = ShardedInput(config, tokenizer, corpus, global_multiple=rows_multiple)
     batch = next(inputs)              # numpy rows of this process
     state = inputs.get_state()        # [iterator state of each of this process's shards]
-    for batch, _ in eval_batches(config, tokenizer, dev, batch_multiple=rows_multiple): ...
+    for batch, _ in eval_batches(config, tokenizer, dev, global_multiple=rows_multiple): ...
 
 The corpus is cut into `num_shards` strided shards (data/pipeline.py); shard s
 holds examples s, s + n, s + 2n, ... and its own batch plan with 1/n of the
@@ -82,14 +82,21 @@ def agreed_widths(
     return fit_widths(config, histogram, budget, multiple, num_shards)
 
 
-def eval_batches(config: Any, tokenizer: data.Tokenizer, corpus: Any, *, batch_multiple: int):
+def shard_multiple(global_multiple: int, num_shards: int) -> int:
+    """Rows of one shard's batches are a multiple of this, so that `num_shards` equal
+    shares make global batches whose rows are a multiple of `global_multiple`."""
+    return global_multiple // math.gcd(global_multiple, num_shards)
+
+
+def eval_batches(config: Any, tokenizer: data.Tokenizer, corpus: Any, *, global_multiple: int):
     """`data.eval_batches` of this process's shard of `corpus`, with the batch counts that
-    every process agrees on (so all run the same eval steps)."""
+    every process agrees on (so all run the same eval steps). `global_multiple`: the
+    global batch's rows must be a multiple of it (each process gives its share)."""
     return data.eval_batches(
         config,
         tokenizer,
         corpus,
-        batch_multiple=batch_multiple,
+        batch_multiple=shard_multiple(global_multiple, jax.process_count()),
         shard=jax.process_index(),
         num_shards=jax.process_count(),
         agree=agree_counts(),
@@ -118,8 +125,7 @@ class ShardedInput:
         per_process = self.num_shards // jax.process_count()
         first = jax.process_index() * per_process
         self.shard_ids = list(range(first, first + per_process))
-        # Shard rows a multiple of m => the global rows (num_shards * m * j) divide evenly.
-        multiple = global_multiple // math.gcd(global_multiple, self.num_shards)
+        multiple = shard_multiple(global_multiple, self.num_shards)
         # Each shard is tokenized (or mapped from the cache) once, here.
         shards = [
             train_shard(config, tokenizer, corpus, s, self.num_shards, cache_dir(config, workdir))

@@ -77,6 +77,22 @@ def state_shardings(mesh: Mesh, abstract_state: Any, rules: Sequence[tuple[str, 
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
 
+def gathered(shardings: Any, axis: str = "fsdp") -> Any:
+    """`shardings` (a tree of NamedShardings) with `axis` dropped from every spec: where
+    FSDP-sharded parameters are used, whole along that axis (still split over the others).
+    """
+
+    def drop(s: NamedSharding) -> NamedSharding:
+        def keep(entry):
+            names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            rest = tuple(n for n in names if n != axis)
+            return rest[0] if len(rest) == 1 else (rest or None)
+
+        return NamedSharding(s.mesh, PartitionSpec(*(keep(e) for e in s.spec)))
+
+    return jax.tree.map(drop, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Rows over the batch axes ('data', 'fsdp'); the other dimensions replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))

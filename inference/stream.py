@@ -1,0 +1,189 @@
+"""decode.py's loop: an input translated a chunk at a time, in bounded memory.
+
+    job = StreamJob(translator, tokenizer, LineReader("big.de"), read_lines=10_000, ...)
+    totals = translate_stream(job, open_output("big.en", record_job, restart=False), meter)
+
+Each chunk: `read_lines` lines are read, encoded (inference/lines.py), handed to
+the `Translator` as one list (which sorts them by length into batches of a few
+static shapes, data/plans.py), joined back into lines, given alignments and
+plots if asked, formatted and appended to the output in input order, with the
+record of everything counted so far (`Totals`): the next chunk is read only
+then. Memory holds one chunk's lines and translations; BLEU and chrF keep only
+their summed statistics (`CorpusScores`). An output that was started by an
+earlier run of the same job goes on from its record (inference/resume.py):
+the readers start at the recorded offsets and the counters at the recorded
+values, so the finished file and summary are those of one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from inference.alignment import add_alignments
+from inference.lines import (
+    CorpusScores,
+    Translated,
+    best_texts,
+    encode_lines,
+    format_lines,
+    output_text,
+    translate_segments,
+)
+from inference.options import UsageError
+from inference.plots import plot_lines
+from inference.progress import Meter
+from inference.translate import Translator
+from model import Transformer
+
+
+class Reader(Protocol):
+    """Lines in chunks: `read(n)` -> (up to n lines, how many had invalid UTF-8); `offset`
+    is where the next chunk starts (bytes of a file, or lines of a list)."""
+
+    offset: int
+
+    def read(self, n: int) -> tuple[list[str], int]: ...
+
+    def close(self) -> None: ...
+
+
+class ListReader:
+    """Lines held in memory (a dataset split) as a `Reader`; the offset counts lines."""
+
+    def __init__(self, lines: Sequence[str], offset: int = 0):
+        self.lines, self.offset = lines, offset
+
+    def read(self, n: int) -> tuple[list[str], int]:
+        chunk = list(self.lines[self.offset : self.offset + n])
+        self.offset += len(chunk)
+        return chunk, 0
+
+    def close(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class Totals:
+    """What a job has done so far: saved with each chunk, the summary and warnings at the end."""
+
+    lines: int = 0
+    input_offset: int = 0  # where the next chunk starts in the input ...
+    reference_offset: int = 0  # ... and in the references
+    bad_utf8: int = 0  # lines with invalid UTF-8
+    long: int = 0  # lines over max_length (truncated or split)
+    empty: int = 0  # lines without a translation
+    segments: int = 0  # sources translated (a split line has several)
+    tokens: int = 0  # output tokens
+    seconds: float = 0.0  # encoding and translating
+    plots: int = 0  # attention plots written
+    scores: dict[str, list[int]] | None = None  # CorpusScores.stats
+
+    @classmethod
+    def from_record(cls, done: dict[str, Any]) -> Totals:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in done.items() if k in fields})
+
+
+@dataclasses.dataclass
+class StreamJob:
+    """What `translate_stream` needs: a translator and its tokenizer, the readers, and how
+    lines are cut, written and looked at (decode.py's flags of the same names)."""
+
+    translator: Translator
+    tokenizer: Any
+    source: Reader
+    read_lines: int
+    max_length: int  # longest source in tokens with EOS
+    long_lines: str = "truncate"  # or "split"
+    output_format: str = "text"
+    references: Reader | None = None
+    model: Transformer | None = None  # the live model: alignments and plots
+    alignment: bool = False
+    plot_attention: str | None = None
+    num_plots: int = 4
+
+
+class Output(Protocol):
+    """Where chunks go (inference/resume.py): `done` is the record an earlier run left."""
+
+    done: dict[str, Any]
+
+    def append(self, data: bytes, done: dict[str, Any]) -> None: ...
+
+
+def translate_chunk(job: StreamJob, lines: list[str], meter: Meter) -> tuple[Translated, int]:
+    """One chunk of lines translated (with alignments if asked); and how many were long."""
+    segments, line_tokens, num_long = encode_lines(
+        job.tokenizer, lines, job.max_length, job.long_lines == "split"
+    )
+    meter.start_chunk(len(lines), len(segments))
+    translated = translate_segments(
+        job.translator, job.tokenizer, segments, line_tokens, meter.batch
+    )
+    if job.alignment:
+        add_alignments(job.model, job.tokenizer, translated)
+    return translated, num_long
+
+
+def _references(job: StreamJob, count: int) -> list[str]:
+    refs, _ = job.references.read(count)
+    if len(refs) < count:
+        raise UsageError("--reference has fewer lines than the input")
+    return refs
+
+
+def _chunk(
+    job: StreamJob, totals: Totals, scores: CorpusScores | None, meter: Meter
+) -> tuple[bytes, Totals] | None:
+    """The next chunk translated: (its output bytes, the totals with it), None at the end.
+
+    A function of its own so that the chunk's lines and translations are freed when it
+    returns, before the next chunk is read (never two chunks in memory).
+    """
+    lines, bad_utf8 = job.source.read(job.read_lines)
+    if not lines:
+        return None
+    start = time.perf_counter()
+    translated, num_long = translate_chunk(job, lines, meter)
+    seconds = time.perf_counter() - start
+    if scores is not None:
+        scores.add(best_texts(translated.hypotheses), _references(job, len(lines)))
+    plots = totals.plots
+    if job.plot_attention and plots < job.num_plots:
+        count = job.num_plots - plots
+        plots += len(
+            plot_lines(job.model, job.tokenizer, translated, job.plot_attention, count, plots)
+        )
+    text = output_text(format_lines(translated.hypotheses, job.output_format))
+    totals = dataclasses.replace(
+        totals,
+        lines=totals.lines + len(lines),
+        input_offset=job.source.offset,
+        reference_offset=job.references.offset if job.references else 0,
+        bad_utf8=totals.bad_utf8 + bad_utf8,
+        long=totals.long + num_long,
+        empty=totals.empty + sum(1 for h in translated.hypotheses if not h),
+        segments=totals.segments + len(translated.segments),
+        tokens=totals.tokens + sum(len(h[0].tokens) + 1 for h in translated.search if h),
+        seconds=totals.seconds + seconds,
+        plots=plots,
+        scores=scores.stats if scores is not None else None,
+    )
+    return text.encode("utf-8"), totals
+
+
+def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
+    """Translate `job.source` chunk by chunk into `out`, from where its record says."""
+    totals = Totals.from_record(out.done)
+    scores = CorpusScores(totals.scores) if job.references is not None else None
+    while (chunk := _chunk(job, totals, scores, meter)) is not None:
+        data, totals = chunk
+        out.append(data, dataclasses.asdict(totals))
+        del chunk, data
+        meter.end_chunk()
+    if job.references is not None and job.references.read(1)[0]:
+        raise UsageError("--reference has more lines than the input")
+    return totals
