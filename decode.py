@@ -42,11 +42,11 @@ flags.DEFINE_string(
     "output", "-", "Translations, one a line; '-' = stdout. A file appears when complete."
 )
 flags.DEFINE_integer("beam_size", 4, "Beam size K; 1 = greedy search.")
-flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / lp(len)^alpha.")
+flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / lp(len).")
 flags.DEFINE_enum(
     "length_penalty", "gnmt", ["gnmt", "average"],
-    "gnmt: lp = ((5 + len) / 6)^alpha, len with EOS (default). average: lp = len^alpha, len "
-    "without EOS (CTranslate2's; the default of --ct2).",
+    "gnmt: lp = ((5 + len) / 6)^alpha (the default). average: lp = len^alpha (CTranslate2's; "
+    "the default of --ct2). len counts EOS.",
 )  # fmt: skip
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")

@@ -14,7 +14,7 @@ so that it decodes as ours does (decoding.json):
   included: sources are translated in groups of one limit, since CTranslate2
   takes one `max_decoding_length` per call. Where ours forces EOS at the limit,
   CTranslate2 stops the hypothesis without one: the tokens are the same.
-- scores rank by log P / len^alpha, len the tokens without EOS (our
+- scores rank by log P / len^alpha, len the tokens with EOS (our
   `--length_penalty=average`); beam search keeps 2K candidates per step and an
   EOS among the first K finishes a hypothesis, as ours. CTranslate2 stops a
   source once K hypotheses have finished where ours goes on while a live beam

@@ -71,7 +71,14 @@ _NORMS = ("post", "pre")
 
 
 def import_ctranslate2() -> Any:
-    """The ctranslate2 module; ImportError with how to install it when it is missing."""
+    """The ctranslate2 module; ImportError with how to install it when it is missing.
+
+    Its OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE, unless set) when the
+    variable is read, at the first import: spinning ones, the default, made the Ding
+    test set take 42 CPU seconds instead of 4.7 with 2 threads on 2 cores that other
+    processes also used (load 8-12; docs/decoding.md).
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import ctranslate2
     except ImportError as e:
@@ -230,7 +237,7 @@ def decoding_settings(
         "format_version": FORMAT_VERSION,
         "beam_size": beam_size,
         "alpha": alpha,
-        # CTranslate2 ranks by log P / len^alpha, len the tokens without EOS.
+        # CTranslate2 ranks by log P / len^alpha, len the tokens with EOS.
         "length_penalty": "average",
         "max_len": config.max_len,
         "extra_decode_len": EXTRA_DECODE_LEN,

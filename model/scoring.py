@@ -32,9 +32,9 @@ def length_penalty(
     """lp(Y), by which scores are log P(Y) / lp(Y); `length` = |Y|, EOS included.
 
     gnmt: ((5 + |Y|) / 6)^alpha (Wu et al., 2016).
-    average: (|Y| - 1)^alpha, the tokens without EOS to the alpha, as CTranslate2
-      and OpenNMT rank (alpha 1: the mean log-probability per token). A hypothesis
-      of EOS alone scores -inf for alpha > 0, as there.
+    average: |Y|^alpha, EOS counted, as CTranslate2 ranks (its returned scores are
+      log P(Y) / |Y|^alpha with P(Y) including EOS's probability; alpha 1: the
+      mean log-probability per token, EOS included).
     Both grow with |Y| for alpha >= 0, so the best score a live beam can still
     reach is its log-probability over lp(its length limit).
     """
@@ -42,7 +42,7 @@ def length_penalty(
     if kind == "gnmt":
         return ((5.0 + length) / 6.0) ** alpha
     if kind == "average":
-        return jnp.maximum(length - 1.0, 0.0) ** alpha
+        return length**alpha
     raise ValueError(f"length penalty must be one of {LENGTH_PENALTIES}, got {kind!r}")
 
 

@@ -66,7 +66,7 @@ def reference_greedy(model, src_row, limit):
 # lp(n) of a hypothesis of n tokens, EOS included: the paper's and CTranslate2's.
 PENALTIES = {
     "gnmt": lambda n, alpha: ((5 + n) / 6) ** alpha,
-    "average": lambda n, alpha: (n - 1) ** alpha,
+    "average": lambda n, alpha: n**alpha,
 }
 
 
@@ -248,14 +248,15 @@ def test_length_penalty_matches_gnmt():
     assert float(decoding.length_penalty(7, 0.0)) == 1.0
 
 
-def test_average_length_penalty_counts_tokens_without_eos():
-    # CTranslate2's: log P / len^alpha over the tokens before EOS.
-    assert float(decoding.length_penalty(7, 0.6, "average")) == pytest.approx(6**0.6)
+def test_average_length_penalty_counts_eos():
+    # CTranslate2's: log P / len^alpha, len the tokens with EOS (tests/test_ct2_export.py
+    # checks this against CTranslate2's own scores).
+    assert float(decoding.length_penalty(7, 0.6, "average")) == pytest.approx(7**0.6)
     assert float(decoding.length_penalty(7, 0.0, "average")) == 1.0
-    # EOS alone has no tokens: -inf for alpha > 0 (as there), and never NaN.
+    # EOS alone is one token: its log-probability, for any alpha.
     score = decoding.normalized_score(jnp.array([0.0, -2.0]), jnp.array([1, 1]), 0.6, "average")
-    assert np.asarray(score).tolist() == [-np.inf, -np.inf]
-    score = decoding.normalized_score(jnp.array([-2.0]), jnp.array([5]), 1.0, "average")
+    assert np.asarray(score).tolist() == [0.0, -2.0]
+    score = decoding.normalized_score(jnp.array([-2.0]), jnp.array([4]), 1.0, "average")
     assert float(score[0]) == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="length_penalty must be one of"):
         decoding.beam_search(make(), ragged_src(0, [3]), length_penalty="wu")
