@@ -16,6 +16,7 @@ SIGINT to any host stops every host at the same step with one checkpoint (exit
 error line (exit 75). Either way, re-running the command on every host resumes.
 """
 
+import json
 import os
 import sys
 
@@ -97,26 +98,28 @@ def _compile_for() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     targets.prepare_environment(target)  # before JAX starts a backend
-    from training import TrainingError, aot_report, log, xla
+    from training import TrainingError, aot, aot_report, log, xla
 
     xla.set_gpu_flags()  # what train.py runs with on a GPU
 
     log.setup()
     config = _load_config()
     label = config_flags.get_config_filename(flags.FLAGS["config"])
+    target, slices = _COMPILE_FOR.value, _SLICES.value
     try:
-        return aot_report.run(
-            config,
-            _COMPILE_FOR.value,
-            slices=_SLICES.value,
-            all_buckets=_ALL_BUCKETS.value,
-            find=_FIND_BATCH.value,
-            label=label,
+        report = aot.compile_for(
+            config, target, slices=slices, all_buckets=_ALL_BUCKETS.value, label=label,
             dump_dir=_DUMP.value,
-        )
+        )  # fmt: skip
+        if _FIND_BATCH.value:
+            report["find_batch"] = aot.find_batch(config, target, slices=slices)
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    report["advice"] = aot_report.advice(report)
+    print(json.dumps(report), flush=True)
+    print(aot_report.table(report), file=sys.stderr)
+    return 0 if report["fits"] else 2  # 2: something does not fit
 
 
 def _load_config():

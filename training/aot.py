@@ -37,7 +37,6 @@ from data.plans import length_buckets, rows_per_batch
 from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, beam_search
 from training import config as config_lib
 from training import hlo, steps
-from training.aot_report import advice
 from training.errors import TrainingError
 from training.input import shard_multiple
 from training.mesh import AXES, batch_divisor, batch_sharding, make_mesh, mesh_shape
@@ -394,7 +393,6 @@ def compile_for(
         "other_train_widths": others,
         "fits": all(p["fits"] for p in programs),
     }
-    report["advice"] = advice(report)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
 

@@ -1,6 +1,6 @@
 """The ahead-of-time compile report for people: advice when it does not fit, and the table.
 
-report = aot.compile_for(config, "tpu:v5e-8")
+report = aot.compile_for(config, "tpu:v5e-8")   # training/aot.py: the JSON report
 report["advice"] = advice(report)
 print(table(report), file=sys.stderr)
 """
@@ -89,40 +89,12 @@ def table(report: dict[str, Any]) -> str:
         )
     verdict = "fits" if report["fits"] else "DOES NOT FIT"
     lines.append(f"{verdict}: compiled in {report['seconds']:.0f} s")
-    lines += [f"  - {a}" for a in report["advice"]]
-    return "\n".join(lines)
-
-
-def run(
-    config: Any,
-    target: str,
-    *,
-    slices: int = 1,
-    all_buckets: bool = False,
-    find: bool = False,
-    label: str = "",
-    dump_dir: str | None = None,
-) -> int:
-    """train.py --compile_for: one JSON object on stdout, the table on stderr; the exit code
-    (0 everything fits, 2 something does not). TrainingError for what the user can fix."""
-    import json
-    import sys
-
-    from training import aot
-
-    report = aot.compile_for(
-        config, target, slices=slices, all_buckets=all_buckets, label=label, dump_dir=dump_dir
-    )
-    if find:
-        report["find_batch"] = aot.find_batch(config, target, slices=slices)
-    print(json.dumps(report), flush=True)
-    print(table(report), file=sys.stderr)
-    if find:
-        best = report["find_batch"]
-        print(
+    lines += [f"  - {a}" for a in advice(report)]
+    best = report.get("find_batch")
+    if best:
+        lines.append(
             f"find_batch: the largest batch that fits is --config.batch_tokens="
             f"{best['batch_tokens']} ({best['rows']} rows of {best['width']} tokens; "
-            f"{len(best['probes'])} compiles)",
-            file=sys.stderr,
+            f"{len(best['probes'])} compiles)"
         )
-    return 0 if report["fits"] else 2
+    return "\n".join(lines)
