@@ -13,7 +13,8 @@ so that it decodes as ours does (decoding.json):
 - a source of n tokens gets at most min(n + 50, max_len) output tokens, EOS
   included: sources are translated in groups of one limit, since CTranslate2
   takes one `max_decoding_length` per call. Where ours forces EOS at the limit,
-  CTranslate2 stops the hypothesis without one: the tokens are the same.
+  CTranslate2 stops the hypothesis without one: the tokens are the same, and
+  such a hypothesis is scored again with EOS (`score_batch`) as ours is.
 - scores rank by log P / len^alpha, len the tokens with EOS (our
   `--length_penalty=average`); its log P is over the tokens it may emit (the
   suppressed ones taken out before the softmax), ours over all of them: scores
@@ -154,10 +155,11 @@ class CT2Translator:
                 return_scores=True,
                 suppress_sequences=self._never,
             )
+            hyps = self._at_limit([self._hypotheses(r) for r in out], pieces, max(limit - 1, 1))
             count = 0
-            for i, result in zip(rows, out, strict=True):
-                results[i] = self._hypotheses(result)
-                count += len(results[i][0].tokens) + 1 if results[i] else 0
+            for i, found in zip(rows, hyps, strict=True):
+                results[i] = found
+                count += len(found[0].tokens) + 1 if found else 0
             if progress is not None:
                 progress(len(rows), count)
         return results
@@ -175,6 +177,28 @@ class CT2Translator:
             if np.isfinite(score):
                 out.append(Hypothesis([self._ids[t] for t in tokens], float(score)))
         return out
+
+    def _at_limit(
+        self, hyps: list[list[Hypothesis]], pieces: list[list[str]], most: int
+    ) -> list[list[Hypothesis]]:
+        """Hypotheses of `most` tokens, cut by the length limit, scored as ours scores them:
+        with the EOS that ours forces at the limit (its log-probability counts; CTranslate2
+        stops them without one). Each source's hypotheses re-sorted, best first."""
+        cut = [(r, h) for r, found in enumerate(hyps) for h, x in enumerate(found)
+               if len(x.tokens) >= most]  # fmt: skip
+        if not cut:
+            return hyps
+        scored = self._ct2.score_batch(
+            [pieces[r] for r, _ in cut],
+            [[self.vocab[t] for t in hyps[r][h].tokens] for r, h in cut],
+            max_batch_size=self.batch_tokens,
+            batch_type="tokens",
+            max_input_length=0,
+        )
+        for (r, h), result in zip(cut, scored, strict=True):
+            logp, length = float(np.sum(result.log_probs)), len(result.log_probs)  # EOS in both
+            hyps[r][h] = Hypothesis(hyps[r][h].tokens, logp / length**self.alpha)
+        return [sorted(found, key=lambda x: -x.score) for found in hyps]
 
 
 def read_settings(directory: str) -> dict[str, Any]:
