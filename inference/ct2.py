@@ -40,7 +40,8 @@ from inference.ct2_export import (
     TOKENIZER,
     import_ctranslate2,
 )
-from inference.translate import Hypothesis, Progress
+from inference.hypothesis import Hypothesis
+from inference.translate import Progress
 from model.tokens import EOS_ID
 
 

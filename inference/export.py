@@ -33,7 +33,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +43,9 @@ from flax import nnx
 
 from data.files import atomic_write, atomic_write_bytes
 from data.plans import inference_widths
+from inference.hypothesis import Hypothesis
 from inference.stages import run_stages, stage_rooms
-from inference.translate import Hypothesis, LiveSearch, Progress, search_fn, search_rule
+from inference.translate import LiveSearch, Progress, search_fn, search_rule
 from model import Transformer, beam
 from model.decoding import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN
 
@@ -101,54 +103,12 @@ def export_translator(
     leaves, treedef = jax.tree.flatten(params)
     max_len = model.config.max_len
     widths = inference_widths(max_len)
-    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty)
     live = lambda flat: nnx.merge(graphdef, jax.tree.unflatten(treedef, flat), rest)
-    searcher = lambda flat: LiveSearch(live(flat), rule, alpha)
-    state_def = beam.state_treedef(model.config.num_decoder_layers)
-
-    def whole(flat, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
-        search = search_fn(
-            live(flat),
-            beam_size=beam_size,
-            alpha=alpha,
-            n_best=n_best,
-            vocab_limit=vocab_limit,
-            length_penalty=length_penalty,
-        )
-        return search(src)
-
-    def start(room):
-        def fn(flat, src):  # [P arrays], [B, W] -> state leaves, done [B]
-            state, done = searcher(flat).start(src, room)
-            return jax.tree.leaves(state), done
-
-        return fn
-
-    def resume(room):
-        def fn(flat, state):  # [P arrays], state leaves -> state leaves, done [B]
-            state, done = searcher(flat).resume(jax.tree.unflatten(state_def, state), room)
-            return jax.tree.leaves(state), done
-
-        return fn
-
-    (b,) = jax.export.symbolic_shape("b")
-    flat = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    sizes, rooms = {}, {}
-    t0 = time.time()
-    for width in widths:
-        src = jax.ShapeDtypeStruct((b, width), jnp.int32)
-        rooms[width] = stage_rooms(width, max_len)
-        blob, _ = _serialize(whole, (flat, src), platforms)
-        programs = [(_whole_name(width), blob)]
-        blob, out = _serialize(start(rooms[width][0]), (flat, src), platforms)
-        programs.append((_start_name(width), blob))
-        for room in rooms[width][1:]:
-            blob, out = _serialize(resume(room), (flat, list(out[:-1])), platforms)
-            programs.append((_resume_name(width, room), blob))
-        for name, blob in programs:
-            atomic_write_bytes(os.path.join(directory, name), blob)
-            sizes[name] = len(blob)
-        _log.info(f"exported the width-{width} programs ({time.time() - t0:.1f}s so far)")
+    search = dict(
+        beam_size=beam_size, alpha=alpha, n_best=n_best, vocab_limit=vocab_limit,
+        length_penalty=length_penalty,
+    )  # fmt: skip
+    sizes, rooms = _write_programs(directory, live, leaves, model.config, search, platforms)
     arrays = {f"p{i:04d}": np.asarray(x) for i, x in enumerate(leaves)}
     with atomic_write(os.path.join(directory, PARAMS)) as f:
         np.savez(f, **arrays)
@@ -180,6 +140,61 @@ def export_translator(
     }
     atomic_write_bytes(os.path.join(directory, METADATA), json.dumps(metadata, indent=2).encode())
     return metadata
+
+
+def _write_programs(
+    directory: str,
+    live: Callable[[list[Any]], Transformer],
+    leaves: list[Any],
+    model_config: Any,
+    search: dict[str, Any],
+    platforms: Sequence[str] | None,
+) -> tuple[dict[str, int], dict[int, list[int]]]:
+    """Serialize each width's programs into `directory`: the whole search, and its stages
+    (start, then a resume per larger room). Returns (bytes per program, rooms per width)."""
+    max_len = model_config.max_len
+    rule = search_rule(
+        search["beam_size"], search["n_best"], search["vocab_limit"], search["length_penalty"]
+    )
+    searcher = lambda flat: LiveSearch(live(flat), rule, search["alpha"])
+    state_def = beam.state_treedef(model_config.num_decoder_layers)
+
+    def whole(flat, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
+        return search_fn(live(flat), **search)(src)
+
+    def start(room):
+        def fn(flat, src):  # [P arrays], [B, W] -> state leaves, done [B]
+            state, done = searcher(flat).start(src, room)
+            return jax.tree.leaves(state), done
+
+        return fn
+
+    def resume(room):
+        def fn(flat, state):  # [P arrays], state leaves -> state leaves, done [B]
+            state, done = searcher(flat).resume(jax.tree.unflatten(state_def, state), room)
+            return jax.tree.leaves(state), done
+
+        return fn
+
+    (b,) = jax.export.symbolic_shape("b")
+    flat = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    sizes, rooms = {}, {}
+    t0 = time.time()
+    for width in inference_widths(max_len):
+        src = jax.ShapeDtypeStruct((b, width), jnp.int32)
+        rooms[width] = stage_rooms(width, max_len)
+        blob, _ = _serialize(whole, (flat, src), platforms)
+        programs = [(_whole_name(width), blob)]
+        blob, out = _serialize(start(rooms[width][0]), (flat, src), platforms)
+        programs.append((_start_name(width), blob))
+        for room in rooms[width][1:]:
+            blob, out = _serialize(resume(room), (flat, list(out[:-1])), platforms)
+            programs.append((_resume_name(width, room), blob))
+        for name, blob in programs:
+            atomic_write_bytes(os.path.join(directory, name), blob)
+            sizes[name] = len(blob)
+        _log.info(f"exported the width-{width} programs ({time.time() - t0:.1f}s so far)")
+    return sizes, rooms
 
 
 class ExportedTranslator:

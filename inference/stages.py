@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from data.plans import MIN_ROWS, plan_translation
+from inference.hypothesis import hypotheses
 from model import EOS_ID
 from model.beam import BeamState, join_sources, take_sources
 from model.scoring import EXTRA_DECODE_LEN
@@ -119,8 +120,6 @@ class _Stages:
 
     def finish(self, out: tuple[BeamState, jax.Array], chunk: np.ndarray, width: int) -> None:
         """Read a batch back: results of its done sources, the others into a pool."""
-        from inference.translate import hypotheses  # translate.py imports this module
-
         state, done = out
         n = self.search.n_best
         done, tokens, scores = fetch((done, state.fin_seqs[:, :n], state.fin_scores[:, :n]))
@@ -183,7 +182,7 @@ def run_stages(
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
 ) -> list[list[Any]]:
-    """Per source, in input order, its hypotheses (inference.translate.Hypothesis).
+    """Per source, in input order, its hypotheses (inference.hypothesis.Hypothesis).
 
     sources: EOS-terminated id lists of at most max_len tokens; an empty one gets
     no hypotheses without running the model.

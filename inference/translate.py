@@ -24,7 +24,6 @@ evaluates its dev set with every device and no host differs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -33,25 +32,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from data.plans import plan_translation
+from inference.hypothesis import Hypothesis, hypotheses
 from inference.stages import Progress, fetch, place, run_stages
-from model import EOS_ID, PAD_ID, Transformer, beam
+from model import EOS_ID, Transformer, beam
 from model.scoring import DEFAULT_LENGTH_PENALTY, decode_shape
 
 # A batch's whole search as one program: src [B, S] -> tokens [B, n_best, L], scores [B, n_best]
 WholeSearch = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Hypothesis:
-    """One translation: output ids (no BOS, EOS or padding) and the search's score.
-
-    score = log P(tokens + EOS | source) / lp(len), what beam search ranks by (gnmt:
-    ((5 + len) / 6)^alpha, len counting EOS; model.decoding.length_penalty); greedy
-    search (beam 1) is scored the same way.
-    """
-
-    tokens: list[int]
-    score: float
 
 
 class Translator(Protocol):
@@ -147,17 +134,6 @@ def search_fn(
         return tokens[:, :n_best], scores[:, :n_best]
 
     return search
-
-
-def hypotheses(tokens: np.ndarray, scores: np.ndarray) -> list[Hypothesis]:
-    """One source's [n_best, L] tokens and [n_best] scores -> its hypotheses, best first."""
-    out = []
-    for row, score in zip(tokens.tolist(), scores.tolist(), strict=True):
-        if not math.isfinite(score):  # a slot the beam never filled
-            continue
-        end = row.index(EOS_ID) if EOS_ID in row else len(row)
-        out.append(Hypothesis([t for t in row[:end] if t != PAD_ID], float(score)))
-    return out
 
 
 # --- Many sources -----------------------------------------------------------------------
