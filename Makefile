@@ -26,7 +26,7 @@ CONSTRAINTS := constraints.txt
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[train,dev]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[train,dev,serve]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -73,7 +73,7 @@ LATEST := .venv-latest
 update-constraints:
 	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
-	$(LATEST)/bin/python -m pip install -q -e '.[train,dev]'
+	$(LATEST)/bin/python -m pip install -q -e '.[train,dev,serve]'
 	{ head -3 $(CONSTRAINTS); $(LATEST)/bin/python -m pip freeze --exclude-editable \
 	  | grep -v '^-e'; } > $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS)
 	rm -rf $(LATEST)

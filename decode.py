@@ -9,6 +9,8 @@
     python decode.py --workdir=workdir/tiny --export=translator/     # self-contained export
     python decode.py --exported=translator/ --input=test.de          # ... used alone
     python decode.py --workdir=workdir/tiny --input=big.de --output=big.en   # killed? run it again
+    python decode.py --workdir=workdir/tiny --export_ct2=serve/ [--quantization=int8]
+    python decode.py --ct2=serve/ --input=test.de --threads=2        # with CTranslate2
 
 Any input size: lines are read, translated and written a chunk (--read_lines) at
 a time. An --output file is written as FILE.partial with a progress record and
@@ -40,7 +42,12 @@ flags.DEFINE_string(
     "output", "-", "Translations, one a line; '-' = stdout. A file appears when complete."
 )
 flags.DEFINE_integer("beam_size", 4, "Beam size K; 1 = greedy search.")
-flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / ((5 + len) / 6)^alpha.")
+flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / lp(len).")
+flags.DEFINE_enum(
+    "length_penalty", "gnmt", ["gnmt", "average"],
+    "gnmt: lp = ((5 + len) / 6)^alpha (the default). average: lp = len^alpha (CTranslate2's; "
+    "the default of --ct2). len counts EOS.",
+)  # fmt: skip
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
 flags.DEFINE_string("reference", None, "Reference translations: print sacreBLEU BLEU and chrF.")
@@ -67,6 +74,17 @@ flags.DEFINE_string("export", None, "Write a self-contained translator into this
 flags.DEFINE_list("export_platforms", [], "Backends to export for (e.g. cpu,cuda); default: this.")
 flags.DEFINE_string("exported", None, "Translate with an exported translator (no --workdir).")
 flags.DEFINE_string(
+    "export_ct2", None, "Write a CTranslate2 model (pip install '.[serve]') into this directory."
+)
+flags.DEFINE_enum(
+    "quantization", "float32",
+    ["float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "float16", "bfloat16"],
+    "--export_ct2: the weight type CTranslate2 stores.",
+)  # fmt: skip
+flags.DEFINE_string("ct2", None, "Translate with a CTranslate2 model directory (no --workdir).")
+flags.DEFINE_enum("device", None, ["cpu", "cuda"], "--ct2: where CTranslate2 runs (default cpu).")
+flags.DEFINE_integer("threads", 0, "--ct2: CTranslate2's threads (0 = its default).")
+flags.DEFINE_string(
     "compilation_cache", None,
     "Persistent XLA compilation cache ('off' = none; default: "
     "$ATTENTION_JAX_COMPILATION_CACHE or ~/.cache/attention-jax/xla).",
@@ -82,12 +100,14 @@ flags.DEFINE_boolean(
     "dry_run", False, "Read, tokenize, batch and write without the model (lines are copied)."
 )
 
-# Settings an exported translator fixes: None in the options when not given here.
-_SEARCH = ("beam_size", "alpha", "n_best")
+# Settings an exported translator fixes (a CTranslate2 model has defaults for them):
+# None in the options when not given here.
+_SEARCH = ("beam_size", "alpha", "n_best", "length_penalty")
 _OPTIONS = (
     "workdir", "exported", "input", "output", "reference", "split", "checkpoint_step",
     "average_last", "batch_tokens", "max_length", "long_lines", "output_format", "alignment",
-    "plot_attention", "num_plots", "export", "read_lines", "restart", "dry_run",
+    "plot_attention", "num_plots", "export", "read_lines", "restart", "dry_run", "export_ct2",
+    "quantization", "ct2", "device", "threads",
 )  # fmt: skip
 
 

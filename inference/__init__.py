@@ -2,6 +2,8 @@
 
     translate.py   token ids -> hypotheses: the Translator interface, the live model's
                    (`LiveTranslator`, `translate_ids`) and the batching every backend shares
+    hypothesis.py  `Hypothesis` (ids and score), what every translator returns per source
+    stages.py      the JAX backends' batch loop: beam search in stages of growing room
     lines.py       lines of text <-> segments of ids <-> per-line hypotheses; read (whole or
                    in chunks), write, BLEU (whole or from summed statistics)
     stream.py      the chunk loop of decode.py: read, translate, write in order, count
@@ -10,6 +12,8 @@
     alignment.py   word alignments from cross-attention
     plots.py       cross-attention heatmaps
     export.py      a self-contained StableHLO translator (`ExportedTranslator`)
+    ct2_export.py  a CTranslate2 model directory from a trained model
+    ct2.py         translating with one (`CT2Translator`)
     restore.py     a trained model back from a training workdir (the one import of training/)
     options.py     `DecodeOptions`, decode.py's settings, and their checks
     run.py         decode.py's command: `run(options)`

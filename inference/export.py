@@ -8,17 +8,22 @@ The directory holds
     tokenizer.model      the SentencePiece model (ids 0 pad, 1 EOS, 2 BOS, 3 unk)
     params.npz           the parameters as arrays p0000, p0001, ... in the order the
                          programs take them (a flat list: no pytree classes needed)
-    search_S{W}.jax      `jax.export` serialization (StableHLO) of encode + search for
-                         sources padded to width W, one per width of
-                         data.plans.inference_widths(max_len); the batch dimension
-                         is symbolic, so any number of rows runs the same program
-    metadata.json        config, beam, alpha, n_best, widths, vocab_limit, shapes, jax
-                         version and the platforms the programs were lowered for
+    start_S{W}.jax,      `jax.export` serializations (StableHLO) of the staged search
+    resume_S{W}_C{C}.jax that decode.py runs (inference/stages.py): encode sources
+                         padded to width W and search with room for the first
+                         stage's tokens; go on with room for C tokens. The state
+                         between them is a flat list of arrays.
+    search_S{W}.jax      the same search as one program, room for every token
+                         (src -> tokens, scores), for plain JAX (docs/decoding.md)
+    metadata.json        config, beam, alpha, n_best, length penalty, widths and each
+                         width's rooms, vocab_limit, shapes, jax version and the
+                         platforms the programs were lowered for
 
-Each program is `inference.translate.search_fn` of the live model with the
-parameters as an argument, so the exported translator batches, searches and
-prints exactly as decode.py does with the checkpoint. docs/decoding.md shows
-how to call a program from plain JAX.
+One program per width W of data.plans.inference_widths(max_len) (and room); the
+batch dimension is symbolic, so any number of rows runs the same program. The
+programs are the live model's (inference.translate.LiveSearch, search_fn) with
+the parameters as an argument, so the exported translator batches, searches and
+prints exactly as decode.py does with the checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +43,14 @@ from flax import nnx
 
 from data.files import atomic_write, atomic_write_bytes
 from data.plans import inference_widths
-from inference.translate import Hypothesis, Progress, run_batches, search_fn
-from model import Transformer
-from model.decoding import EXTRA_DECODE_LEN
+from inference.hypothesis import Hypothesis
+from inference.stages import run_stages, stage_rooms
+from inference.translate import LiveSearch, Progress, search_fn, search_rule
+from model import Transformer, beam
+from model.decoding import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN
 
-FORMAT_VERSION = 1
+# 2: staged programs (start_S*, resume_S*_C*) beside the one-program search_S*.
+FORMAT_VERSION = 2
 METADATA = "metadata.json"
 PARAMS = "params.npz"
 TOKENIZER = "tokenizer.model"
@@ -49,8 +58,22 @@ TOKENIZER = "tokenizer.model"
 _log = logging.getLogger(__name__)
 
 
-def _program_name(width: int) -> str:
+def _whole_name(width: int) -> str:
     return f"search_S{width}.jax"
+
+
+def _start_name(width: int) -> str:
+    return f"start_S{width}.jax"
+
+
+def _resume_name(width: int, room: int) -> str:
+    return f"resume_S{width}_C{room}.jax"
+
+
+def _serialize(fn, args, platforms) -> tuple[bytes, object]:
+    """jax.export of fn at args (abstract) -> (serialized program, abstract outputs)."""
+    exported = jax.export.export(jax.jit(fn), platforms=platforms)(*args)
+    return exported.serialize(), exported.out_avals
 
 
 def export_translator(
@@ -64,13 +87,14 @@ def export_translator(
     vocab_limit: int | None = None,
     config: dict | None = None,
     platforms: Sequence[str] | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
 ) -> dict:
     """Write the translator into `directory` (created; files replaced); returns the metadata.
 
     Args:
       model: the Transformer to export (its config's max_len bounds the widths).
       tokenizer_proto: the serialized SentencePiece model.
-      beam_size, alpha, n_best, vocab_limit: fixed into the programs.
+      beam_size, alpha, n_best, vocab_limit, length_penalty: fixed into the programs.
       config: the training config, stored in the metadata for reference.
       platforms: backends to lower for (e.g. ("cpu", "cuda")); None = this one.
     """
@@ -79,31 +103,12 @@ def export_translator(
     leaves, treedef = jax.tree.flatten(params)
     max_len = model.config.max_len
     widths = inference_widths(max_len)
-
-    def program(width: int) -> bytes:
-        def translate(flat_params, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
-            live = nnx.merge(graphdef, jax.tree.unflatten(treedef, flat_params), rest)
-            search = search_fn(
-                live, beam_size=beam_size, alpha=alpha, n_best=n_best, vocab_limit=vocab_limit
-            )
-            return search(src)
-
-        (b,) = jax.export.symbolic_shape("b")
-        args = (
-            [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
-            jax.ShapeDtypeStruct((b, width), jnp.int32),
-        )
-        exported = jax.export.export(jax.jit(translate), platforms=platforms)(*args)
-        return exported.serialize()
-
-    shapes = {}
-    for width in widths:
-        t0 = time.time()
-        blob = program(width)
-        atomic_write_bytes(os.path.join(directory, _program_name(width)), blob)
-        shapes[width] = len(blob)
-        seconds = time.time() - t0
-        _log.info(f"exported the width-{width} search: {len(blob) / 1e6:.2f} MB, {seconds:.1f}s")
+    live = lambda flat: nnx.merge(graphdef, jax.tree.unflatten(treedef, flat), rest)
+    search = dict(
+        beam_size=beam_size, alpha=alpha, n_best=n_best, vocab_limit=vocab_limit,
+        length_penalty=length_penalty,
+    )  # fmt: skip
+    sizes, rooms = _write_programs(directory, live, leaves, model.config, search, platforms)
     arrays = {f"p{i:04d}": np.asarray(x) for i, x in enumerate(leaves)}
     with atomic_write(os.path.join(directory, PARAMS)) as f:
         np.savez(f, **arrays)
@@ -113,13 +118,17 @@ def export_translator(
         "format_version": FORMAT_VERSION,
         "beam_size": beam_size,
         "alpha": alpha,
+        "length_penalty": length_penalty,
         "n_best": n_best,
         "vocab_limit": vocab_limit,
         "max_len": max_len,
         "widths": widths,
-        "program_bytes": {str(w): n for w, n in shapes.items()},
+        "rooms": {str(w): r for w, r in rooms.items()},
+        "program_bytes": sizes,
         "inputs": "flat params (params.npz p0000..), src int32 [b, W] (0 pad, EOS-terminated)",
         "outputs": "tokens int32 [b, n_best, L] (EOS-terminated, 0 after), scores f32 [b, n_best]",
+        "staged": "start_S{W}: (params, src) -> (state, done [b]); resume_S{W}_C{C}: "
+        "(params, state) -> (state, done); state: model.beam.BeamState's leaves",
         "output_length": {str(w): min(w + EXTRA_DECODE_LEN, max_len) for w in widths},
         "num_params": len(leaves),
         "param_paths": paths,
@@ -131,6 +140,61 @@ def export_translator(
     }
     atomic_write_bytes(os.path.join(directory, METADATA), json.dumps(metadata, indent=2).encode())
     return metadata
+
+
+def _write_programs(
+    directory: str,
+    live: Callable[[list[Any]], Transformer],
+    leaves: list[Any],
+    model_config: Any,
+    search: dict[str, Any],
+    platforms: Sequence[str] | None,
+) -> tuple[dict[str, int], dict[int, list[int]]]:
+    """Serialize each width's programs into `directory`: the whole search, and its stages
+    (start, then a resume per larger room). Returns (bytes per program, rooms per width)."""
+    max_len = model_config.max_len
+    rule = search_rule(
+        search["beam_size"], search["n_best"], search["vocab_limit"], search["length_penalty"]
+    )
+    searcher = lambda flat: LiveSearch(live(flat), rule, search["alpha"])
+    state_def = beam.state_treedef(model_config.num_decoder_layers)
+
+    def whole(flat, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
+        return search_fn(live(flat), **search)(src)
+
+    def start(room):
+        def fn(flat, src):  # [P arrays], [B, W] -> state leaves, done [B]
+            state, done = searcher(flat).start(src, room)
+            return jax.tree.leaves(state), done
+
+        return fn
+
+    def resume(room):
+        def fn(flat, state):  # [P arrays], state leaves -> state leaves, done [B]
+            state, done = searcher(flat).resume(jax.tree.unflatten(state_def, state), room)
+            return jax.tree.leaves(state), done
+
+        return fn
+
+    (b,) = jax.export.symbolic_shape("b")
+    flat = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    sizes, rooms = {}, {}
+    t0 = time.time()
+    for width in inference_widths(max_len):
+        src = jax.ShapeDtypeStruct((b, width), jnp.int32)
+        rooms[width] = stage_rooms(width, max_len)
+        blob, _ = _serialize(whole, (flat, src), platforms)
+        programs = [(_whole_name(width), blob)]
+        blob, out = _serialize(start(rooms[width][0]), (flat, src), platforms)
+        programs.append((_start_name(width), blob))
+        for room in rooms[width][1:]:
+            blob, out = _serialize(resume(room), (flat, list(out[:-1])), platforms)
+            programs.append((_resume_name(width, room), blob))
+        for name, blob in programs:
+            atomic_write_bytes(os.path.join(directory, name), blob)
+            sizes[name] = len(blob)
+        _log.info(f"exported the width-{width} programs ({time.time() - t0:.1f}s so far)")
+    return sizes, rooms
 
 
 class ExportedTranslator:
@@ -146,7 +210,9 @@ class ExportedTranslator:
         self.batch_tokens = batch_tokens
         self.max_len, self.n_best = metadata["max_len"], metadata["n_best"]
         self.beam_size, self.alpha = metadata["beam_size"], metadata["alpha"]
-        self._programs: dict[int, jax.export.Exported] = {}
+        self.length_penalty = metadata["length_penalty"]
+        self._state_def = beam.state_treedef(metadata["model"]["num_decoder_layers"])
+        self._programs: dict[str, jax.export.Exported] = {}
 
     @classmethod
     def load(cls, directory: str, batch_tokens: int = 4096) -> ExportedTranslator:
@@ -159,8 +225,15 @@ class ExportedTranslator:
             )
         with open(path) as f:
             metadata = json.load(f)
-        if metadata.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: format version {metadata.get('format_version')} unknown")
+        version = metadata.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{path}: format version {version}, this decode.py reads {FORMAT_VERSION}: "
+                "export the translator again with this version"
+            )
+        for width in metadata["widths"]:
+            if metadata["rooms"][str(width)] != stage_rooms(width, metadata["max_len"]):
+                raise ValueError(f"{path}: stages of another version; export the translator again")
         with np.load(os.path.join(directory, PARAMS)) as npz:
             params = [npz[f"p{i:04d}"] for i in range(metadata["num_params"])]
         return cls(directory, metadata, params, batch_tokens)
@@ -169,19 +242,28 @@ class ExportedTranslator:
     def tokenizer_path(self) -> str:
         return os.path.join(self.directory, TOKENIZER)
 
-    def _search(self, src: jax.Array) -> tuple[jax.Array, jax.Array]:
-        width = src.shape[1]
-        if width not in self._programs:
-            with open(os.path.join(self.directory, _program_name(width)), "rb") as f:
-                self._programs[width] = jax.export.deserialize(bytearray(f.read()))
-        return self._programs[width].call(self.params, src)
+    def _call(self, name: str, *args):
+        if name not in self._programs:
+            with open(os.path.join(self.directory, name), "rb") as f:
+                self._programs[name] = jax.export.deserialize(bytearray(f.read()))
+        leaves, done = self._programs[name].call(self.params, *args)
+        return jax.tree.unflatten(self._state_def, leaves), done
+
+    def start(self, src: jax.Array, room: int) -> tuple[beam.BeamState, jax.Array]:
+        """inference.stages.Search: the exported first stage of sources of src's width."""
+        return self._call(_start_name(src.shape[1]), src)
+
+    def resume(self, state: beam.BeamState, room: int) -> tuple[beam.BeamState, jax.Array]:
+        """inference.stages.Search: the exported later stage with room for `room` tokens."""
+        width = state.cache.src_valid.shape[1]
+        return self._call(_resume_name(width, room), jax.tree.leaves(state))
 
     def translate(
         self, sources: Sequence[Sequence[int]], progress: Progress | None = None
     ) -> list[list[Hypothesis]]:
         """As `inference.translate.translate_ids` with the exported beam, alpha and n_best."""
-        return run_batches(
-            self._search,
+        return run_stages(
+            self,
             sources,
             max_len=self.max_len,
             batch_tokens=self.batch_tokens,

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from data.files import atomic_write
-from inference.translate import Hypothesis, Progress, Translator
+from inference.hypothesis import Hypothesis
+from inference.translate import Progress, Translator
 from model import EOS_ID
 
 

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from inference.ct2_export import DEVICES, QUANTIZATIONS
+from model.decoding import (
+    DEFAULT_ALPHA,
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_LENGTH_PENALTY,
+    LENGTH_PENALTIES,
+)
 
 LONG_LINES = ("truncate", "split")
 OUTPUT_FORMATS = ("text", "jsonl")
@@ -54,6 +60,12 @@ class DecodeOptions:
     num_plots: int = 4
     export: str | None = None  # write a self-contained translator into this directory
     export_platforms: tuple[str, ...] = ()  # backends to lower for (default: this one)
+    length_penalty: str | None = None  # "gnmt" or "average"; None: gnmt, or the backend's
+    export_ct2: str | None = None  # write a CTranslate2 model into this directory
+    quantization: str = "float32"  # its weight type
+    ct2: str | None = None  # or translate with a CTranslate2 model directory
+    device: str | None = None  # --ct2: "cpu" (None) or "cuda"
+    threads: int = 0  # --ct2: CTranslate2's intra-op threads (0 = its default)
     read_lines: int | None = None  # lines per chunk (None: see `chunk_lines`)
     restart: bool = False  # ignore a partial output of an earlier run and start over
     dry_run: bool = False  # read, tokenize, plan and write without running the model
@@ -66,6 +78,13 @@ class DecodeOptions:
         return beam, alpha, 1 if self.n_best is None else self.n_best
 
     @property
+    def penalty(self) -> str:
+        """The length penalty: as given, else CTranslate2's for --ct2, else gnmt."""
+        if self.length_penalty is not None:
+            return self.length_penalty
+        return "average" if self.ct2 else DEFAULT_LENGTH_PENALTY
+
+    @property
     def chunk_lines(self) -> int:
         """Lines per chunk: --read_lines, or max(10000, 2.5 x --batch_tokens)."""
         if self.read_lines is not None:
@@ -76,14 +95,17 @@ class DecodeOptions:
         """Combinations that cannot work, before anything slow happens (UsageError)."""
         if self.exported and (self.workdir or self.export):
             raise UsageError("--exported translates on its own: drop --workdir and --export")
-        if not self.exported and not self.workdir:
-            raise UsageError("--workdir is required (the directory train.py wrote), or --exported")
+        self._check_ct2()
+        if not (self.exported or self.workdir or self.ct2):
+            raise UsageError(
+                "--workdir is required (the directory train.py wrote), or --exported, or --ct2"
+            )
         beam_size, alpha, n_best = self.search
         if beam_size < 1 or alpha < 0 or self.batch_tokens < 1:
             raise UsageError("need --beam_size >= 1, --alpha >= 0 and --batch_tokens >= 1")
         if not 1 <= n_best <= beam_size:
             raise UsageError(f"--n_best must be in [1, --beam_size={beam_size}]")
-        if self.output_format == "text" and n_best > 1 and not self.export:
+        if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):
             raise UsageError(
                 "--n_best > 1 needs --output_format=jsonl (text is the best translation)"
             )
@@ -92,7 +114,7 @@ class DecodeOptions:
         needs_model = ["alignment", "plot_attention", "split", "checkpoint_step"]
         used = [f"--{n}" for n in needs_model if getattr(self, n)]
         used += ["--average_last"] if self.average_last != 1 else []
-        if self.exported and used:
+        if (self.exported or self.ct2) and used:
             raise UsageError(f"{', '.join(used)} need the trained model: use --workdir")
         if self.split and (self.input != "-" or self.reference):
             raise UsageError("--split replaces --input and --reference; give one or the other")
@@ -102,11 +124,38 @@ class DecodeOptions:
             raise UsageError("--dry_run runs no model: drop --alignment and --plot_attention")
         self._check_choices()
 
+    def _check_ct2(self) -> None:
+        """The CTranslate2 flags: --export_ct2 from a workdir, --ct2 on its own."""
+        if self.ct2 and (self.workdir or self.exported or self.export or self.export_ct2):
+            raise UsageError(
+                "--ct2 translates on its own: drop --workdir, --exported, --export and --export_ct2"
+            )
+        if self.export_ct2 and not self.workdir:
+            raise UsageError("--export_ct2 converts a trained model: give --workdir")
+        if self.export_ct2 and self.export:
+            raise UsageError("--export and --export_ct2: one export at a time")
+        if self.quantization != "float32" and not self.export_ct2:
+            raise UsageError("--quantization is for --export_ct2")
+        if (self.device is not None or self.threads) and not self.ct2:
+            raise UsageError("--device and --threads are for --ct2 (CTranslate2)")
+        if self.threads < 0:
+            raise UsageError(
+                f"--threads must be >= 0 (0 = CTranslate2's default), got {self.threads}"
+            )
+        if self.ct2 and self.length_penalty == "gnmt":
+            raise UsageError(
+                "CTranslate2 ranks by log P / len^alpha (--length_penalty=average); "
+                "--length_penalty=gnmt needs the JAX backend (--workdir or --exported)"
+            )
+
     def _check_choices(self) -> None:
         for name, allowed in (
             ("long_lines", LONG_LINES),
             ("output_format", OUTPUT_FORMATS),
             ("split", (None, *SPLITS)),
+            ("length_penalty", (None, *LENGTH_PENALTIES)),
+            ("quantization", QUANTIZATIONS),
+            ("device", (None, *DEVICES)),
         ):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")

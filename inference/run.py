@@ -47,7 +47,8 @@ from model import Transformer
 # step N as the newest), --restart itself, and what only --export uses.
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
-    "restart", "export", "export_platforms", "plot_attention",
+    "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
+    "quantization",
 )  # fmt: skip
 
 
@@ -89,9 +90,11 @@ def check_inputs(options: DecodeOptions) -> int | None:
 
 
 def open_translator(options: DecodeOptions) -> Loaded:
-    """The exported translator of --exported, or the live model of --workdir."""
+    """The translator of --exported or --ct2 (CTranslate2), or the live model of --workdir."""
     if options.exported:
         return _open_exported(options)
+    if options.ct2:
+        return _open_ct2(options)
     model, config, step, tokenizer = load_workdir(
         options.workdir, step=options.checkpoint_step, average_last=options.average_last
     )
@@ -103,6 +106,7 @@ def open_translator(options: DecodeOptions) -> Loaded:
         n_best=n_best,
         batch_tokens=options.batch_tokens,
         vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
+        length_penalty=options.penalty,
     )
     identity = workdir_identity(options.workdir, step, options.average_last)
     return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
@@ -114,8 +118,8 @@ def _open_exported(options: DecodeOptions) -> Loaded:
         tokenizer = Tokenizer.load(translator.tokenizer_path)
     except (OSError, ValueError, DataError) as e:
         raise UsageError(str(e)) from e
-    for name in ("beam_size", "alpha", "n_best"):
-        asked, exported = getattr(options, name), translator.metadata[name]
+    for name in ("beam_size", "alpha", "n_best", "length_penalty"):
+        asked, exported = getattr(options, name), getattr(translator, name)
         if asked is not None and asked != exported:
             raise UsageError(
                 f"{options.exported} was exported with {name}={exported}; export again to change it"
@@ -136,6 +140,27 @@ def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
     )
 
 
+def _open_ct2(options: DecodeOptions) -> Loaded:
+    from inference.ct2 import CT2Translator
+
+    try:
+        translator = CT2Translator.load(
+            options.ct2,
+            beam_size=options.beam_size,
+            alpha=options.alpha,
+            n_best=options.search[2],
+            device=options.device or "cpu",
+            threads=options.threads,
+            batch_tokens=options.batch_tokens,
+        )
+        tokenizer = Tokenizer.load(translator.tokenizer_path)
+    except (ImportError, OSError, ValueError, DataError) as e:
+        raise UsageError(str(e)) from e
+    identity = {"ct2": os.path.abspath(options.ct2), "files": files_identity([options.ct2])}
+    description = f"the CTranslate2 model in {options.ct2}"
+    return Loaded(translator, tokenizer, description, identity=identity)
+
+
 def export(loaded: Loaded, options: DecodeOptions) -> None:
     """--export: the live model as a self-contained translator (inference/export.py)."""
     t0 = time.perf_counter()
@@ -150,6 +175,7 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
         vocab_limit=loaded.translator.vocab_limit,
         config=loaded.config.to_dict(),
         platforms=list(options.export_platforms) or None,
+        length_penalty=options.penalty,
     )
     print(
         f"decode.py: exported {len(meta['widths'])} search programs (widths "
@@ -157,6 +183,39 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
         f"{alpha}, n_best {n_best}, {'+'.join(meta['platforms'])}) and "
         f"{meta['num_params']} parameter arrays to {options.export} in "
         f"{time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+
+
+def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
+    """--export_ct2: the live model as a CTranslate2 model (inference/ct2_export.py)."""
+    from inference.ct2_export import export_ct2 as write
+
+    t0 = time.perf_counter()
+    beam_size, alpha, _ = options.search
+    tokenizer = loaded.tokenizer
+    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    source = {
+        "workdir": os.path.abspath(options.workdir),
+        "checkpoint": loaded.description,
+        "average_last": options.average_last,
+    }
+    try:
+        write(
+            loaded.model,
+            pieces,
+            tokenizer.proto,
+            options.export_ct2,
+            quantization=options.quantization,
+            alpha=alpha,
+            beam_size=beam_size,
+            source=source,
+        )
+    except (ImportError, OSError, ValueError) as e:
+        raise UsageError(str(e)) from e
+    print(
+        f"decode.py: wrote the {options.quantization} CTranslate2 model of {loaded.description} "
+        f"to {options.export_ct2} in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
     )
 
@@ -198,6 +257,7 @@ def describe_job(
     settings.update(
         beam_size=t.beam_size, alpha=t.alpha, n_best=t.n_best, max_length=max_length,
         plot_attention=plots, read_lines=options.chunk_lines,
+        length_penalty=getattr(t, "length_penalty", None),
     )  # fmt: skip
     model = loaded.identity or {"translator": loaded.description}
     return {"inputs": inputs, "model": model, "settings": settings, "jax": jax.__version__}
@@ -226,10 +286,19 @@ def _kept(out: Any) -> str:
 
 def run(options: DecodeOptions) -> None:
     """decode.py after its flags were checked; raises UsageError for what the user can fix."""
+    if options.ct2 or options.export_ct2:
+        from inference.ct2_export import import_ctranslate2
+
+        try:
+            import_ctranslate2()  # before the slow part: how to install it
+        except ImportError as e:
+            raise UsageError(str(e)) from e
     total = check_inputs(options)
     loaded = open_translator(options)
     if options.export:
         return export(loaded, options)
+    if options.export_ct2:
+        return export_ct2(loaded, options)
     if options.dry_run:
         loaded = dry_run(loaded, options)
     max_len = loaded.translator.max_len

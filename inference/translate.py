@@ -1,4 +1,4 @@
-"""Token ids in, translations out: the Translator interface, the live model's, and batching.
+"""Token ids in, translations out: the Translator interface, the live model's, and its search.
 
 The one path from token ids to hypotheses, taken by decode.py and by the
 dev-set evaluation during training:
@@ -7,14 +7,12 @@ dev-set evaluation during training:
     hyps[i][0].tokens, hyps[i][0].score      # the best translation of sources[i]
 
 A `Translator` is what decode.py translates with: the live model of a workdir
-(`LiveTranslator`) or an exported one (inference/export.py). Both cut sources
-of any lengths into batches of a few static shapes (data/plans.py
-`plan_translation`: sorted by length, padded widths from a short fixed list,
-power-of-two row counts), so a file of any size compiles a handful of search
-programs, not one per batch. Search itself is model/decoding.py (beam search,
-or greedy for beam 1), one jit-compiled `while_loop` per batch; batches are
-dispatched before the previous one is read back, so the host work overlaps
-the device's.
+(`LiveTranslator`), an exported one (inference/export.py) or a CTranslate2
+model (inference/ct2.py). The JAX ones share one batch loop
+(inference/stages.py): sources of any lengths in batches of a few static
+shapes (data/plans.py `plan_translation`), each searched in stages of growing
+room (model/beam.py; greedy search for beam 1), so a file of any size compiles
+a handful of search programs, not one per batch.
 
 With a `sharding` of the rows (e.g. training's batch sharding over its mesh),
 each batch's rows are spread over the devices. Every process passes *all*
@@ -26,7 +24,6 @@ evaluates its dev set with every device and no host differs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -35,25 +32,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from data.plans import MIN_ROWS, plan_translation
-from model import EOS_ID, PAD_ID, Transformer
-from model.decoding import beam_search, greedy_search, length_penalty
+from inference.hypothesis import Hypothesis, hypotheses
+from inference.stages import Progress, fetch, place, run_stages
+from model import EOS_ID, Transformer, beam
+from model.scoring import DEFAULT_LENGTH_PENALTY, decode_shape
 
-# progress(sentences, output tokens) after each batch
-Progress = Callable[[int, int], None]
-# A batch's search: src [B, S] -> tokens [B, n_best, L], scores [B, n_best]
-Search = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Hypothesis:
-    """One translation: output ids (no BOS, EOS or padding) and the search's score.
-
-    score = log P(tokens + EOS | source) / ((5 + len) / 6)^alpha, what beam search
-    ranks by (len counts EOS); greedy search (beam 1) is scored the same way.
-    """
-
-    tokens: list[int]
-    score: float
+# A batch's whole search as one program: src [B, S] -> tokens [B, n_best, L], scores [B, n_best]
+WholeSearch = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
 class Translator(Protocol):
@@ -83,29 +68,45 @@ def vocab_limit(tokenizer_size: int, config: Any) -> int | None:
 # --- Search over one batch --------------------------------------------------------------
 
 
-def _rows_multiple(sharding: NamedSharding | None) -> int:
-    """How many devices the rows are split over (every batch's rows are a multiple)."""
-    if sharding is None:
-        return 1
-    axes = sharding.spec[0] if sharding.spec else None
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    return math.prod(sharding.mesh.shape[a] for a in axes)
+def search_rule(
+    beam_size: int,
+    n_best: int = 1,
+    vocab_limit: int | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
+) -> beam.Rule:
+    """model/beam.py's settings for what decode.py asks: beam search that stops a source
+    once its n_best best are final, or for beam_size 1 greedy search (the first
+    hypothesis that ends), scored the same way."""
+    stop = "first" if beam_size == 1 else "bound"
+    return beam.Rule(beam_size, n_best, stop, length_penalty, vocab_limit)
 
 
-def _place(src: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
-    """[B, S] numpy (the whole batch, on every process) -> a device array, rows sharded."""
-    if sharding is None:
-        return jax.device_put(src)
-    return jax.make_array_from_callback(src.shape, sharding, lambda index: src[index])
+@dataclasses.dataclass(frozen=True)
+class LiveSearch:
+    """A model's search in stages (inference.stages.Search)."""
 
+    model: Transformer
+    rule: beam.Rule
+    alpha: float
 
-def _fetch(x: jax.Array) -> np.ndarray:
-    """A (possibly multi-process) device array -> the whole array on this host."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
+    @property
+    def n_best(self) -> int:
+        return self.rule.n_best
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    def start(self, src: jax.Array, room: int) -> tuple[beam.BeamState, jax.Array]:
+        length, extra = decode_shape(self.model, src, None)
+        return beam.start(
+            self.model,
+            src,
+            alpha=self.alpha,
+            rule=self.rule,
+            capacity=room,
+            length=length,
+            extra=extra,
+        )
+
+    def resume(self, state: beam.BeamState, room: int) -> tuple[beam.BeamState, jax.Array]:
+        return beam.resume(self.model, state, alpha=self.alpha, rule=self.rule, capacity=room)
 
 
 def search_fn(
@@ -115,37 +116,24 @@ def search_fn(
     alpha: float,
     n_best: int = 1,
     vocab_limit: int | None = None,
-) -> Search:
-    """The search of one batch: src [B, S] -> tokens [B, n_best, L], scores [B, n_best].
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
+) -> WholeSearch:
+    """One batch's whole search as one program: src [B, S] -> tokens [B, n_best, L],
+    scores [B, n_best] (L = S + 50; what inference/export.py exports for plain JAX).
 
-    Beam search for beam_size > 1, greedy search (scored the same way) for 1.
-    The outputs are device arrays, not awaited. inference/export.py exports this
-    function, so an exported translator searches exactly as the live model.
+    The same search as `LiveSearch` in one stage with room for every token.
     """
+    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty)
 
     def search(src: jax.Array) -> tuple[jax.Array, jax.Array]:
-        if beam_size == 1:
-            tokens, logp = greedy_search(model, src, vocab_limit=vocab_limit, return_logprob=True)
-            lengths = (tokens != PAD_ID).sum(axis=1)  # [B], EOS included
-            scores = logp / length_penalty(lengths, alpha)  # [B]
-            return tokens[:, None], scores[:, None]  # [B, L] -> [B, 1, L]
-        tokens, scores = beam_search(
-            model, src, beam_size=beam_size, alpha=alpha, vocab_limit=vocab_limit
-        )  # [B, K, L], [B, K]
+        length, extra = decode_shape(model, src, None)
+        state, _ = beam.start(
+            model, src, alpha=alpha, rule=rule, capacity=length, length=length, extra=extra
+        )
+        tokens, scores = beam.results(state)  # [B, K, L], [B, K]
         return tokens[:, :n_best], scores[:, :n_best]
 
     return search
-
-
-def _hypotheses(tokens: np.ndarray, scores: np.ndarray) -> list[Hypothesis]:
-    """One source's [n_best, L] tokens and [n_best] scores -> its hypotheses, best first."""
-    out = []
-    for row, score in zip(tokens.tolist(), scores.tolist(), strict=True):
-        if not math.isfinite(score):  # a slot the beam never filled
-            continue
-        end = row.index(EOS_ID) if EOS_ID in row else len(row)
-        out.append(Hypothesis([t for t in row[:end] if t != PAD_ID], float(score)))
-    return out
 
 
 # --- Many sources -----------------------------------------------------------------------
@@ -162,6 +150,7 @@ def translate_ids(
     vocab_limit: int | None = None,
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
     min_rows: int = MIN_ROWS,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
@@ -178,6 +167,7 @@ def translate_ids(
       sharding: how each batch's [B, S] rows are placed (rows split over devices);
         None = on the default device.
       progress: called after each batch with (sentences, output tokens) it finished.
+      length_penalty: "gnmt" or "average" (model.decoding.length_penalty).
       min_rows: the fewest rows of a batch (data.plans.plan_translation): 1 for a
         dev set translated again and again, where 8 rows of filler cost 8x the search.
     Returns:
@@ -186,11 +176,9 @@ def translate_ids(
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
-    search = search_fn(
-        model, beam_size=beam_size, alpha=alpha, n_best=n_best, vocab_limit=vocab_limit
-    )
-    return run_batches(
-        search,
+    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty)
+    return run_stages(
+        LiveSearch(model, rule, alpha),
         sources,
         max_len=model.config.max_len,
         batch_tokens=batch_tokens,
@@ -198,62 +186,6 @@ def translate_ids(
         progress=progress,
         min_rows=min_rows,
     )
-
-
-def run_batches(
-    search: Search,
-    sources: Sequence[Sequence[int]],
-    *,
-    max_len: int,
-    batch_tokens: int,
-    sharding: NamedSharding | None = None,
-    progress: Progress | None = None,
-    min_rows: int = MIN_ROWS,
-) -> list[list[Hypothesis]]:
-    """`translate_ids` for any batch search (a live model's `search_fn`, or an exported one)."""
-    too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
-    if too_long:
-        raise ValueError(
-            f"{len(too_long)} source(s) exceed max_len {max_len} (first: #{too_long[0]})"
-        )
-    if batch_tokens < 1:
-        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
-    nonempty = [i for i, s in enumerate(sources) if len(s)]
-    plan = plan_translation(
-        [len(sources[i]) for i in nonempty],
-        batch_tokens=batch_tokens,
-        max_len=max_len,
-        rows_multiple=_rows_multiple(sharding),
-        min_rows=min_rows,
-    )
-    results: list[list[Hypothesis]] = [[] for _ in sources]
-
-    def finish(tokens: jax.Array, scores: jax.Array, chunk: np.ndarray) -> None:
-        tokens, scores = _fetch(tokens), _fetch(scores)  # waits for the device
-        count = 0
-        for r, j in enumerate(chunk):
-            hyps = _hypotheses(tokens[r], scores[r])
-            results[nonempty[j]] = hyps
-            count += len(hyps[0].tokens) + 1 if hyps else 0
-        if progress is not None:
-            progress(len(chunk), count)
-
-    pending = None
-    for chunk, width, rows in plan:
-        # Filler rows hold a lone EOS: a valid, cheap source whose output is dropped.
-        src = np.zeros((rows, width), np.int32)  # [B, S]
-        src[len(chunk) :, 0] = EOS_ID
-        for r, j in enumerate(chunk):
-            ids = sources[nonempty[j]]
-            src[r, : len(ids)] = ids
-        out = search(_place(src, sharding))
-        # Dispatch is asynchronous: the next batch is queued before this one is read.
-        if pending is not None:
-            finish(*pending)
-        pending = (*out, chunk)
-    if pending is not None:
-        finish(*pending)
-    return results
 
 
 @dataclasses.dataclass
@@ -266,6 +198,7 @@ class LiveTranslator:
     n_best: int = 1
     batch_tokens: int = 4096
     vocab_limit: int | None = None
+    length_penalty: str = DEFAULT_LENGTH_PENALTY
 
     @property
     def max_len(self) -> int:
@@ -283,12 +216,8 @@ class LiveTranslator:
             batch_tokens=self.batch_tokens,
             vocab_limit=self.vocab_limit,
             progress=progress,
+            length_penalty=self.length_penalty,
         )
-
-
-def _echo(src: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A batch 'translated' into itself: src [B, S] -> tokens [B, 1, S], scores [B, 1] = 0."""
-    return src[:, None, :], jax.numpy.zeros((src.shape[0], 1), jax.numpy.float32)
 
 
 @dataclasses.dataclass
@@ -309,6 +238,41 @@ class PlanOnlyTranslator:
     def translate(
         self, sources: Sequence[Sequence[int]], progress: Progress | None = None
     ) -> list[list[Hypothesis]]:
-        return run_batches(
-            _echo, sources, max_len=self.max_len, batch_tokens=self.batch_tokens, progress=progress
+        return echo_batches(
+            sources, max_len=self.max_len, batch_tokens=self.batch_tokens, progress=progress
         )
+
+
+def echo_batches(
+    sources: Sequence[Sequence[int]],
+    *,
+    max_len: int,
+    batch_tokens: int,
+    progress: Progress | None = None,
+) -> list[list[Hypothesis]]:
+    """`run_stages`'s batches (planned, filled, placed on the device, read back) with each
+    source 'translated' into itself, score 0: everything but the search."""
+    too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} source(s) exceed max_len {max_len} (first: #{too_long[0]})"
+        )
+    nonempty = [i for i, s in enumerate(sources) if len(s)]
+    plan = plan_translation(
+        [len(sources[i]) for i in nonempty], batch_tokens=batch_tokens, max_len=max_len
+    )
+    results: list[list[Hypothesis]] = [[] for _ in sources]
+    for chunk, width, rows in plan:
+        src = np.zeros((rows, width), np.int32)  # [B, S]
+        src[len(chunk) :, 0] = EOS_ID
+        for r, j in enumerate(chunk):
+            ids = sources[nonempty[j]]
+            src[r, : len(ids)] = ids
+        tokens = fetch(place(src, None))[:, None, :]  # [B, S] -> [B, 1, S]
+        count = 0
+        for r, j in enumerate(chunk):
+            results[nonempty[j]] = hypotheses(tokens[r], np.zeros(1, np.float32))
+            count += len(results[nonempty[j]][0].tokens) + 1
+        if progress is not None:
+            progress(len(chunk), count)
+    return results

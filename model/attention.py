@@ -124,6 +124,27 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None = None)
     return jnp.where(mask.any(axis=-1, keepdims=True), weights, 0.0)
 
 
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Attention of a few queries over a decoding cache: the 'xla' path in its layout.
+
+    Args:
+      q: [B, T, N, H] (T = 1 per step, or a source's K beams, for cross-attention).
+      k, v: [B, N, L, H], heads before positions: the scores and the weighted sum
+        are then matmuls batched over (B, N) that read the cache as it is stored;
+        in [B, L, N, H] XLA on CPU transposes the whole cache first, every step.
+      mask: boolean, broadcastable to [B, N, T, L]; True = may attend.
+    Returns:
+      [B, T, N, H] in v's dtype; softmax in float32, a query with no allowed key
+      gives zeros, as `attention_weights`.
+    """
+    scale = 1.0 / jnp.sqrt(jnp.asarray(q.shape[-1], jnp.float32))
+    logits = einsum_f32("BTNH,BNLH->BNTL", q * scale.astype(q.dtype), k)  # [B, N, T, L]
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1)
+    weights = jnp.where(mask.any(axis=-1, keepdims=True), weights, 0.0)
+    return jnp.einsum("BNTL,BNLH->BTNH", weights.astype(v.dtype), v)
+
+
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,

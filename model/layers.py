@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from model.attention import Mask, attention_weights, dot_product_attention
+from model.attention import Mask, attention_weights, cached_attention, dot_product_attention
 from model.config import TransformerConfig
 from model.precision import einsum_f32
 from model.sharding import EMBED, HEADS, KV, MLP, VOCAB
@@ -94,10 +94,13 @@ class Unembed(nnx.Module):
 
 @struct.dataclass
 class KVCache:
-    """The keys and values one attention layer attends over: k, v [B, L, N, H] (a pytree).
+    """The keys and values one attention layer attends over (a pytree).
 
-    For self-attention in incremental decoding, L is the most target tokens and
-    only the first `index` positions are filled; for cross-attention L = S.
+    As projected (`MultiHeadAttention.project_kv`, full passes): k, v [B, L, N, H].
+    As stored for incremental decoding: heads first, k, v [B, N, L, H]
+    (`heads_first`), the layout `cached_attention` reads without a transpose. For
+    self-attention L is the cache's capacity, of which the first `index`
+    positions are filled; for cross-attention L = S.
     """
 
     k: jax.Array
@@ -105,12 +108,18 @@ class KVCache:
 
     @classmethod
     def zeros(cls, shape: tuple[int, int, int, int], dtype) -> KVCache:
-        """An empty cache of shape [B, L, N, H]."""
+        """An empty decoding cache of shape [B, N, L, H]."""
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
+    def heads_first(self) -> KVCache:
+        """[B, L, N, H] (as projected) -> [B, N, L, H] (as a decoding cache stores it)."""
+        return KVCache(jnp.swapaxes(self.k, 1, 2), jnp.swapaxes(self.v, 1, 2))
+
     def write(self, new: KVCache, index: jax.Array | int) -> KVCache:
-        """Store new [B, T, N, H] at positions index .. index + T - 1 -> [B, L, N, H]."""
-        put = lambda old, x: jax.lax.dynamic_update_slice_in_dim(old, x, index, axis=1)
+        """Store new [B, T, N, H] (as projected) at positions index .. index + T - 1 of
+        this decoding cache [B, N, L, H]."""
+        new = new.heads_first()  # [B, T, N, H] -> [B, N, T, H]
+        put = lambda old, x: jax.lax.dynamic_update_slice_in_dim(old, x, index, axis=2)
         return KVCache(put(self.k, new.k), put(self.v, new.v))
 
 
@@ -169,6 +178,21 @@ class MultiHeadAttention(nnx.Module):
         )  # [B, T, N, H]
         return jnp.einsum("BTNH,NHD->BTD", o, self.out[...].astype(self.dtype)), weights
 
+    def attend_cached(self, x: jax.Array, kv: KVCache, mask: jax.Array) -> jax.Array:
+        """Queries from x [R, T, D] over a decoding cache kv [B, N, L, H] -> [R, T, D].
+
+        R may be B*K (K beams per source, rows b*K .. b*K + K-1 of source b): the
+        beams of a source then share its cross-attention keys/values, attended as
+        K*T queries of one row, instead of K copies of them.
+        """
+        r, t, _ = x.shape
+        b = kv.k.shape[0]
+        q = self._proj(self.query, x)  # [R, T, N, H]
+        q = q.reshape(b, (r // b) * t, *q.shape[2:])  # [R, T, N, H] -> [B, K*T, N, H]
+        o = cached_attention(q, kv.k, kv.v, mask)  # [B, K*T, N, H]
+        o = o.reshape(r, t, *o.shape[2:])  # [B, K*T, N, H] -> [R, T, N, H]
+        return jnp.einsum("BTNH,NHD->BTD", o, self.out[...].astype(self.dtype))
+
     def __call__(
         self,
         x: jax.Array,
@@ -180,16 +204,17 @@ class MultiHeadAttention(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """Self-attention of x [B, T, D] -> (output [B, T, D], keys/values).
 
-        Without a cache the keys/values are x's own, [B, T, N, H]. With a cache
-        [B, L, N, H], x's keys/values are written at positions index .. index+T-1,
-        the queries attend over the whole cache (the mask hides unfilled slots),
-        and the updated cache is returned.
+        Without a cache the keys/values are x's own, [B, T, N, H]. With a decoding
+        cache [B, N, L, H], x's keys/values are written at positions index ..
+        index+T-1, the queries attend over the whole cache (the mask hides unfilled
+        slots), and the updated cache is returned.
         """
         kv = self.project_kv(x)  # [B, T, N, H]
-        if cache is not None:
-            kv = cache.write(kv, index)  # [B, L, N, H]
-        y, _ = self.attend(x, kv, mask, deterministic=deterministic)
-        return y, kv
+        if cache is None:
+            y, _ = self.attend(x, kv, mask, deterministic=deterministic)
+            return y, kv
+        cache = cache.write(kv, index)  # [B, N, L, H]
+        return self.attend_cached(x, cache, mask), cache
 
 
 class FeedForward(nnx.Module):
@@ -286,26 +311,32 @@ class DecoderLayer(nnx.Module):
 
         Args:
           y: [B, T, D] decoder stream.
-          cross_kv: the encoder output's keys/values for this layer, [B, S, N, H].
+          cross_kv: the encoder output's keys/values for this layer: [B, S, N, H]
+            (full pass) or [B_src, N, S, H] (incremental decoding, where y's B rows
+            may be B_src sources' beams).
           self_mask: [B|1, 1, T, T] (full pass) or [B|1, 1, T, L] (with a cache).
-          cross_mask: [B, 1, T, S].
-          cache, index: self-attention cache [B, L, N, H] and the position of y's
+          cross_mask: [B, 1, T, S], or [B_src, 1, 1, S] with a cache.
+          cache, index: self-attention cache [B, N, L, H] and the position of y's
             first token in it (incremental decoding), or None (full pass).
-          return_cross_weights: also return the cross-attention weights.
+          return_cross_weights: also return the cross-attention weights (full pass).
         Returns:
           y [B, T, D]; the self-attention keys/values ([B, T, N, H], or the updated
-          cache [B, L, N, H]); cross-attention weights [B, N, T, S] float32 or None.
+          cache [B, N, L, H]); cross-attention weights [B, N, T, S] float32 or None.
         """
         h, self_kv = self.self_attn(
             self.self_res.prepare(y), self_mask, cache, index, deterministic=deterministic
         )
         y = self.self_res.combine(y, h, deterministic)
-        h, weights = self.cross_attn.attend(
-            self.cross_res.prepare(y),
-            cross_kv,
-            cross_mask,
-            deterministic=deterministic,
-            return_weights=return_cross_weights,
-        )
+        if cache is None:
+            h, weights = self.cross_attn.attend(
+                self.cross_res.prepare(y),
+                cross_kv,
+                cross_mask,
+                deterministic=deterministic,
+                return_weights=return_cross_weights,
+            )
+        else:  # incremental decoding: heads-first keys/values, shared by a source's beams
+            h = self.cross_attn.attend_cached(self.cross_res.prepare(y), cross_kv, cross_mask)
+            weights = None
         y = self.cross_res.combine(y, h, deterministic)
         return self.ffn_res(y, self.ffn, deterministic), self_kv, weights

@@ -45,11 +45,15 @@ def _position_table(length: int, d_model: int) -> np.ndarray:
 class DecodeCache:
     """Everything incremental decoding carries from one step to the next (a pytree).
 
-    self_kv: per decoder layer, keys/values [B, L, N, H] of the first `index` tokens.
-    cross_kv: per decoder layer, the encoder output's keys/values [B, S, N, H],
+    self_kv: per decoder layer, keys/values [R, N, L, H] of the first `index` tokens
+      (heads first: the layout decoding attention reads; L = the capacity).
+    cross_kv: per decoder layer, the encoder output's keys/values [B, N, S, H],
       computed once per source.
     src_valid: [B, S] bool, False on source padding.
     index: [] int32, position of the next token to be fed.
+
+    R = B, or B*K when each source has K beams (`repeat`): rows b*K .. b*K + K-1
+    are source b's, and share its cross-attention keys/values.
     """
 
     self_kv: tuple[KVCache, ...]
@@ -59,19 +63,26 @@ class DecodeCache:
 
     @property
     def max_length(self) -> int:
-        return self.self_kv[0].k.shape[1]
+        """The self-attention capacity L: tokens that can be fed before `grow`."""
+        return self.self_kv[0].k.shape[2]
 
     def repeat(self, k: int) -> DecodeCache:
-        """Give each source k beams: every batch-major array [B, ...] -> [B*k, ...].
+        """Give each source k beams: the self-attention caches [B, ...] -> [B*k, ...].
 
-        Rows b*k .. b*k + k-1 are source b's beams, all equal to source b's row.
+        Rows b*k .. b*k + k-1 are source b's beams, all equal to source b's row; the
+        cross-attention keys/values and the source mask stay one per source.
         """
         rep = lambda x: jnp.repeat(x, k, axis=0)  # [B, ...] -> [B*k, ...]
-        return self.replace(
-            self_kv=jax.tree.map(rep, self.self_kv),
-            cross_kv=jax.tree.map(rep, self.cross_kv),
-            src_valid=rep(self.src_valid),
-        )
+        return self.replace(self_kv=jax.tree.map(rep, self.self_kv))
+
+    def grow(self, capacity: int) -> DecodeCache:
+        """Room for `capacity` tokens: self-attention caches [R, N, L, H] -> [R, N, capacity, H]
+        (new slots zero, hidden by the mask until written)."""
+        extra = capacity - self.max_length
+        if extra < 0:
+            raise ValueError(f"cannot shrink a cache of {self.max_length} to {capacity}")
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
+        return self.replace(self_kv=jax.tree.map(pad, self.self_kv))
 
     def reorder(self, rows: jax.Array) -> DecodeCache:
         """Row r of the new self-attention caches is row rows[r] of the old: rows [B*K] int.
@@ -80,7 +91,7 @@ class DecodeCache:
         keys/values and source mask are the same for all of a source's beams, so
         they are left alone (rows must stay within each source's block of beams).
         """
-        take = lambda x: jnp.take(x, rows, axis=0)  # [B*K, L, N, H] -> [B*K, L, N, H]
+        take = lambda x: jnp.take(x, rows, axis=0)  # [B*K, N, L, H] -> [B*K, N, L, H]
         return self.replace(self_kv=jax.tree.map(take, self.self_kv))
 
 
@@ -190,6 +201,11 @@ class Transformer(nnx.Module):
     def _cross_kv(self, encoded: jax.Array) -> tuple[KVCache, ...]:
         """encoded [B, S, D] -> per decoder layer, cross-attention keys/values [B, S, N, H]."""
         return tuple(layer.cross_attn.project_kv(encoded) for layer in self.decoder_layers)
+
+    def cross_cache(self, encoded: jax.Array) -> tuple[KVCache, ...]:
+        """encoded [B, S, D] -> per decoder layer, the keys/values [B, N, S, H] that
+        incremental decoding attends over (`DecodeCache.cross_kv`)."""
+        return tuple(kv.heads_first() for kv in self._cross_kv(encoded))
 
     def _decoder_stack(
         self,
@@ -354,10 +370,10 @@ class Transformer(nnx.Module):
             )
         if encoded is None:
             encoded = self.encode(src)
-        shape = (src.shape[0], max_decode_len, cfg.num_heads, cfg.head_dim)  # [B, L, N, H]
+        shape = (src.shape[0], cfg.num_heads, max_decode_len, cfg.head_dim)  # [B, N, L, H]
         return DecodeCache(
             self_kv=tuple(KVCache.zeros(shape, cfg.compute_dtype) for _ in self.decoder_layers),
-            cross_kv=self._cross_kv(encoded),
+            cross_kv=self.cross_cache(encoded),
             src_valid=src != PAD_ID,
             index=jnp.zeros((), jnp.int32),
         )
@@ -366,16 +382,17 @@ class Transformer(nnx.Module):
         """Feed one token per row at position `cache.index`.
 
         Args:
-          tokens: [B] int32, the previous output token (BOS at the first step).
+          tokens: [R] int32, the previous output token (BOS at the first step); R = B,
+            or B*K for K beams per source (`DecodeCache.repeat`).
           cache: from `init_cache` or the previous step.
         Returns:
-          logits [B, V] float32 for the next token, and the updated cache.
+          logits [R, V] float32 for the next token, and the updated cache.
         """
         cfg = self.config
         i = cache.index
         table = jnp.asarray(_position_table(cfg.max_len, cfg.d_model), cfg.compute_dtype)
         pe = jax.lax.dynamic_slice_in_dim(table, i, 1)[None]  # [1, 1, D]
-        y = self.tgt_embed(tokens[:, None]) + pe  # [B, 1, D]
+        y = self.tgt_embed(tokens[:, None]) + pe  # [R, 1, D]
         # Keys at positions <= i are filled; later slots are still zeros.
         self_mask = (jnp.arange(cache.max_length) <= i)[None, None, None, :]  # [1, 1, 1, L]
         cross_mask = cache.src_valid[:, None, None, :]  # [B, 1, 1, S]

@@ -113,8 +113,9 @@ def workdir(tmp_path_factory):
     return wd
 
 
-def run_decode(*args, stdin=None):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+def run_decode(*args, stdin=None, pythonpath=""):
+    """decode.py in a child; `pythonpath` goes before the repository (e.g. module stubs)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath + ROOT}
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "decode.py"), *args],
         input=stdin,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, decoding
+from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, beam, decoding
 from tests.conftest import model_fields
 
 TINY = model_fields(vocab_size=12, num_decoder_layers=2)
@@ -63,9 +63,16 @@ def reference_greedy(model, src_row, limit):
     return out
 
 
-def reference_beam(model, src_row, k, alpha, limit):
+# lp(n) of a hypothesis of n tokens, EOS included: the paper's and CTranslate2's.
+PENALTIES = {
+    "gnmt": lambda n, alpha: ((5 + n) / 6) ** alpha,
+    "average": lambda n, alpha: n**alpha,
+}
+
+
+def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt"):
     """Textbook beam search over full forward passes (same stopping rule, no cache)."""
-    lp = lambda n: ((5 + n) / 6) ** alpha
+    lp = lambda n: PENALTIES[penalty](n, alpha)
     live, finished = [((), 0.0)], []
     for t in range(limit):
         cands = []
@@ -99,15 +106,16 @@ def test_greedy_cached_equals_full_forward(model):
         assert as_list(tokens[b]) == reference_greedy(model, src[b], 9)
 
 
-def test_beam_cached_equals_full_forward(model):
+@pytest.mark.parametrize(("penalty", "alpha"), [("gnmt", 0.6), ("average", 1.0)])
+def test_beam_cached_equals_full_forward(model, penalty, alpha):
     src = ragged_src(1, [4, 6])
-    k, alpha, limit = 3, 0.6, 7
+    k, limit = 3, 7
     tokens, scores = decoding.beam_search(
-        model, src, beam_size=k, alpha=alpha, max_decode_len=limit
+        model, src, beam_size=k, alpha=alpha, max_decode_len=limit, length_penalty=penalty
     )
     assert tokens.shape == (2, k, limit) and scores.shape == (2, k)
     for b in range(2):
-        ref = reference_beam(model, src[b], k, alpha, limit)
+        ref = reference_beam(model, src[b], k, alpha, limit, penalty)
         assert [as_list(tokens[b, i]) for i in range(k)] == [list(s) for s, _ in ref]
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
@@ -216,14 +224,14 @@ def test_sampling_respects_top_k_and_is_reproducible(model):
 
 
 def test_repeated_calls_do_not_retrace(model):
-    if not hasattr(decoding._beam_search, "_cache_size"):
+    if not hasattr(beam._start, "_cache_size"):
         pytest.skip("this jax has no jit _cache_size()")
     src = ragged_src(6, [4, 4])
     decoding.translate(model, src)
-    before = decoding._beam_search._cache_size()
+    before = beam._start._cache_size()
     decoding.translate(model, ragged_src(7, [3, 4]))
     decoding.translate(model, ragged_src(8, [4, 2]), alpha=0.3)
-    assert decoding._beam_search._cache_size() == before
+    assert beam._start._cache_size() == before
 
 
 @pytest.mark.parametrize(
@@ -238,3 +246,17 @@ def test_bad_arguments_raise_value_error(model, kwargs):
 def test_length_penalty_matches_gnmt():
     assert float(decoding.length_penalty(7, 0.6)) == pytest.approx(math.pow(12 / 6, 0.6))
     assert float(decoding.length_penalty(7, 0.0)) == 1.0
+
+
+def test_average_length_penalty_counts_eos():
+    # CTranslate2's: log P / len^alpha, len the tokens with EOS (tests/test_ct2_export.py
+    # checks this against CTranslate2's own scores).
+    assert float(decoding.length_penalty(7, 0.6, "average")) == pytest.approx(7**0.6)
+    assert float(decoding.length_penalty(7, 0.0, "average")) == 1.0
+    # EOS alone is one token: its log-probability, for any alpha.
+    score = decoding.normalized_score(jnp.array([0.0, -2.0]), jnp.array([1, 1]), 0.6, "average")
+    assert np.asarray(score).tolist() == [0.0, -2.0]
+    score = decoding.normalized_score(jnp.array([-2.0]), jnp.array([4]), 1.0, "average")
+    assert float(score[0]) == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="length_penalty must be one of"):
+        decoding.beam_search(make(), ragged_src(0, [3]), length_penalty="wu")

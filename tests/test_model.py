@@ -190,14 +190,15 @@ def test_decoder_layer_returns_the_cache_it_fills():
     cross_mask = jnp.ones((2, 1, 5, 6), bool)  # [B, 1, T, S]
     full, kv, weights = layer(y, cross_kv, causal, cross_mask)
     assert weights is None and kv.k.shape == kv.v.shape == (2, 5, 4, 8)  # [B, T, N, H]
-    cache = KVCache.zeros((2, 8, 4, 8), jnp.float32)  # [B, L, N, H]
+    cache = KVCache.zeros((2, 4, 8, 8), jnp.float32)  # [B, N, L, H], as decoding stores it
     for t in range(5):
         mask = (jnp.arange(8) <= t)[None, None, None]  # [1, 1, 1, L]
-        out, cache, _ = layer(y[:, t : t + 1], cross_kv, mask, cross_mask[:, :, :1], cache, t)
+        step_kv = cross_kv.heads_first()  # [B, N, S, H]
+        out, cache, _ = layer(y[:, t : t + 1], step_kv, mask, cross_mask[:, :, :1], cache, t)
         np.testing.assert_allclose(out[:, 0], full[:, t], atol=1e-5)
-    np.testing.assert_allclose(cache.k[:, :5], kv.k, atol=1e-6)
-    np.testing.assert_allclose(cache.v[:, :5], kv.v, atol=1e-6)
-    np.testing.assert_array_equal(cache.k[:, 5:], 0.0)
+    np.testing.assert_allclose(cache.k[:, :, :5], jnp.swapaxes(kv.k, 1, 2), atol=1e-6)
+    np.testing.assert_allclose(cache.v[:, :, :5], jnp.swapaxes(kv.v, 1, 2), atol=1e-6)
+    np.testing.assert_array_equal(cache.k[:, :, 5:], 0.0)
     _, _, weights = layer(y, cross_kv, causal, cross_mask, return_cross_weights=True)
     assert weights.shape == (2, 4, 5, 6)  # [B, N, T, S]
 
@@ -209,14 +210,17 @@ def test_decode_cache_repeat_and_reorder_match_numpy(model):
     rng = np.random.default_rng(0)
     fill = lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
     cache = cache.replace(self_kv=jax.tree.map(fill, cache.self_kv), index=jnp.int32(3))
-    per_row = lambda c: jax.tree.leaves((c.self_kv, c.cross_kv, c.src_valid))
+    self_kv = lambda c: jax.tree.leaves(c.self_kv)
     beams = cache.repeat(3)  # [B, ...] -> [B*K, ...], rows b*K .. b*K+K-1 are source b's
-    for old, new in zip(per_row(cache), per_row(beams), strict=True):
+    for old, new in zip(self_kv(cache), self_kv(beams), strict=True):
         np.testing.assert_array_equal(new, np.repeat(np.asarray(old), 3, axis=0))
+    # A source's beams share one copy of its cross-attention keys/values and mask.
+    per_source = lambda c: jax.tree.leaves((c.cross_kv, c.src_valid))
+    for old, new in zip(per_source(cache), per_source(beams), strict=True):
+        np.testing.assert_array_equal(new, old)
     assert int(beams.index) == 3 and beams.max_length == 6
     rows = np.array([2, 0, 0, 4, 5, 3])  # [B*K], each within its source's block
     moved = beams.reorder(jnp.asarray(rows))
-    self_kv = lambda c: jax.tree.leaves(c.self_kv)
     for old, new in zip(self_kv(beams), self_kv(moved), strict=True):
         np.testing.assert_array_equal(new, np.asarray(old)[rows])
     # Cross keys/values, source mask and index are the same for all of a source's beams.

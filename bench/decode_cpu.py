@@ -1,0 +1,206 @@
+"""Our JAX decoder against CTranslate2 (float32 and int8) on the same weights and sentences.
+
+    python bench/decode_cpu.py --workdir=workdir/tiny            # Ding test set, beam 4
+    python bench/decode_cpu.py --workdir=workdir/tiny --repeats=3 --threads=2 \
+        --backends=jax,jax-average,ct2-float32,ct2-int8
+
+Each backend is decode.py as a user runs it, in a fresh process, on the Ding
+test split's 1,000 sources with their references: `--workdir` (our decoder;
+`jax` with its default GNMT length penalty, `jax-average` with CTranslate2's),
+or `--ct2` on a directory `--export_ct2` wrote from the same checkpoint
+(`ct2-float32`, `ct2-int8`, ...; exported once into --scratch). Runs are
+interleaved (backend by backend, repeat after repeat) so that load from other
+processes falls on all of them alike; the median is kept.
+
+Per backend: decode.py's own summary rates (translation only: no start-up), the
+process's wall and CPU seconds (CPU seconds of all its threads: the measure to
+compare when other processes share the cores; `uptime`'s load is recorded
+before and after), BLEU and chrF, and the share of output lines identical to
+`jax-average`'s (the same search rule as CTranslate2's). JAX runs use decode.py's
+persistent compilation cache (or --compilation_cache=DIR|off), filled by
+--warmup rounds that are not counted: what a user's second run of a model costs.
+Prints one JSON object, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common
+from bench.decode_stream import SUMMARY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECODE_PY = os.path.join(ROOT, "decode.py")
+SCORE = re.compile(r"^(BLEU|chrF) = ([\d.]+)", re.M)
+
+
+def load() -> float:
+    """The 1-minute load average (other processes on the cores)."""
+    return os.getloadavg()[0]
+
+
+def decode(args: list[str]) -> dict:
+    """One decode.py process: its rates, wall and CPU seconds, scores."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    load_before = load()
+    t0 = time.perf_counter()
+    p = subprocess.Popen(
+        [sys.executable, DECODE_PY, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=ROOT,
+    )
+    out, err = p.communicate()
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"decode.py {' '.join(args)} failed: {err.decode()[-2000:]}")
+    m = SUMMARY.search(err.decode())
+    scores = {k.lower(): float(v) for k, v in SCORE.findall(out.decode())}
+    return {
+        "wall_s": wall,
+        "translate_s": float(m.group(2)),
+        "sentences_per_s": float(m.group(3)),
+        "tokens_per_s": float(m.group(4)),
+        "load": (load_before + load()) / 2,
+        **scores,
+    }
+
+
+def cpu_seconds_of(fn) -> tuple[dict, float]:
+    """fn()'s result and the CPU seconds its child processes used."""
+    before = os.times()
+    result = fn()
+    after = os.times()
+    return result, (after.children_user - before.children_user) + (
+        after.children_system - before.children_system
+    )
+
+
+def backend_flags(name: str, args: argparse.Namespace, ct2_dirs: dict[str, str]) -> list[str]:
+    if name == "jax":
+        flags = [f"--workdir={args.workdir}"]
+    elif name == "jax-average":
+        flags = [f"--workdir={args.workdir}", "--length_penalty=average"]
+    elif name.startswith("ct2-"):
+        flags = [f"--ct2={ct2_dirs[name]}", f"--threads={args.threads}"]
+    else:
+        raise SystemExit(f"unknown backend {name!r} (jax, jax-average, ct2-QUANTIZATION)")
+    if name.startswith("jax") and args.compilation_cache:
+        flags.append(f"--compilation_cache={args.compilation_cache}")
+    return flags
+
+
+def export(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
+    """The checkpoint as CTranslate2 directories, one per quantization asked for."""
+    dirs = {}
+    for name in names:
+        if not name.startswith("ct2-"):
+            continue
+        quantization = name.removeprefix("ct2-")
+        d = os.path.join(args.scratch, f"ct2_{quantization}")
+        dirs[name] = d
+        r = subprocess.run(
+            [
+                sys.executable,
+                DECODE_PY,
+                f"--workdir={args.workdir}",
+                f"--export_ct2={d}",
+                f"--quantization={quantization}",
+            ],
+            capture_output=True,
+            env={**os.environ, "PYTHONPATH": ROOT},
+            cwd=ROOT,
+        )
+        if r.returncode != 0:
+            raise SystemExit(r.stderr.decode()[-2000:])
+    return dirs
+
+
+def agreement(a: str, b: str) -> float:
+    """Percent of lines of two output files that are identical."""
+    with open(a) as fa, open(b) as fb:
+        x, y = fa.read().split("\n"), fb.read().split("\n")
+    return 100 * sum(p == q for p, q in zip(x, y, strict=True)) / len(x)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", default="workdir/tiny")
+    p.add_argument("--backends", default="jax,jax-average,ct2-float32,ct2-int8")
+    p.add_argument("--beam_size", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2, help="CTranslate2's --threads")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--compilation_cache", default=None, help="decode.py's, for jax runs")
+    p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first")
+    p.add_argument("--scratch", default=None, help="inputs, exports, outputs (default: tmp)")
+    args = p.parse_args(argv)
+    args.workdir = os.path.abspath(args.workdir)
+    args.scratch = args.scratch or tempfile.mkdtemp(prefix="decode_cpu_")
+    os.makedirs(args.scratch, exist_ok=True)
+    names = args.backends.split(",")
+
+    from data.corpora import prepare_ding
+
+    pairs = prepare_ding()["test"]
+    src, ref = os.path.join(args.scratch, "test.de"), os.path.join(args.scratch, "test.en")
+    with open(src, "w") as f:
+        f.writelines(de.replace("\n", " ") + "\n" for de, _ in pairs)
+    with open(ref, "w") as f:
+        f.writelines(en.replace("\n", " ") + "\n" for _, en in pairs)
+    ct2_dirs = export(args, names)
+
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for repeat in range(-args.warmup, args.repeats):
+        for name in names:
+            out = os.path.join(args.scratch, f"{name}.out")
+            flags = [
+                *backend_flags(name, args, ct2_dirs), f"--input={src}", f"--reference={ref}",
+                f"--output={out}", f"--beam_size={args.beam_size}",
+            ]  # fmt: skip
+            result, cpu = cpu_seconds_of(lambda flags=flags: decode(flags))
+            result["cpu_s"] = cpu
+            print(f"# {name} run {repeat + 1}: {result}", file=sys.stderr)
+            if repeat >= 0:
+                runs[name].append(result)
+    rows = []
+    for name in names:
+        row = {"backend": name}
+        for key in runs[name][0]:
+            row[key] = statistics.median(r[key] for r in runs[name])
+        tokens = row["tokens_per_s"] * row["translate_s"]
+        row["tokens_per_cpu_s"] = tokens / row["cpu_s"]
+        if "jax-average" in names:
+            row["same_lines_pct"] = agreement(
+                os.path.join(args.scratch, f"{name}.out"),
+                os.path.join(args.scratch, "jax-average.out"),
+            )
+        rows.append(row)
+    meta = {
+        "input": f"ding test split, {len(pairs)} sentences",
+        "workdir": args.workdir,
+        "beam_size": args.beam_size,
+        "ct2_threads": args.threads,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "cpus": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "scratch": args.scratch,
+    }
+    columns = ["backend", "tokens_per_s", "sentences_per_s", "translate_s", "wall_s", "cpu_s",
+               "tokens_per_cpu_s", "bleu", "chrf", "same_lines_pct", "load"]  # fmt: skip
+    common.report("decode_cpu", meta, rows, columns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""Translating with a CTranslate2 model directory (inference/ct2_export.py wrote it).
+
+    translator = CT2Translator.load("serve/", beam_size=4, alpha=0.6, threads=2)
+    hyps = translator.translate(sources)   # a Translator, as LiveTranslator: ids in, ids out
+
+The same contract as the JAX backends (inference/translate.py): sources are
+EOS-terminated id lists, results come back in input order with at most n_best
+hypotheses each, best first, an empty source gets none. What CTranslate2 is told
+so that it decodes as ours does (decoding.json):
+- the source is passed as pieces without its EOS: the model's config appends it;
+- decoding starts from <s> (the model's config) and never emits <pad>, <s> or an
+  id the tokenizer lacks (`suppress_sequences`);
+- a source of n tokens gets at most min(n + 50, max_len) output tokens, EOS
+  included: sources are translated in groups of one limit, since CTranslate2
+  takes one `max_decoding_length` per call. Where ours forces EOS at the limit,
+  CTranslate2 stops the hypothesis without one: the tokens are the same, and
+  such a hypothesis is scored again with EOS (`score_batch`) as ours is.
+- scores rank by log P / len^alpha, len the tokens with EOS (our
+  `--length_penalty=average`); its log P is over the tokens it may emit (the
+  suppressed ones taken out before the softmax), ours over all of them: scores
+  differ by ~1e-4 on a trained model; beam search keeps 2K candidates per step and an
+  EOS among the first K finishes a hypothesis, as ours. CTranslate2 stops a
+  source once K hypotheses have finished where ours goes on while a live beam
+  could still win, so a few beam-search results differ (docs/decoding.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from inference.ct2_export import (
+    DECODING_JSON,
+    DEVICES,
+    FORMAT_VERSION,
+    TOKENIZER,
+    import_ctranslate2,
+)
+from inference.hypothesis import Hypothesis
+from inference.translate import Progress
+from model.tokens import EOS_ID
+
+
+def row_limit(source_length: int, extra: int, max_len: int) -> int:
+    """Output tokens (EOS included) a source of `source_length` tokens may produce."""
+    return min(source_length + extra, max_len)
+
+
+def groups(lengths: Sequence[int], extra: int, max_len: int) -> list[tuple[int, list[int]]]:
+    """(limit, indices) of the non-empty sources sharing each output limit, longest first."""
+    by_limit: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n:
+            by_limit.setdefault(row_limit(n, extra, max_len), []).append(i)
+    return sorted(by_limit.items(), reverse=True)
+
+
+class CT2Translator:
+    """A CTranslate2 model directory as a `Translator`.
+
+    Unlike an exported JAX translator, beam size, alpha and n_best are chosen at
+    run time (the directory's decoding.json gives the defaults).
+    """
+
+    length_penalty = "average"
+
+    def __init__(
+        self,
+        directory: str,
+        settings: dict[str, Any],
+        translator: Any,
+        *,
+        beam_size: int,
+        alpha: float,
+        n_best: int,
+        batch_tokens: int,
+    ):
+        self.directory, self.settings, self._ct2 = directory, settings, translator
+        self.beam_size, self.alpha, self.n_best = beam_size, alpha, n_best
+        self.batch_tokens = batch_tokens
+        self.max_len = settings["max_len"]
+        self._extra = settings["extra_decode_len"]
+        with open(os.path.join(directory, "shared_vocabulary.json")) as f:
+            self.vocab: list[str] = json.load(f)
+        self._ids = {piece: i for i, piece in enumerate(self.vocab)}
+        self._never = [[piece] for piece in settings["never_generate"]]
+
+    @classmethod
+    def load(
+        cls,
+        directory: str,
+        *,
+        beam_size: int | None = None,
+        alpha: float | None = None,
+        n_best: int = 1,
+        device: str = "cpu",
+        threads: int = 0,
+        batch_tokens: int = 4096,
+    ) -> CT2Translator:
+        """Open DIR (ValueError saying what is wrong; ImportError without ctranslate2).
+
+        threads: CTranslate2's intra-op threads (0 = its default); device: cpu or cuda.
+        """
+        ct2 = import_ctranslate2()
+        settings = read_settings(directory)
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        if device == "cuda" and ct2.get_cuda_device_count() == 0:
+            raise ValueError("--device=cuda: CTranslate2 sees no CUDA device here")
+        try:
+            translator = ct2.Translator(
+                directory, device=device, inter_threads=1, intra_threads=threads
+            )
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"CTranslate2 cannot load {directory}: {e}") from e
+        return cls(
+            directory,
+            settings,
+            translator,
+            beam_size=settings["beam_size"] if beam_size is None else beam_size,
+            alpha=settings["alpha"] if alpha is None else alpha,
+            n_best=n_best,
+            batch_tokens=batch_tokens,
+        )
+
+    @property
+    def tokenizer_path(self) -> str:
+        return os.path.join(self.directory, TOKENIZER)
+
+    def translate(
+        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+    ) -> list[list[Hypothesis]]:
+        """EOS-terminated id lists -> per source its hypotheses, best first (input order)."""
+        too_long = [i for i, s in enumerate(sources) if len(s) > self.max_len]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} source(s) exceed max_len {self.max_len} (first: #{too_long[0]})"
+            )
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        for limit, rows in groups([len(s) for s in sources], self._extra, self.max_len):
+            pieces = [self._pieces(sources[i]) for i in rows]
+            out = self._ct2.translate_batch(
+                pieces,
+                beam_size=self.beam_size,
+                length_penalty=self.alpha,
+                num_hypotheses=self.n_best,
+                # Ours forces EOS as the limit-th token, so limit - 1 tokens before it.
+                max_decoding_length=max(limit - 1, 1),
+                max_input_length=0,  # sources were cut to max_len already
+                max_batch_size=self.batch_tokens,
+                batch_type="tokens",
+                return_scores=True,
+                suppress_sequences=self._never,
+            )
+            hyps = self._at_limit([self._hypotheses(r) for r in out], pieces, max(limit - 1, 1))
+            count = 0
+            for i, found in zip(rows, hyps, strict=True):
+                results[i] = found
+                count += len(found[0].tokens) + 1 if found else 0
+            if progress is not None:
+                progress(len(rows), count)
+        return results
+
+    def _pieces(self, ids: Sequence[int]) -> list[str]:
+        """A source's ids -> its pieces, without the EOS that CTranslate2 appends."""
+        ids = list(ids)
+        if ids and ids[-1] == EOS_ID:
+            ids.pop()
+        return [self.vocab[i] for i in ids]
+
+    def _hypotheses(self, result: Any) -> list[Hypothesis]:
+        out = []
+        for tokens, score in zip(result.hypotheses, result.scores, strict=True):
+            if np.isfinite(score):
+                out.append(Hypothesis([self._ids[t] for t in tokens], float(score)))
+        return out
+
+    def _at_limit(
+        self, hyps: list[list[Hypothesis]], pieces: list[list[str]], most: int
+    ) -> list[list[Hypothesis]]:
+        """Hypotheses of `most` tokens, cut by the length limit, scored as ours scores them:
+        with the EOS that ours forces at the limit (its log-probability counts; CTranslate2
+        stops them without one). Each source's hypotheses re-sorted, best first."""
+        cut = [(r, h) for r, found in enumerate(hyps) for h, x in enumerate(found)
+               if len(x.tokens) >= most]  # fmt: skip
+        if not cut:
+            return hyps
+        scored = self._ct2.score_batch(
+            [pieces[r] for r, _ in cut],
+            [[self.vocab[t] for t in hyps[r][h].tokens] for r, h in cut],
+            max_batch_size=self.batch_tokens,
+            batch_type="tokens",
+            max_input_length=0,
+        )
+        for (r, h), result in zip(cut, scored, strict=True):
+            logp, length = float(np.sum(result.log_probs)), len(result.log_probs)  # EOS in both
+            hyps[r][h] = Hypothesis(hyps[r][h].tokens, logp / length**self.alpha)
+        return [sorted(found, key=lambda x: -x.score) for found in hyps]
+
+
+def read_settings(directory: str) -> dict[str, Any]:
+    """decoding.json of a directory `decode.py --export_ct2` wrote (ValueError otherwise)."""
+    path = os.path.join(directory, DECODING_JSON)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{path} is missing: is {directory!r} a directory written by "
+            "`decode.py --workdir=W --export_ct2=DIR`?"
+        )
+    with open(path) as f:
+        settings = json.load(f)
+    if settings.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format version {settings.get('format_version')} unknown")
+    for name in ("model.bin", "shared_vocabulary.json", TOKENIZER):
+        if not os.path.isfile(os.path.join(directory, name)):
+            raise ValueError(f"{directory}/{name} is missing; export the model again")
+    return settings

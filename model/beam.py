@@ -1,0 +1,339 @@
+"""Beam search in stages: the state between steps, one step, and the programs that start
+a batch and resume it with room for more tokens (pure, jit-compiled).
+
+    rule = Rule(beam_size=4, n_best=1)
+    s, done = start(model, src, alpha=0.6, rule=rule, capacity=32)   # encode + <= 32 steps
+    s, done = resume(model, s, alpha=0.6, rule=rule, capacity=66)    # room for 66 tokens
+    tokens, scores = results(s)                                      # [B, K, C], [B, K]
+
+`model.decoding.beam_search` is one stage with room for every token (L = S + 50);
+inference/translate.py runs stages: a batch starts with room for a few more
+tokens than its sources are long, and the few sources that are not done when
+it is full go on together, from any batches of their width, with twice the
+room. Attention and the cache reorder then read caches of about the length
+decoded so far, not of L, and a batch's last slow source no longer keeps all
+the others computing.
+
+Search: K hypotheses per source, in B*K rows (rows b*K .. b*K + K-1 are source
+b's). Each step takes the 2K best extensions; an EOS among the first K finishes
+a hypothesis (so beam 1 with alpha 0 is greedy search); the K best others stay
+live and carry on the cache of the beam they extend. A source is done when its
+result can no longer change (`Rule.stop`); from then on it gains no finished
+hypothesis, so stopping it earlier or later (stages, batches) gives the same
+results. Scores are log P / lp(len), len counting EOS (model/scoring.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from model.layers import KVCache
+from model.scoring import (
+    DEFAULT_LENGTH_PENALTY,
+    NEG_INF,
+    normalized_score,
+    restrict,
+    row_limits,
+)
+from model.tokens import BOS_ID, EOS_ID, PAD_ID
+from model.transformer import DecodeCache, Transformer
+
+STOPS = ("bound", "first")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """The static settings of a search (hashable: part of a compiled program's key).
+
+    beam_size: K.
+    n_best: how many of the best finished hypotheses must be final before a source
+      stops (K: all; decode.py asks for the ones it prints).
+    stop: "bound": once no live beam can reach the n_best-th finished score (its
+      log-probability, which only falls, over lp of its length limit);
+      "first": at the first finished hypothesis (greedy search, with K = 1).
+    penalty: the length penalty, "gnmt" or "average".
+    vocab_limit: never emit ids >= this (None = the whole vocabulary).
+    """
+
+    beam_size: int
+    n_best: int | None = None
+    stop: str = "bound"
+    penalty: str = DEFAULT_LENGTH_PENALTY
+    vocab_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_best is None:
+            object.__setattr__(self, "n_best", self.beam_size)
+        if not 1 <= self.n_best <= self.beam_size:
+            raise ValueError(f"n_best must be in [1, {self.beam_size}], got {self.n_best}")
+        if self.stop not in STOPS:
+            raise ValueError(f"stop must be one of {STOPS}, got {self.stop!r}")
+
+
+class BeamState(NamedTuple):
+    """One batch of B sources between steps (a pytree); C = the room for tokens."""
+
+    step: jax.Array  # [] int32, index of the output token produced next
+    live_seqs: jax.Array  # [B, K, C] int32, hypotheses without EOS yet
+    live_logp: jax.Array  # [B, K] float32, their log-probabilities (-inf = empty slot)
+    fin_seqs: jax.Array  # [B, K, C] int32, EOS-terminated hypotheses, best first
+    fin_scores: jax.Array  # [B, K] float32, log P / lp(length) (-inf = empty slot)
+    limits: jax.Array  # [B] int32, the most tokens (EOS included) each source may produce
+    cache: DecodeCache  # self-attention [B*K, N, C, H]; cross-attention per source
+
+
+def top_k(x: jax.Array, k: int, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` over x [B, M] in two levels: the same values and indices.
+
+    XLA's CPU top-k sorts its way through all M entries of a row (K*V: 16,000 for
+    the tiny model at beam 4), about as slow as the output projection. Here the
+    row is cut into chunks of `chunk`; the k chunks with the largest maxima (ties:
+    the earlier chunk) hold the k largest entries (ties: the earlier index), and
+    only they, in their original order, go through the exact top-k.
+    """
+    b, m = x.shape
+    if m < 8 * chunk:
+        return jax.lax.top_k(x, k)
+    pad = (-m) % chunk
+    x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=NEG_INF)
+    chunks = x.reshape(b, -1, chunk)  # [B, M] -> [B, M/chunk, chunk]
+    _, picked = jax.lax.top_k(chunks.max(axis=-1), k)  # [B, k] chunk indices
+    picked = jnp.sort(picked, axis=1)  # original order, so that ties go to the earlier index
+    near = jnp.take_along_axis(chunks, picked[:, :, None], axis=1)  # [B, k, chunk]
+    values, pos = jax.lax.top_k(near.reshape(b, k * chunk), k)  # [B, k]
+    index = jnp.take_along_axis(picked, pos // chunk, axis=1) * chunk + pos % chunk
+    return values, index
+
+
+def state_treedef(num_layers: int) -> jax.tree_util.PyTreeDef:
+    """The pytree structure of a `BeamState` of a model with `num_layers` decoder layers
+    (to rebuild one from its leaves, e.g. an exported program's outputs)."""
+    kv = tuple(KVCache(0, 0) for _ in range(num_layers))
+    cache = DecodeCache(self_kv=kv, cross_kv=kv, src_valid=0, index=0)
+    return jax.tree.structure(BeamState(0, 0, 0, 0, 0, 0, cache))
+
+
+def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, M, ...], idx [B, K] -> [B, K, ...]."""
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))  # [B, K] -> [B, K, 1, ...]
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def init(model: Transformer, src: jax.Array, limits: jax.Array, k: int, capacity: int) -> BeamState:
+    """src [B, S] encoded, K beams per source with room for `capacity` tokens."""
+    b = src.shape[0]
+    return BeamState(
+        step=jnp.zeros((), jnp.int32),
+        live_seqs=jnp.zeros((b, k, capacity), jnp.int32),
+        # [K] -> [B, K]: one live beam at first, so the first step does not pick K copies of it.
+        live_logp=jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1)),
+        fin_seqs=jnp.zeros((b, k, capacity), jnp.int32),
+        fin_scores=jnp.full((b, k), NEG_INF, jnp.float32),
+        limits=limits,
+        cache=model.init_cache(src, capacity).repeat(k),  # self-attention [B*K, N, C, H]
+    )
+
+
+def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
+    """[B] bool: sources whose n_best best hypotheses are final."""
+    if rule.stop == "first":
+        return jnp.isfinite(s.fin_scores[:, 0])
+    # alpha >= 0 makes lp grow with length, so the best score a live beam can
+    # still reach is its log-probability (which only falls) over lp(limit).
+    best_live = normalized_score(jnp.max(s.live_logp, axis=1), s.limits, alpha, rule.penalty)
+    return s.fin_scores[:, rule.n_best - 1] >= best_live  # [B]
+
+
+def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
+    """Feed every live beam its last token and keep the best extensions: one position on."""
+    b, k, _ = s.live_seqs.shape
+    t = s.step
+    stopped = done(s, alpha, rule)  # [B]: nothing is added to a done source's results
+    # [B, K, C] -> [B, K]: the token each beam fed last (column t-1; BOS at t = 0).
+    prev_col = jax.lax.dynamic_index_in_dim(s.live_seqs, jnp.maximum(t - 1, 0), 2, False)
+    prev = jnp.where(t == 0, BOS_ID, prev_col).reshape(b * k)  # [B, K] -> [B*K]
+    logits, cache = model.decode_step(prev, s.cache)  # [B*K] -> [B*K, V]
+    v = logits.shape[-1]
+    logp = jax.nn.log_softmax(logits).reshape(b, k, v)  # [B*K, V] -> [B, K, V]
+    force_eos = jnp.broadcast_to((t >= s.limits - 1)[:, None], (b, k))  # [B] -> [B, K]
+    logp = restrict(logp, force_eos, rule.vocab_limit)
+    cand = (s.live_logp[:, :, None] + logp).reshape(b, k * v)  # [B, K, V] -> [B, K*V]
+    # 2K candidates: at most K of them end in EOS, so K stay alive.
+    top_logp, top_idx = top_k(cand, 2 * k)  # [B, 2K]
+    top_beam, top_tok = top_idx // v, top_idx % v  # [B, 2K]
+    top_seqs = _gather_beams(s.live_seqs, top_beam)  # [B, K, C] -> [B, 2K, C]
+    top_seqs = jax.lax.dynamic_update_slice_in_dim(
+        top_seqs, top_tok[:, :, None].astype(jnp.int32), t, axis=2
+    )  # [B, 2K, 1] written at column t of [B, 2K, C]
+    is_eos = top_tok == EOS_ID  # [B, 2K]
+
+    # Live: the K best candidates that did not end.
+    live_logp, live_pos = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)  # [B, K]
+    live_seqs = _gather_beams(top_seqs, live_pos)  # [B, 2K, C] -> [B, K, C]
+    origin = jnp.take_along_axis(top_beam, live_pos, axis=1)  # [B, K] previous beam
+    rows = (jnp.arange(b)[:, None] * k + origin).reshape(b * k)  # [B, K] -> [B*K]
+    # Each live beam continues the self-attention cache of the beam it extends.
+    cache = cache.reorder(rows)  # [B*K, N, C, H] per layer, rows gathered
+
+    # Finished: an EOS candidate counts only if it ranks among the K best (as in
+    # fairseq). Merge the new ones with the K kept so far.
+    in_beam = jnp.arange(2 * k) < k  # [2K]
+    new_scores = normalized_score(top_logp, t + 1, alpha, rule.penalty)  # [B, 2K]
+    new_scores = jnp.where(is_eos & in_beam & ~stopped[:, None], new_scores, NEG_INF)
+    all_scores = jnp.concatenate([s.fin_scores, new_scores], axis=1)  # [B, 3K]
+    all_seqs = jnp.concatenate([s.fin_seqs, top_seqs], axis=1)  # [B, 3K, C]
+    fin_scores, fin_pos = jax.lax.top_k(all_scores, k)  # [B, K]
+    fin_seqs = _gather_beams(all_seqs, fin_pos)  # [B, 3K, C] -> [B, K, C]
+    return BeamState(t + 1, live_seqs, live_logp, fin_seqs, fin_scores, s.limits, cache)
+
+
+def run(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
+    """Steps until every source is done or the room (C) is full: one `while_loop`."""
+    capacity = s.live_seqs.shape[2]
+
+    def cond(s: BeamState) -> jax.Array:
+        return (s.step < capacity) & ~jnp.all(done(s, alpha, rule))
+
+    return jax.lax.while_loop(cond, lambda s: step(model, s, alpha, rule), s)
+
+
+def grow(s: BeamState, capacity: int) -> BeamState:
+    """Room for `capacity` tokens: sequences [B, K, C] and caches [B*K, N, C, H] padded."""
+    extra = capacity - s.live_seqs.shape[2]
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra)))  # [B, K, C] -> [B, K, capacity]
+    return s._replace(
+        live_seqs=pad(s.live_seqs), fin_seqs=pad(s.fin_seqs), cache=s.cache.grow(capacity)
+    )
+
+
+def results(s: BeamState) -> tuple[jax.Array, jax.Array]:
+    """tokens [B, K, C] (no BOS, EOS-terminated, 0 after; all 0 in a slot never
+    filled) and scores [B, K] (-inf in such a slot), best first."""
+    tokens = jnp.where(jnp.isfinite(s.fin_scores)[:, :, None], s.fin_seqs, PAD_ID)
+    return tokens, s.fin_scores
+
+
+# --- the compiled programs ------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "capacity", "length", "extra"))
+def _start(graphdef, state, src, alpha, *, rule, capacity, length, extra):
+    model = nnx.merge(graphdef, state)
+    s = init(model, src, row_limits(src, length, extra), rule.beam_size, capacity)
+    s = run(model, s, alpha, rule)
+    return s, done(s, alpha, rule) | (s.step >= s.limits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "capacity"))
+def _resume(graphdef, state, s, alpha, *, rule, capacity):
+    model = nnx.merge(graphdef, state)
+    s = run(model, grow(s, capacity), alpha, rule)
+    return s, done(s, alpha, rule) | (s.step >= s.limits)
+
+
+def start(
+    model: Transformer,
+    src: jax.Array,
+    *,
+    alpha: float | jax.Array,
+    rule: Rule,
+    capacity: int,
+    length: int,
+    extra: int | None,
+) -> tuple[BeamState, jax.Array]:
+    """Encode src [B, S] and search with room for `capacity` tokens.
+
+    length, extra: as `model.scoring.decode_shape` gives them (a source of n tokens
+    may produce min(n + extra, length) tokens; extra None: length each).
+    Returns the state and [B] bool, the sources that are done (whose results are
+    final); the others are not done only because the room is full.
+    """
+    graphdef, state = nnx.split(model)
+    return _start(
+        graphdef,
+        state,
+        jnp.asarray(src, jnp.int32),
+        jnp.float32(alpha),
+        rule=rule,
+        capacity=min(capacity, length),
+        length=length,
+        extra=extra,
+    )
+
+
+def resume(
+    model: Transformer, s: BeamState, *, alpha: float | jax.Array, rule: Rule, capacity: int
+) -> tuple[BeamState, jax.Array]:
+    """Go on with room for `capacity` tokens (>= the current room); as `start` returns."""
+    graphdef, state = nnx.split(model)
+    return _resume(graphdef, state, s, jnp.float32(alpha), rule=rule, capacity=capacity)
+
+
+# --- sources moved between batches (on the host, numpy) --------------------------------------
+
+
+def take_sources(s: BeamState, idx: np.ndarray) -> BeamState:
+    """The sources `idx` of a batch's state (numpy arrays, e.g. a fetched state)."""
+    k = s.live_seqs.shape[1]
+    per_source = lambda x: x[idx]
+    per_beam = lambda x: x.reshape(-1, k, *x.shape[1:])[idx].reshape(-1, *x.shape[1:])
+    cache = s.cache.replace(
+        self_kv=jax.tree.map(per_beam, s.cache.self_kv),  # [B*K, ...] -> [n*K, ...]
+        cross_kv=jax.tree.map(per_source, s.cache.cross_kv),
+        src_valid=per_source(s.cache.src_valid),
+    )
+    fields = ("live_seqs", "live_logp", "fin_seqs", "fin_scores", "limits")
+    return s._replace(cache=cache, **{f: per_source(getattr(s, f)) for f in fields})
+
+
+def join_sources(parts: list[BeamState], width: int, rows: int) -> BeamState:
+    """Sources taken from batches at the same step, as one batch of `rows` sources of
+    source width `width` (numpy): cross-attention keys/values [B, N, S, H] and the
+    source mask padded to the width, then filler sources that are already done."""
+    steps = {int(p.step) for p in parts}
+    if len(steps) != 1:
+        raise ValueError(f"sources at different steps {sorted(steps)} cannot share a batch")
+    n = sum(p.live_seqs.shape[0] for p in parts)
+    k = parts[0].live_seqs.shape[1]
+    fill = rows - n
+
+    def cat(xs, axis_width=None, value=0, per_beam=False):
+        x = np.concatenate(xs)
+        pad = [(0, fill * (k if per_beam else 1))] + [(0, 0)] * (x.ndim - 1)
+        if axis_width is not None:
+            pad[axis_width] = (0, width - x.shape[axis_width])
+        return np.pad(x, pad, constant_values=value)
+
+    def field(name, **kw):
+        return cat([getattr(p, name) for p in parts], **kw)
+
+    def kv(name, axis_width=None, per_beam=False):
+        layers = zip(*[getattr(p.cache, name) for p in parts], strict=True)
+        return tuple(
+            type(kvs[0])(
+                cat([x.k for x in kvs], axis_width, per_beam=per_beam),
+                cat([x.v for x in kvs], axis_width, per_beam=per_beam),
+            )
+            for kvs in layers
+        )
+
+    cache = parts[0].cache.replace(
+        self_kv=kv("self_kv", per_beam=True),  # [n*K, N, C, H] -> [rows*K, N, C, H]
+        cross_kv=kv("cross_kv", axis_width=2),  # [n, N, S', H] -> [rows, N, width, H]
+        src_valid=cat([p.cache.src_valid for p in parts], axis_width=1, value=False),
+    )
+    return parts[0]._replace(
+        live_seqs=field("live_seqs"),
+        live_logp=field("live_logp", value=-np.inf),  # filler: no live beam ...
+        fin_seqs=field("fin_seqs"),
+        fin_scores=field("fin_scores", value=-np.inf),  # ... and nothing left to find
+        limits=field("limits", value=1),
+        cache=cache,
+    )

@@ -1,0 +1,90 @@
+"""How searches score, limit and restrict hypotheses: shared by greedy, sampling and beam search.
+
+score = normalized_score(logp, length, alpha, "gnmt")   # log P / lp(length)
+length, extra = decode_shape(model, src, None)          # L = S + 50 columns, + 50 a row
+logp = restrict(logp, force_eos, vocab_limit)           # never PAD/BOS; EOS at the limit
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from model.tokens import BOS_ID, EOS_ID, PAD_ID
+from model.transformer import Transformer
+
+# The paper (section 6.1) decodes with beam 4, length penalty alpha 0.6, and at
+# most source length + 50 output tokens.
+DEFAULT_BEAM_SIZE = 4
+DEFAULT_ALPHA = 0.6
+EXTRA_DECODE_LEN = 50
+# How scores are normalized by length: "gnmt" (the default, as the paper's setup) or
+# "average" (CTranslate2's and OpenNMT's; see `length_penalty`).
+LENGTH_PENALTIES = ("gnmt", "average")
+DEFAULT_LENGTH_PENALTY = "gnmt"
+
+NEG_INF = -jnp.inf
+
+
+def length_penalty(
+    length: jax.Array, alpha: jax.Array | float, kind: str = DEFAULT_LENGTH_PENALTY
+) -> jax.Array:
+    """lp(Y), by which scores are log P(Y) / lp(Y); `length` = |Y|, EOS included.
+
+    gnmt: ((5 + |Y|) / 6)^alpha (Wu et al., 2016).
+    average: |Y|^alpha, EOS counted, as CTranslate2 ranks (its returned scores are
+      log P(Y) / |Y|^alpha with P(Y) including EOS's probability; alpha 1: the
+      mean log-probability per token, EOS included).
+    Both grow with |Y| for alpha >= 0, so the best score a live beam can still
+    reach is its log-probability over lp(its length limit).
+    """
+    length = jnp.asarray(length, jnp.float32)
+    if kind == "gnmt":
+        return ((5.0 + length) / 6.0) ** alpha
+    if kind == "average":
+        return length**alpha
+    raise ValueError(f"length penalty must be one of {LENGTH_PENALTIES}, got {kind!r}")
+
+
+def normalized_score(
+    logp: jax.Array, length: jax.Array, alpha: jax.Array | float, kind: str = DEFAULT_LENGTH_PENALTY
+) -> jax.Array:
+    """log P / lp(length), what searches rank by; -inf where lp is 0 (never NaN)."""
+    lp = length_penalty(length, alpha, kind)
+    return jnp.where(lp > 0, logp / jnp.where(lp > 0, lp, 1.0), NEG_INF)
+
+
+def decode_shape(model: Transformer, src: jax.Array, max_decode_len: int | None):
+    """(L, extra): output columns, and per-row extra length (None = every row gets L)."""
+    max_len = model.config.max_len
+    s = src.shape[1]
+    if s > max_len:
+        raise ValueError(f"source length {s} exceeds the model's max_len {max_len}")
+    if max_decode_len is None:
+        return min(s + EXTRA_DECODE_LEN, max_len), EXTRA_DECODE_LEN
+    if not 0 < max_decode_len <= max_len:
+        raise ValueError(f"max_decode_len must be in [1, {max_len}], got {max_decode_len}")
+    return max_decode_len, None
+
+
+def row_limits(src: jax.Array, length: int, extra: int | None) -> jax.Array:
+    """[B] int32: the most output tokens (EOS included) each row may produce."""
+    if extra is None:
+        return jnp.full((src.shape[0],), length, jnp.int32)
+    n = jnp.sum(src != PAD_ID, axis=1, dtype=jnp.int32)  # [B]
+    return jnp.minimum(n + extra, length)
+
+
+def restrict(logp: jax.Array, force_eos: jax.Array, vocab_limit: int | None) -> jax.Array:
+    """logp [..., V] -> the same with PAD, BOS and ids >= vocab_limit banned and, where
+    force_eos [...], all but EOS.
+
+    PAD and BOS never occur inside a target, and a PAD fed back would be masked
+    as padding by the full forward pass, so searches never emit them.
+    """
+    ids = jnp.arange(logp.shape[-1])  # [V]
+    banned = (ids == PAD_ID) | (ids == BOS_ID)
+    if vocab_limit is not None:
+        banned = banned | (ids >= vocab_limit)
+    banned = banned | (force_eos[..., None] & (ids != EOS_ID))  # [..., V]
+    return jnp.where(banned, NEG_INF, logp)

@@ -1,0 +1,156 @@
+"""The CTranslate2 conversion (inference/ct2_export.py) against CTranslate2 itself.
+
+CTranslate2 is an independent implementation of the Transformer: scoring the same
+pairs with the converted model must give our log-probabilities, for every
+architecture option the converter accepts. Skipped without ctranslate2
+(`pip install '.[serve]'`).
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference import ct2_export
+from model import EOS_ID, Transformer, TransformerConfig, shift_right
+from tests.conftest import model_fields
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+PIECES = ["<pad>", "</s>", "<s>", "<unk>"] + [f"▁w{i}" for i in range(36)]
+
+
+def perturbed_model(seed: int, **overrides) -> Transformer:
+    """A random model whose every parameter (LayerNorm scales and biases included) is
+    moved off its initial value, so that a weight put in the wrong place shows."""
+    config = TransformerConfig(
+        **model_fields(num_encoder_layers=2, num_decoder_layers=2, **overrides)
+    )
+    model = Transformer(config, rngs=nnx.Rngs(seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    leaves = [
+        x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, list(keys), strict=True)
+    ]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), rest)
+
+
+def pairs(seed: int, n: int, vocab: int = 40):
+    rng = np.random.default_rng(seed)
+    make = lambda: rng.integers(4, vocab, size=rng.integers(1, 12)).tolist()
+    return [(make(), make()) for _ in range(n)]
+
+
+def our_log_probs(model, data):
+    """Per pair, log P(target token | source, prefix) for every target token and EOS."""
+    width = 16
+    src = np.zeros((len(data), width), np.int32)
+    tgt = np.zeros((len(data), width), np.int32)
+    for i, (s, t) in enumerate(data):
+        src[i, : len(s) + 1] = [*s, EOS_ID]
+        tgt[i, : len(t) + 1] = [*t, EOS_ID]
+    logp = np.asarray(jax.nn.log_softmax(model(src, shift_right(tgt))))  # [B, T, V]
+    picked = np.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]  # [B, T]
+    return [picked[i, : len(t) + 1] for i, (_, t) in enumerate(data)]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(norm="post", activation="relu"),  # the paper's
+        dict(norm="pre", activation="gelu", tie_output=False, share_embeddings=False),
+        dict(norm="post", activation="gelu", tie_output=False),
+        dict(norm="pre", activation="relu", layer_norm_epsilon=1e-2),
+    ],
+)
+def test_converted_model_scores_as_ours(tmp_path, options):
+    model = perturbed_model(3, **options)
+    out = tmp_path / "ct2"
+    settings = ct2_export.export_ct2(model, PIECES, b"spm", str(out))
+    data = pairs(5, 12)
+    ours = our_log_probs(model, data)
+    translator = ctranslate2.Translator(str(out), device="cpu")
+    # The converted model appends EOS to the source itself (config.json add_source_eos).
+    results = translator.score_batch(
+        [[PIECES[i] for i in s] for s, _ in data], [[PIECES[i] for i in t] for _, t in data]
+    )
+    for want, got in zip(ours, results, strict=True):
+        np.testing.assert_allclose(got.log_probs, want, atol=2e-5)
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_norm_epsilon"] == model.config.layer_norm_epsilon
+    assert config["add_source_eos"] and config["decoder_start_token"] == "<s>"
+    assert settings["never_generate"] == ["<pad>", "<s>"]
+    assert (out / "tokenizer.model").read_bytes() == b"spm"
+    assert sorted(os.listdir(tmp_path)) == ["ct2"]  # no temporary directory left behind
+
+
+def test_int8_scores_stay_close(tmp_path):
+    model = perturbed_model(4)
+    ct2_export.export_ct2(model, PIECES, b"spm", str(tmp_path / "q"), quantization="int8")
+    data = pairs(6, 8)
+    ours = our_log_probs(model, data)
+    translator = ctranslate2.Translator(str(tmp_path / "q"), device="cpu")
+    results = translator.score_batch(
+        [[PIECES[i] for i in s] for s, _ in data], [[PIECES[i] for i in t] for _, t in data]
+    )
+    for want, got in zip(ours, results, strict=True):
+        assert np.all(np.isfinite(got.log_probs))
+        # 8-bit weights: close to, not equal to, the float32 log-probabilities.
+        np.testing.assert_allclose(got.log_probs, want, atol=0.3)
+
+
+def test_placeholders_fill_a_vocabulary_larger_than_the_tokenizer(tmp_path):
+    model = perturbed_model(5)
+    settings = ct2_export.export_ct2(model, PIECES[:30], b"spm", str(tmp_path / "m"))
+    vocab = json.loads((tmp_path / "m" / "shared_vocabulary.json").read_text())
+    assert vocab[:30] == PIECES[:30] and len(vocab) == len(set(vocab)) == 40
+    assert settings["vocab_limit"] == 30
+    assert settings["never_generate"] == ["<pad>", "<s>", *vocab[30:]]
+
+
+def test_unsupported_configs_are_refused_by_name():
+    @dataclasses.dataclass(frozen=True)
+    class Future(TransformerConfig):
+        rotary: bool = False
+
+    assert ct2_export.unsupported(Future(vocab_size=40)) == []
+    assert ct2_export.unsupported(Future(vocab_size=40, rotary=True)) == [
+        "rotary=True (unknown to the converter)"
+    ]
+    odd = TransformerConfig(vocab_size=40)
+    object.__setattr__(odd, "activation", "swish")  # as a later version might allow
+    assert ct2_export.unsupported(odd) == ["activation='swish' (supported: relu, gelu)"]
+    model = perturbed_model(6)
+    object.__setattr__(model.config, "norm", "sandwich")
+    with pytest.raises(ValueError, match="cannot express this model: norm='sandwich'"):
+        ct2_export.transformer_spec(model, PIECES)
+
+
+def test_export_replaces_only_an_earlier_export(tmp_path):
+    model = perturbed_model(7)
+    target = tmp_path / "m"
+    ct2_export.export_ct2(model, PIECES, b"one", str(target))
+    ct2_export.export_ct2(model, PIECES, b"two", str(target), quantization="int8")
+    assert (target / "tokenizer.model").read_bytes() == b"two"
+    assert json.loads((target / "decoding.json").read_text())["quantization"] == "int8"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty and holds no earlier CTranslate2 export"):
+        ct2_export.export_ct2(model, PIECES, b"x", str(other))
+    assert os.listdir(other) == ["notes.txt"]
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ct2_export.export_ct2(model, PIECES, b"x", str(tmp_path / "n"), quantization="int4")
+
+
+def test_missing_ctranslate2_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import fails
+    with pytest.raises(ImportError, match=r"pip install '\.\[serve\]'"):
+        ct2_export.import_ctranslate2()

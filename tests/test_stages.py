@@ -1,0 +1,139 @@
+"""Staged beam search (model/beam.py, inference/stages.py) against the search in one program.
+
+A source's results must not depend on the stage or batch it finishes in, nor on
+stopping it as soon as the hypotheses asked for are final.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inference import stages
+from inference.translate import search_fn, search_rule, translate_ids
+from model import EOS_ID, beam, decoding
+from tests.test_decoding import make, ragged_src
+
+
+@pytest.fixture(scope="module")
+def model():
+    # Wider vocabulary and a longer reach than test_decoding's, so that sources need
+    # several stages and some stop early.
+    return make(seed=3, vocab_size=40, max_len=96)
+
+
+def sources_of(lengths, seed=0, vocab=40):
+    rng = np.random.default_rng(seed)
+    return [[*rng.integers(4, vocab, size=n - 1).tolist(), EOS_ID] for n in lengths]
+
+
+def test_two_level_top_k_equals_lax_top_k_with_ties():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-6, 3, size=(5, 3000)).astype(np.float32)  # many exact ties
+    x[:, rng.integers(0, 3000, 400)] = -np.inf
+    x[0] = -np.inf  # every entry tied
+    x[1, :2000] = -np.inf  # the best ones late in the row
+    for k in (1, 8, 16):
+        want = jax.lax.top_k(jnp.asarray(x), k)
+        got = beam.top_k(jnp.asarray(x), k, chunk=64)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_stage_rooms_grow_to_every_sources_limit():
+    assert stages.stage_rooms(8, 256) == [24, 48, 58]
+    assert stages.stage_rooms(16, 64) == [32, 64]
+    assert stages.stage_rooms(64, 64) == [64]
+
+
+@pytest.mark.parametrize(("beam_size", "n_best"), [(4, 1), (3, 3), (1, 1)])
+def test_staged_translation_equals_one_program(model, monkeypatch, beam_size, n_best):
+    carried = []
+    real = stages._Stages.carried_batches
+
+    def spy(self, *args):
+        for batch in real(self, *args):
+            carried.append(len(batch[0]))
+            yield batch
+
+    monkeypatch.setattr(stages._Stages, "carried_batches", spy)
+    sources = sources_of(np.random.default_rng(1).integers(1, 13, 24))
+    staged = translate_ids(model, sources, beam_size=beam_size, n_best=n_best, batch_tokens=64)
+    assert carried  # some sources went on in later stages, from several batches
+    whole = search_fn(model, beam_size=beam_size, alpha=0.6, n_best=n_best)
+    src = np.zeros((len(sources), 12), np.int32)  # all in one batch, one stage
+    for i, ids in enumerate(sources):
+        src[i, : len(ids)] = ids
+    all_tokens, all_scores = (np.asarray(x) for x in whole(jnp.asarray(src)))
+    for i, (tokens, scores) in enumerate(zip(all_tokens, all_scores, strict=True)):
+        want = [
+            (t[: t.tolist().index(EOS_ID)].tolist(), s) for t, s in zip(tokens, scores, strict=True)
+        ]
+        want = [w for w in want if np.isfinite(w[1])]
+        got = staged[i]
+        assert [h.tokens for h in got] == [t for t, _ in want], i
+        np.testing.assert_allclose([h.score for h in got], [s for _, s in want], atol=1e-5)
+
+
+def test_stopping_once_the_best_is_final_keeps_the_best(model):
+    src = ragged_src(4, [7, 3, 9, 5, 12, 2], vocab=40)
+    length, extra = min(src.shape[1] + 50, 96), 50
+    out = {}
+    for n_best in (1, 4):
+        rule = beam.Rule(4, n_best)
+        state, done = beam.start(
+            model, src, alpha=0.6, rule=rule, capacity=length, length=length, extra=extra
+        )
+        assert bool(jnp.all(done))
+        out[n_best] = (beam.results(state), int(state.step))
+    (tokens1, scores1), steps1 = out[1]
+    (tokens4, scores4), steps4 = out[4]
+    np.testing.assert_array_equal(tokens1[:, 0], tokens4[:, 0])
+    np.testing.assert_array_equal(scores1[:, 0], scores4[:, 0])
+    assert steps1 <= steps4
+
+
+def test_first_rule_is_greedy_search(model):
+    src = ragged_src(5, [6, 2, 9, 4], vocab=40)
+    greedy, logp = decoding.greedy_search(model, src, return_logprob=True)
+    length = min(src.shape[1] + 50, 96)
+    rule = beam.Rule(1, stop="first")
+    state, _ = beam.start(model, src, alpha=0.0, rule=rule, capacity=16, length=length, extra=50)
+    while not bool(jnp.all(beam.done(state, jnp.float32(0.0), rule) | (state.step >= length))):
+        room = min(2 * state.live_seqs.shape[2], length)
+        state, _ = beam.resume(model, state, alpha=0.0, rule=rule, capacity=room)
+    tokens, scores = beam.results(state)
+    width = tokens.shape[2]
+    np.testing.assert_array_equal(tokens[:, 0], np.asarray(greedy)[:, :width])
+    np.testing.assert_allclose(scores[:, 0], logp, atol=1e-5)
+
+
+def test_sources_taken_and_joined_keep_their_state(model):
+    src = ragged_src(6, [5, 3, 7, 4], vocab=40)
+    rule = beam.Rule(2)
+    state, _ = beam.start(model, src, alpha=0.6, rule=rule, capacity=3, length=57, extra=50)
+    host = jax.tree.map(np.asarray, state)
+    a = beam.take_sources(host, np.array([2, 0]))
+    b = beam.take_sources(host, np.array([3]))
+    joined = beam.join_sources([a, b], width=12, rows=8)
+    assert joined.live_seqs.shape == (8, 2, 3) and joined.cache.src_valid.shape == (8, 12)
+    for new, old in enumerate([2, 0, 3]):
+        np.testing.assert_array_equal(joined.live_seqs[new], host.live_seqs[old])
+        np.testing.assert_array_equal(joined.fin_scores[new], host.fin_scores[old])
+        for layer in range(2):
+            got = joined.cache.self_kv[layer].k[2 * new : 2 * new + 2]
+            np.testing.assert_array_equal(got, host.cache.self_kv[layer].k[2 * old : 2 * old + 2])
+            cross = joined.cache.cross_kv[layer].v[new]
+            np.testing.assert_array_equal(cross[:, :7], host.cache.cross_kv[layer].v[old])
+            assert not cross[:, 7:].any()
+    # Filler sources are done and hold nothing.
+    assert np.all(np.isneginf(joined.live_logp[3:])) and not joined.cache.src_valid[3:].any()
+    assert bool(jnp.all(beam.done(jax.tree.map(jnp.asarray, joined), jnp.float32(0.6), rule)[3:]))
+    with pytest.raises(ValueError, match="different steps"):
+        beam.join_sources([a, a._replace(step=np.int32(9))], width=12, rows=8)
+
+
+def test_search_rule_is_greedy_for_beam_one():
+    assert search_rule(1).stop == "first" and search_rule(4, 2).n_best == 2
+    with pytest.raises(ValueError, match="n_best must be in"):
+        beam.Rule(2, n_best=3)
