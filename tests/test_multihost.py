@@ -110,6 +110,7 @@ def overrides(tmp_path_factory):
     }
 
 
+@pytest.mark.slow  # ~2 min on 2 cores; test_fitted_buckets_agree_across_processes stays fast
 def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(overrides, tmp_path):
     two, one = tmp_path / "two", tmp_path / "one"
     s2 = run_processes(2, two, overrides)
