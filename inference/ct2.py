@@ -41,6 +41,7 @@ from inference.ct2_export import (
     import_ctranslate2,
 )
 from inference.hypothesis import Hypothesis
+from inference.stages import check_lengths
 from inference.translate import Progress
 from model.tokens import EOS_ID
 
@@ -135,11 +136,7 @@ class CT2Translator:
         self, sources: Sequence[Sequence[int]], progress: Progress | None = None
     ) -> list[list[Hypothesis]]:
         """EOS-terminated id lists -> per source its hypotheses, best first (input order)."""
-        too_long = [i for i, s in enumerate(sources) if len(s) > self.max_len]
-        if too_long:
-            raise ValueError(
-                f"{len(too_long)} source(s) exceed max_len {self.max_len} (first: #{too_long[0]})"
-            )
+        check_lengths(sources, self.max_len)
         results: list[list[Hypothesis]] = [[] for _ in sources]
         for limit, rows in groups([len(s) for s in sources], self._extra, self.max_len):
             pieces = [self._pieces(sources[i]) for i in rows]

@@ -69,6 +69,27 @@ class Search(Protocol):
 # --- devices <-> host -------------------------------------------------------------------
 
 
+def check_lengths(sources: Sequence[Sequence[int]], max_len: int) -> None:
+    """ValueError naming how many sources (and the first) are longer than max_len."""
+    too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} source(s) exceed max_len {max_len} (first: #{too_long[0]})"
+        )
+
+
+def batch_of(
+    sources: Sequence[Sequence[int]], picked: Sequence[int], rows: int, width: int
+) -> np.ndarray:
+    """sources[picked] as one [rows, width] int32 batch (0-padded). Filler rows hold a lone
+    EOS: a valid, cheap source whose output is dropped."""
+    src = np.zeros((rows, width), np.int32)  # [B, S]
+    src[len(picked) :, 0] = EOS_ID
+    for r, i in enumerate(picked):
+        src[r, : len(sources[i])] = sources[i]
+    return src
+
+
 def rows_multiple(sharding: NamedSharding | None) -> int:
     """How many devices the rows are split over (every batch's rows are a multiple)."""
     if sharding is None:
@@ -191,11 +212,7 @@ def run_stages(
     no hypotheses without running the model. min_rows: the fewest rows of a batch
     (data.plans.plan_translation): 1 for a dev set translated at every evaluation.
     """
-    too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
-    if too_long:
-        raise ValueError(
-            f"{len(too_long)} source(s) exceed max_len {max_len} (first: #{too_long[0]})"
-        )
+    check_lengths(sources, max_len)
     if batch_tokens < 1:
         raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
     nonempty = [i for i, s in enumerate(sources) if len(s)]
@@ -210,12 +227,7 @@ def run_stages(
     stages = _Stages(search, sources, nonempty, max_len, progress)
     pending = None
     for chunk, width, rows in plan:
-        # Filler rows hold a lone EOS: a valid, cheap source whose output is dropped.
-        src = np.zeros((rows, width), np.int32)  # [B, S]
-        src[len(chunk) :, 0] = EOS_ID
-        for r, j in enumerate(chunk):
-            ids = sources[nonempty[j]]
-            src[r, : len(ids)] = ids
+        src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)
         out = search.start(place(src, sharding), stage_rooms(width, max_len)[0])
         # Dispatch is asynchronous: the next batch is queued before this one is read.
         if pending is not None:

@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding
 
 from data.plans import MIN_ROWS, plan_translation
 from inference.hypothesis import Hypothesis, hypotheses
-from inference.stages import Progress, fetch, place, run_stages
-from model import EOS_ID, Transformer, beam
+from inference.stages import Progress, batch_of, check_lengths, fetch, place, run_stages
+from model import Transformer, beam
 from model.scoring import DEFAULT_LENGTH_PENALTY, decode_shape
 
 # A batch's whole search as one program: src [B, S] -> tokens [B, n_best, L], scores [B, n_best]
@@ -252,22 +252,14 @@ def echo_batches(
 ) -> list[list[Hypothesis]]:
     """`run_stages`'s batches (planned, filled, placed on the device, read back) with each
     source 'translated' into itself, score 0: everything but the search."""
-    too_long = [i for i, s in enumerate(sources) if len(s) > max_len]
-    if too_long:
-        raise ValueError(
-            f"{len(too_long)} source(s) exceed max_len {max_len} (first: #{too_long[0]})"
-        )
+    check_lengths(sources, max_len)
     nonempty = [i for i, s in enumerate(sources) if len(s)]
     plan = plan_translation(
         [len(sources[i]) for i in nonempty], batch_tokens=batch_tokens, max_len=max_len
     )
     results: list[list[Hypothesis]] = [[] for _ in sources]
     for chunk, width, rows in plan:
-        src = np.zeros((rows, width), np.int32)  # [B, S]
-        src[len(chunk) :, 0] = EOS_ID
-        for r, j in enumerate(chunk):
-            ids = sources[nonempty[j]]
-            src[r, : len(ids)] = ids
+        src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)
         tokens = fetch(place(src, None))[:, None, :]  # [B, S] -> [B, 1, S]
         count = 0
         for r, j in enumerate(chunk):
