@@ -106,7 +106,7 @@ class CT2Translator:
 
         threads: CTranslate2's intra-op threads (0 = its default); device: cpu or cuda.
         """
-        ct2 = import_ctranslate2()
+        ct2 = import_ctranslate2(threads)
         settings = read_settings(directory)
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
