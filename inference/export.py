@@ -11,8 +11,10 @@ The directory holds
     start_S{W}.jax,      `jax.export` serializations (StableHLO) of the staged search
     resume_S{W}_C{C}.jax that decode.py runs (inference/stages.py): encode sources
                          padded to width W and search with room for the first
-                         stage's tokens; go on with room for C tokens. The state
-                         between them is a flat list of arrays.
+                         stage's tokens; go on with room for C tokens. Each stops
+                         early once at most `keep` sources are unfinished before
+                         step `until` (int32 inputs). The state between them is a
+                         flat list of arrays.
     search_S{W}.jax      the same search as one program, room for every token
                          (src -> tokens, scores), for plain JAX (docs/decoding.md)
     metadata.json        config, beam, alpha, n_best, length penalty, widths and each
@@ -50,7 +52,8 @@ from model import Transformer, beam
 from model.decoding import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN
 
 # 2: staged programs (start_S*, resume_S*_C*) beside the one-program search_S*.
-FORMAT_VERSION = 2
+# 3: the staged programs take `keep` and `until` and stop early; a resume for every room.
+FORMAT_VERSION = 3
 METADATA = "metadata.json"
 PARAMS = "params.npz"
 TOKENIZER = "tokenizer.model"
@@ -127,8 +130,10 @@ def export_translator(
         "program_bytes": sizes,
         "inputs": "flat params (params.npz p0000..), src int32 [b, W] (0 pad, EOS-terminated)",
         "outputs": "tokens int32 [b, n_best, L] (EOS-terminated, 0 after), scores f32 [b, n_best]",
-        "staged": "start_S{W}: (params, src) -> (state, done [b]); resume_S{W}_C{C}: "
-        "(params, state) -> (state, done); state: model.beam.BeamState's leaves",
+        "staged": "start_S{W}: (params, src, keep, until) -> (state, done [b]); "
+        "resume_S{W}_C{C}: (params, state, keep, until) -> (state, done); state: "
+        "model.beam.BeamState's leaves; keep, until: int32, stop once at most keep sources "
+        "are unfinished before step until (0, 0: when all are finished)",
         "output_length": {str(w): min(w + EXTRA_DECODE_LEN, max_len) for w in widths},
         "num_params": len(leaves),
         "param_paths": paths,
@@ -163,20 +168,22 @@ def _write_programs(
         return search_fn(live(flat), **search)(src)
 
     def start(room):
-        def fn(flat, src):  # [P arrays], [B, W] -> state leaves, done [B]
-            state, done = searcher(flat).start(src, room)
+        def fn(flat, src, keep, until):  # [P arrays], [B, W], [], [] -> state leaves, done [B]
+            state, done = searcher(flat).start(src, room, keep, until)
             return jax.tree.leaves(state), done
 
         return fn
 
     def resume(room):
-        def fn(flat, state):  # [P arrays], state leaves -> state leaves, done [B]
-            state, done = searcher(flat).resume(jax.tree.unflatten(state_def, state), room)
+        def fn(flat, state, keep, until):  # [P arrays], state leaves, [], [] -> ..., done [B]
+            state = jax.tree.unflatten(state_def, state)
+            state, done = searcher(flat).resume(state, room, keep, until)
             return jax.tree.leaves(state), done
 
         return fn
 
     (b,) = jax.export.symbolic_shape("b")
+    keep = jax.ShapeDtypeStruct((), jnp.int32)
     flat = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     sizes, rooms = {}, {}
     t0 = time.time()
@@ -185,16 +192,32 @@ def _write_programs(
         rooms[width] = stage_rooms(width, max_len)
         blob, _ = _serialize(whole, (flat, src), platforms)
         programs = [(_whole_name(width), blob)]
-        blob, out = _serialize(start(rooms[width][0]), (flat, src), platforms)
+        blob, out = _serialize(start(rooms[width][0]), (flat, src, keep, keep), platforms)
         programs.append((_start_name(width), blob))
-        for room in rooms[width][1:]:
-            blob, out = _serialize(resume(room), (flat, list(out[:-1])), platforms)
+        for room in rooms[width]:
+            state = _with_room(state_def, out[:-1], room)
+            blob, _ = _serialize(resume(room), (flat, state, keep, keep), platforms)
             programs.append((_resume_name(width, room), blob))
         for name, blob in programs:
             atomic_write_bytes(os.path.join(directory, name), blob)
             sizes[name] = len(blob)
         _log.info(f"exported the width-{width} programs ({time.time() - t0:.1f}s so far)")
     return sizes, rooms
+
+
+def _with_room(state_def: Any, leaves: Sequence[Any], room: int) -> list[jax.ShapeDtypeStruct]:
+    """The abstract state leaves of a search with room for `room` tokens (what a resume
+    program takes: stages.py grows a state to the next room before resuming it)."""
+    s = jax.tree.unflatten(state_def, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])
+    roomy = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], room, *x.shape[3:]), x.dtype)
+    self_kv = jax.tree.map(roomy, s.cache.self_kv)  # [b*K, N, C, H] -> [b*K, N, room, H]
+    return jax.tree.leaves(
+        s._replace(
+            live_seqs=roomy(s.live_seqs),  # [b, K, C] -> [b, K, room]
+            fin_seqs=roomy(s.fin_seqs),
+            cache=s.cache.replace(self_kv=self_kv),
+        )
+    )
 
 
 class ExportedTranslator:
@@ -249,14 +272,19 @@ class ExportedTranslator:
         leaves, done = self._programs[name].call(self.params, *args)
         return jax.tree.unflatten(self._state_def, leaves), done
 
-    def start(self, src: jax.Array, room: int) -> tuple[beam.BeamState, jax.Array]:
+    def start(
+        self, src: jax.Array, room: int, keep: int = 0, until: int = 0
+    ) -> tuple[beam.BeamState, jax.Array]:
         """inference.stages.Search: the exported first stage of sources of src's width."""
-        return self._call(_start_name(src.shape[1]), src)
+        return self._call(_start_name(src.shape[1]), src, np.int32(keep), np.int32(until))
 
-    def resume(self, state: beam.BeamState, room: int) -> tuple[beam.BeamState, jax.Array]:
-        """inference.stages.Search: the exported later stage with room for `room` tokens."""
+    def resume(
+        self, state: beam.BeamState, room: int, keep: int = 0, until: int = 0
+    ) -> tuple[beam.BeamState, jax.Array]:
+        """inference.stages.Search: the exported search going on with room for `room` tokens."""
         width = state.cache.src_valid.shape[1]
-        return self._call(_resume_name(width, room), jax.tree.leaves(state))
+        early = np.int32(keep), np.int32(until)
+        return self._call(_resume_name(width, room), jax.tree.leaves(state), *early)
 
     def translate(
         self, sources: Sequence[Sequence[int]], progress: Progress | None = None

@@ -9,10 +9,13 @@ not done when the room is full waits in a pool with the others of its width
 and room, and those go on together, from any batches, with twice the room
 (model/beam.py `take_sources`, `join_sources`). So attention and the cache
 reorder read caches about as long as what was decoded, and one slow source no
-longer keeps a whole batch computing. A source's results do not depend on the
-stage or batch it finishes in (model/beam.py).
+longer keeps a whole batch computing. Within a stage, once half of a batch's
+sources are finished, the others go on at once in half the rows (when that
+saves enough steps to pay for a program of a new shape: MIN_SAVED_ROW_STEPS),
+so finished sources stop costing steps. A source's results do not depend on
+the stage or batch it finishes in (model/beam.py).
 
-Batches are dispatched before the previous one is read back, so the host work
+Searches are dispatched before the previous one is read back, so the host work
 overlaps the device's. With a `sharding` of the rows, each batch's rows (and a
 carried-over state's) are spread over its devices; every process passes all
 sources and gets all results.
@@ -20,8 +23,10 @@ sources and gets all results.
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -54,16 +59,23 @@ def stage_rooms(width: int, max_len: int) -> list[int]:
 class Search(Protocol):
     """One batch's search in stages: model/beam.py's programs, or exported ones.
 
-    start(src [B, S], room) and resume(state, room) return the state and [B] bool,
-    the sources that are done. A done source's `fin_seqs[b, :n]`, `fin_scores[b, :n]`
+    start(src [B, S], room, keep, until) and resume(state, room, keep, until) search
+    until every source is finished or the room is full, or at most `keep` are not
+    before step `until` (model/beam.py `run`), and return the state and [B] bool,
+    the sources that are finished. A done source's `fin_seqs[b, :n]`, `fin_scores[b, :n]`
     are its n best hypotheses, best first (-inf: a slot never filled).
     """
 
     n_best: int
+    beam_size: int
 
-    def start(self, src: jax.Array, room: int) -> tuple[BeamState, jax.Array]: ...
+    def start(
+        self, src: jax.Array, room: int, keep: int, until: int
+    ) -> tuple[BeamState, jax.Array]: ...
 
-    def resume(self, state: BeamState, room: int) -> tuple[BeamState, jax.Array]: ...
+    def resume(
+        self, state: BeamState, room: int, keep: int, until: int
+    ) -> tuple[BeamState, jax.Array]: ...
 
 
 # --- devices <-> host -------------------------------------------------------------------
@@ -128,22 +140,66 @@ def fetch(x: Any) -> Any:
 
 # --- the loop -------------------------------------------------------------------------------
 
+# A batch goes on in half its rows once half of its sources are finished, only if the
+# rows it leaves behind would otherwise have computed at least this many beam-row steps
+# in its room: a smaller batch of a shape this process has not run yet is a new
+# program, and tracing and loading one costs ~0.3 s on the 2-core box, ~6,000
+# beam-row steps of the tiny model there (shared by the batches of that width in the
+# call); one it has run costs a copy of the state.
+MIN_SAVED_ROW_STEPS = {"new": 8192, "known": 512}
+# (search, rows, width, room) of the searches this process has run
+_SHAPES_RUN: set[tuple[Any, int, int, int]] = set()
+
+# One search of a batch on its way: (its output, the sources it holds, width, room, rows).
+_Job = tuple[tuple[BeamState, jax.Array], np.ndarray, int, int, int]
+
 
 class _Stages:
     """The state of one `run_stages` call: results so far and the pools of carried sources."""
 
-    def __init__(self, search: Search, sources, nonempty, max_len, progress):
+    def __init__(self, search: Search, sources, nonempty, max_len, progress, sharding, min_rows):
         self.search, self.sources, self.nonempty = search, sources, nonempty
         self.max_len, self.progress = max_len, progress
+        self.sharding, self.multiple = sharding, rows_multiple(sharding)
+        self.min_rows = min_rows
+        # what identifies the search's compiled programs within this process
+        self.key = getattr(search, "program_key", id(search))
+        self.batches: dict[int, int] = {}  # fresh batches of each width in this call
         self.results: list[list[Any]] = [[] for _ in sources]
         # (width, room) -> [(indices into nonempty, their states)]
         self.pools: dict[tuple[int, int], list[tuple[np.ndarray, BeamState]]] = {}
 
-    def finish(self, out: tuple[BeamState, jax.Array], chunk: np.ndarray, width: int) -> None:
-        """Read a batch back: results of its done sources, the others into a pool."""
-        state, done = out
+    def early(self, rows: int, width: int, room: int) -> tuple[int, int]:
+        """(keep, until) for a search of `rows` rows with room for `room` tokens: it stops
+        when at most half its sources are unfinished, so they go on in half the rows, if
+        that happens early enough for the rows left behind to save MIN_SAVED_ROW_STEPS
+        beam-row steps of its room; (0, 0): it runs until all are finished."""
+        half = rows // 2
+        fewer = _round_rows(half, rows, self.multiple, self.min_rows)
+        if fewer >= rows:
+            return 0, 0
+        if (self.key, fewer, width, room) in _SHAPES_RUN:
+            least = MIN_SAVED_ROW_STEPS["known"]
+        else:  # a new program, run by about as many batches as this call has of the width
+            least = max(MIN_SAVED_ROW_STEPS["new"] // self.batches.get(width, 1), 1)
+        freed = (rows - fewer) * self.search.beam_size  # beam rows no longer computed
+        until = room - -(-least // freed)
+        return (half, until) if until > 0 else (0, 0)
+
+    def launch(self, chunk: np.ndarray, state: BeamState, width: int, room: int) -> _Job:
+        rows = state.live_seqs.shape[0]
+        _SHAPES_RUN.add((self.key, rows, width, room))
+        early = self.early(rows, width, room)
+        out = self.search.resume(place(state, self.sharding), room, *early)
+        return out, chunk, width, room, rows
+
+    def finish(self, job: _Job) -> _Job | None:
+        """Read a search back: the results of its finished sources; the others go on now in
+        fewer rows (returned) if it stopped early, or wait in a pool for the next room."""
+        (state, done), chunk, width, room, rows = job
         n = self.search.n_best
-        done, tokens, scores = fetch((done, state.fin_seqs[:, :n], state.fin_scores[:, :n]))
+        done, step = fetch((done, state.step))
+        tokens, scores = fetch((state.fin_seqs[:, :n], state.fin_scores[:, :n]))
         count = 0
         for r, j in enumerate(chunk):
             if done[r]:
@@ -151,18 +207,35 @@ class _Stages:
                 self.results[self.nonempty[j]] = hyps
                 count += len(hyps[0].tokens) + 1 if hyps else 0
         carried = np.flatnonzero(~done[: len(chunk)])
-        if carried.size:
-            room = state.live_seqs.shape[2]
-            kept = take_sources(fetch(state), carried)
-            self.pools.setdefault((width, room), []).append((chunk[carried], kept))
         if self.progress is not None:
             self.progress(len(chunk) - carried.size, count)
+        if not carried.size:
+            return None
+        kept = take_sources(fetch(state), carried)
+        if int(step) < room:  # stopped at `keep`: the rest go on at once, in fewer rows
+            fewer = _round_rows(carried.size, rows, self.multiple, self.min_rows)
+            return self.launch(chunk[carried], join_sources([kept], width, fewer), width, room)
+        self.pools.setdefault((width, room), []).append((chunk[carried], kept))
+        return None
 
-    def carried_batches(
-        self, full_rows: Callable[[int], int], multiple: int, min_rows: int = MIN_ROWS
-    ):
-        """(sources, joined state, width, next room) of the pooled sources, earliest stage
-        first, in batches of at most full_rows(width) rows."""
+    def drain(self, jobs: Iterator[Callable[[], _Job]]) -> None:
+        """Run jobs with one more queued behind the one read back, so the device never
+        waits for the host; a job's continuation goes to the back of the queue."""
+        queue: collections.deque[_Job] = collections.deque()
+        for launch in jobs:
+            queue.append(launch())
+            while len(queue) > 1:
+                more = self.finish(queue.popleft())
+                if more is not None:
+                    queue.append(more)
+        while queue:
+            more = self.finish(queue.popleft())
+            if more is not None:
+                queue.append(more)
+
+    def carried_batches(self, full_rows: Callable[[int], int]) -> Iterator[Callable[[], _Job]]:
+        """Launchers of the pooled sources' searches, earliest stage first, in batches of at
+        most full_rows(width) rows, with the next room."""
         while self.pools:
             width, room = min(self.pools, key=lambda key: (key[1], key[0]))
             parts = self.pools.pop((width, room))
@@ -173,9 +246,10 @@ class _Stages:
             limit = full_rows(width)
             for lo in range(0, len(chunks), limit):
                 pick = np.arange(lo, min(lo + limit, len(chunks)))
-                rows = _round_rows(len(pick), limit, multiple, min_rows)
+                rows = _round_rows(len(pick), limit, self.multiple, self.min_rows)
                 picked = _pick(parts, pick) if state is None else [take_sources(state, pick)]
-                yield chunks[pick], join_sources(picked, width, rows), width, next_room
+                joined = join_sources(picked, width, rows, next_room)
+                yield functools.partial(self.launch, chunks[pick], joined, width, next_room)
 
 
 def _round_rows(n: int, limit: int, multiple: int, min_rows: int = MIN_ROWS) -> int:
@@ -224,18 +298,16 @@ def run_stages(
         rows_multiple=multiple,
         min_rows=min_rows,
     )
-    stages = _Stages(search, sources, nonempty, max_len, progress)
-    pending = None
-    for chunk, width, rows in plan:
+    stages = _Stages(search, sources, nonempty, max_len, progress, sharding, min_rows)
+    stages.batches = collections.Counter(width for _, width, _ in plan)
+
+    def fresh(chunk: np.ndarray, width: int, rows: int) -> _Job:
         src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)
-        out = search.start(place(src, sharding), stage_rooms(width, max_len)[0])
-        # Dispatch is asynchronous: the next batch is queued before this one is read.
-        if pending is not None:
-            stages.finish(*pending)
-        pending = (out, chunk, width)
-    if pending is not None:
-        stages.finish(*pending)
+        room = stage_rooms(width, max_len)[0]
+        out = search.start(place(src, sharding), room, *stages.early(rows, width, room))
+        return out, chunk, width, room, rows
+
+    stages.drain(lambda c=c, w=w, r=r: fresh(c, w, r) for c, w, r in plan)
     full_rows = lambda width: max(1 << (max(batch_tokens // width, 1).bit_length() - 1), min_rows)
-    for chunk, state, width, room in stages.carried_batches(full_rows, multiple, min_rows):
-        stages.finish(search.resume(place(state, sharding), room), chunk, width)
+    stages.drain(stages.carried_batches(full_rows))
     return stages.results

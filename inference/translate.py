@@ -93,7 +93,18 @@ class LiveSearch:
     def n_best(self) -> int:
         return self.rule.n_best
 
-    def start(self, src: jax.Array, room: int) -> tuple[beam.BeamState, jax.Array]:
+    @property
+    def beam_size(self) -> int:
+        return self.rule.beam_size
+
+    @property
+    def program_key(self) -> tuple[int, beam.Rule]:
+        """Searches of the same model and rule run the same compiled programs."""
+        return id(self.model), self.rule
+
+    def start(
+        self, src: jax.Array, room: int, keep: int = 0, until: int = 0
+    ) -> tuple[beam.BeamState, jax.Array]:
         length, extra = decode_shape(self.model, src, None)
         return beam.start(
             self.model,
@@ -103,10 +114,22 @@ class LiveSearch:
             capacity=room,
             length=length,
             extra=extra,
+            keep=keep,
+            until=until,
         )
 
-    def resume(self, state: beam.BeamState, room: int) -> tuple[beam.BeamState, jax.Array]:
-        return beam.resume(self.model, state, alpha=self.alpha, rule=self.rule, capacity=room)
+    def resume(
+        self, state: beam.BeamState, room: int, keep: int = 0, until: int = 0
+    ) -> tuple[beam.BeamState, jax.Array]:
+        return beam.resume(
+            self.model,
+            state,
+            alpha=self.alpha,
+            rule=self.rule,
+            capacity=room,
+            keep=keep,
+            until=until,
+        )
 
 
 def search_fn(

@@ -194,12 +194,31 @@ def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> Beam
     return BeamState(t + 1, live_seqs, live_logp, fin_seqs, fin_scores, s.limits, cache)
 
 
-def run(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
-    """Steps until every source is done or the room (C) is full: one `while_loop`."""
+def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
+    """[B] bool: sources whose results are final (done, or at their length limit)."""
+    return done(s, alpha, rule) | (s.step >= s.limits)
+
+
+def run(
+    model: Transformer,
+    s: BeamState,
+    alpha: jax.Array,
+    rule: Rule,
+    keep: jax.Array | int = 0,
+    until: jax.Array | int = 0,
+) -> BeamState:
+    """Steps until every source is finished or the room (C) is full: one `while_loop`.
+
+    It also stops once at most `keep` sources are unfinished, if that happens before
+    step `until`: the caller then goes on with those few in a smaller batch instead
+    of computing every row until the batch's slowest source ends.
+    """
     capacity = s.live_seqs.shape[2]
 
     def cond(s: BeamState) -> jax.Array:
-        return (s.step < capacity) & ~jnp.all(done(s, alpha, rule))
+        unfinished = jnp.sum(~finished(s, alpha, rule))
+        few = (unfinished <= keep) & (s.step < until)
+        return (s.step < capacity) & (unfinished > 0) & ~few
 
     return jax.lax.while_loop(cond, lambda s: step(model, s, alpha, rule), s)
 
@@ -224,18 +243,18 @@ def results(s: BeamState) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule", "capacity", "length", "extra"))
-def _start(graphdef, state, src, alpha, *, rule, capacity, length, extra):
+def _start(graphdef, state, src, alpha, keep, until, *, rule, capacity, length, extra):
     model = nnx.merge(graphdef, state)
     s = init(model, src, row_limits(src, length, extra), rule.beam_size, capacity)
-    s = run(model, s, alpha, rule)
-    return s, done(s, alpha, rule) | (s.step >= s.limits)
+    s = run(model, s, alpha, rule, keep, until)
+    return s, finished(s, alpha, rule)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule", "capacity"))
-def _resume(graphdef, state, s, alpha, *, rule, capacity):
+def _resume(graphdef, state, s, alpha, keep, until, *, rule, capacity):
     model = nnx.merge(graphdef, state)
-    s = run(model, grow(s, capacity), alpha, rule)
-    return s, done(s, alpha, rule) | (s.step >= s.limits)
+    s = run(model, grow(s, capacity), alpha, rule, keep, until)
+    return s, finished(s, alpha, rule)
 
 
 def start(
@@ -247,13 +266,17 @@ def start(
     capacity: int,
     length: int,
     extra: int | None,
+    keep: int = 0,
+    until: int = 0,
 ) -> tuple[BeamState, jax.Array]:
     """Encode src [B, S] and search with room for `capacity` tokens.
 
     length, extra: as `model.scoring.decode_shape` gives them (a source of n tokens
     may produce min(n + extra, length) tokens; extra None: length each).
-    Returns the state and [B] bool, the sources that are done (whose results are
-    final); the others are not done only because the room is full.
+    keep, until: stop early once at most `keep` sources are unfinished before step
+    `until` (`run`; 0, 0: never).
+    Returns the state and [B] bool, the sources that are finished (whose results
+    are final); the others are not because the room is full, or they are few.
     """
     graphdef, state = nnx.split(model)
     return _start(
@@ -261,6 +284,8 @@ def start(
         state,
         jnp.asarray(src, jnp.int32),
         jnp.float32(alpha),
+        jnp.int32(keep),
+        jnp.int32(until),
         rule=rule,
         capacity=min(capacity, length),
         length=length,
@@ -269,11 +294,19 @@ def start(
 
 
 def resume(
-    model: Transformer, s: BeamState, *, alpha: float | jax.Array, rule: Rule, capacity: int
+    model: Transformer,
+    s: BeamState,
+    *,
+    alpha: float | jax.Array,
+    rule: Rule,
+    capacity: int,
+    keep: int = 0,
+    until: int = 0,
 ) -> tuple[BeamState, jax.Array]:
     """Go on with room for `capacity` tokens (>= the current room); as `start` returns."""
     graphdef, state = nnx.split(model)
-    return _resume(graphdef, state, s, jnp.float32(alpha), rule=rule, capacity=capacity)
+    early = jnp.int32(keep), jnp.int32(until)
+    return _resume(graphdef, state, s, jnp.float32(alpha), *early, rule=rule, capacity=capacity)
 
 
 # --- sources moved between batches (on the host, numpy) --------------------------------------
@@ -293,10 +326,13 @@ def take_sources(s: BeamState, idx: np.ndarray) -> BeamState:
     return s._replace(cache=cache, **{f: per_source(getattr(s, f)) for f in fields})
 
 
-def join_sources(parts: list[BeamState], width: int, rows: int) -> BeamState:
+def join_sources(
+    parts: list[BeamState], width: int, rows: int, room: int | None = None
+) -> BeamState:
     """Sources taken from batches at the same step, as one batch of `rows` sources of
     source width `width` (numpy): cross-attention keys/values [B, N, S, H] and the
-    source mask padded to the width, then filler sources that are already done."""
+    source mask padded to the width, then filler sources that are already done;
+    with `room`, sequences and self-attention caches padded to that many tokens."""
     steps = {int(p.step) for p in parts}
     if len(steps) != 1:
         raise ValueError(f"sources at different steps {sorted(steps)} cannot share a batch")
@@ -304,35 +340,37 @@ def join_sources(parts: list[BeamState], width: int, rows: int) -> BeamState:
     k = parts[0].live_seqs.shape[1]
     fill = rows - n
 
-    def cat(xs, axis_width=None, value=0, per_beam=False):
+    def cat(xs, axis_width=None, value=0, per_beam=False, axis_room=None):
         x = np.concatenate(xs)
         pad = [(0, fill * (k if per_beam else 1))] + [(0, 0)] * (x.ndim - 1)
         if axis_width is not None:
             pad[axis_width] = (0, width - x.shape[axis_width])
+        if axis_room is not None and room is not None:
+            pad[axis_room] = (0, room - x.shape[axis_room])
         return np.pad(x, pad, constant_values=value)
 
     def field(name, **kw):
         return cat([getattr(p, name) for p in parts], **kw)
 
-    def kv(name, axis_width=None, per_beam=False):
+    def kv(name, axis_width=None, per_beam=False, axis_room=None):
         layers = zip(*[getattr(p.cache, name) for p in parts], strict=True)
         return tuple(
             type(kvs[0])(
-                cat([x.k for x in kvs], axis_width, per_beam=per_beam),
-                cat([x.v for x in kvs], axis_width, per_beam=per_beam),
+                cat([x.k for x in kvs], axis_width, per_beam=per_beam, axis_room=axis_room),
+                cat([x.v for x in kvs], axis_width, per_beam=per_beam, axis_room=axis_room),
             )
             for kvs in layers
         )
 
     cache = parts[0].cache.replace(
-        self_kv=kv("self_kv", per_beam=True),  # [n*K, N, C, H] -> [rows*K, N, C, H]
+        self_kv=kv("self_kv", per_beam=True, axis_room=2),  # [n*K, N, C, H] -> [rows*K, N, room, H]
         cross_kv=kv("cross_kv", axis_width=2),  # [n, N, S', H] -> [rows, N, width, H]
         src_valid=cat([p.cache.src_valid for p in parts], axis_width=1, value=False),
     )
     return parts[0]._replace(
-        live_seqs=field("live_seqs"),
+        live_seqs=field("live_seqs", axis_room=2),  # [n, K, C] -> [rows, K, room]
         live_logp=field("live_logp", value=-np.inf),  # filler: no live beam ...
-        fin_seqs=field("fin_seqs"),
+        fin_seqs=field("fin_seqs", axis_room=2),
         fin_scores=field("fin_scores", value=-np.inf),  # ... and nothing left to find
         limits=field("limits", value=1),
         cache=cache,

@@ -46,20 +46,45 @@ def test_stage_rooms_grow_to_every_sources_limit():
     assert stages.stage_rooms(64, 64) == [64]
 
 
-@pytest.mark.parametrize(("beam_size", "n_best"), [(4, 1), (3, 3), (1, 1)])
-def test_staged_translation_equals_one_program(model, monkeypatch, beam_size, n_best):
-    carried = []
-    real = stages._Stages.carried_batches
+@pytest.mark.parametrize(
+    ("beam_size", "n_best", "min_rows", "batch_tokens"),
+    [(4, 1, 8, 64), (3, 3, 8, 64), (1, 1, 8, 64), (4, 1, 1, 512), (3, 3, 1, 512), (1, 1, 1, 96)],
+)
+def test_staged_translation_equals_one_program(
+    model, monkeypatch, beam_size, n_best, min_rows, batch_tokens
+):
+    shrunk, carried = [], []  # batches that went on in fewer rows; with more room
+    real_finish, real_carried = stages._Stages.finish, stages._Stages.carried_batches
 
-    def spy(self, *args):
-        for batch in real(self, *args):
-            carried.append(len(batch[0]))
-            yield batch
+    def finish(self, job):
+        more = real_finish(self, job)
+        if more is not None:
+            shrunk.append((job[4], more[4]))  # rows before, after
+        return more
 
-    monkeypatch.setattr(stages._Stages, "carried_batches", spy)
+    def carried_batches(self, *args):
+        for launch in real_carried(self, *args):
+            carried.append(launch)
+            yield launch
+
+    monkeypatch.setattr(stages._Stages, "finish", finish)
+    monkeypatch.setattr(stages._Stages, "carried_batches", carried_batches)
+    # Shrink whenever half the sources are finished, however few steps that saves.
+    monkeypatch.setattr(stages, "MIN_SAVED_ROW_STEPS", {"new": 1, "known": 1})
     sources = sources_of(np.random.default_rng(1).integers(1, 13, 24))
-    staged = translate_ids(model, sources, beam_size=beam_size, n_best=n_best, batch_tokens=64)
-    assert carried  # some sources went on in later stages, from several batches
+    staged = translate_ids(
+        model,
+        sources,
+        beam_size=beam_size,
+        n_best=n_best,
+        batch_tokens=batch_tokens,
+        min_rows=min_rows,
+    )
+    # Some sources went on with more room (stages); with batches that can shrink, some
+    # went on in fewer rows as soon as half of their batch was finished.
+    assert carried
+    assert all(after < before for before, after in shrunk)
+    assert bool(shrunk) == (min_rows == 1)
     whole = search_fn(model, beam_size=beam_size, alpha=0.6, n_best=n_best)
     src = np.zeros((len(sources), 12), np.int32)  # all in one batch, one stage
     for i, ids in enumerate(sources):
@@ -73,6 +98,28 @@ def test_staged_translation_equals_one_program(model, monkeypatch, beam_size, n_
         got = staged[i]
         assert [h.tokens for h in got] == [t for t, _ in want], i
         np.testing.assert_allclose([h.score for h in got], [s for _, s in want], atol=1e-5)
+
+
+class _Beam4:
+    beam_size = 4
+
+
+def test_a_batch_shrinks_only_when_the_steps_it_saves_pay_for_the_program(monkeypatch):
+    monkeypatch.setattr(stages, "MIN_SAVED_ROW_STEPS", {"new": 8192, "known": 512})
+    monkeypatch.setattr(stages, "_SHAPES_RUN", set())
+    s = stages._Stages(_Beam4(), [], [], 256, None, None, min_rows=8)
+    # 256 rows -> 128: 512 beam rows freed; a new program needs 16 saved steps of a room
+    # of 48, so the batch may stop before step 32 (keep: half of its sources).
+    assert s.early(256, 16, 48) == (128, 48 - 16)
+    assert s.early(256, 16, 16) == (0, 0)  # too small a room to pay for it
+    s.batches = {16: 4}  # four batches of the width share the new program's cost
+    assert s.early(256, 16, 48) == (128, 48 - 4)
+    stages._SHAPES_RUN.add((s.key, 128, 16, 48))  # the smaller program has run
+    assert s.early(256, 16, 48) == (128, 48 - 1)
+    assert s.early(8, 16, 48) == (0, 0)  # min_rows: no smaller batch
+    sharded = stages._Stages(_Beam4(), [], [], 256, None, None, min_rows=1)
+    sharded.multiple = 8
+    assert sharded.early(8, 16, 48) == (0, 0)  # half the rows would not split over 8 devices
 
 
 def test_stopping_once_the_best_is_final_keeps_the_best(model):
