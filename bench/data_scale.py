@@ -108,6 +108,8 @@ def config_flags(args, tsv: str, dev: str) -> list[str]:
         flags.append(f"--config.batch_tokens={args.batch_tokens}")
     if args.model == "small":
         flags += [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()]
+    if args.mapped_cache_gb:
+        flags.append(f"--config.mapped_cache_gb={args.mapped_cache_gb}")
     return [*flags, "--config.model.dtype=float32"]
 
 
@@ -282,6 +284,7 @@ def main() -> None:
     parser.add_argument("--model", default="small", choices=["small", "config"])
     parser.add_argument("--steps", type=int, default=2, help="train steps per run")
     parser.add_argument("--seconds", type=float, default=3.0, help="batch throughput run")
+    parser.add_argument("--mapped_cache_gb", type=float, default=0.0, help="config's (0 = off)")
     parser.add_argument("--dir", default="/tmp/bench-wmt", help="corpora and workdirs")
     parser.add_argument("--seed", type=int, default=0, help="corpus seed")
     parser.add_argument("--keep", action="store_true", help="keep the workdirs")

@@ -43,7 +43,14 @@ from data.plans import (
     plan_bucketed,
     rows_per_batch,
 )
-from data.tokenized import TokenizedCorpus, apply_long_pairs, effective_lengths, length_chunks
+from data.tokenized import (
+    TokenizedCorpus,
+    apply_long_pairs,
+    effective_lengths,
+    length_chunks,
+    mapped_rss,
+    release_pages,
+)
 from data.tokenizer import Tokenizer
 
 # grain is imported where it is used, and JAX never: the cache's worker processes
@@ -54,6 +61,9 @@ from data.tokenizer import Tokenizer
 AgreeCounts = Callable[[np.ndarray], np.ndarray] | None
 
 _log = logging.getLogger(__name__)
+# With config.mapped_cache_gb, every this many batches the process's mapped-file RSS
+# is read, and a cached shard's pages unmapped if it is over (data.tokenized.release_pages).
+RELEASE_EVERY = 64
 
 
 # --- Training iterator ---------------------------------------------------------------
@@ -145,6 +155,7 @@ class TrainIterator:
         self.shard, self.num_shards = _check_shard(shard, num_shards)
         self._agree = agree
         self.max_length = int(config.max_length)
+        self._mapped_limit = float(getattr(config, "mapped_cache_gb", 0.0)) * 2**30  # bytes
         self.packing = bool(config.packing)
         self.seed, self.shuffle_seed = int(config.seed), int(config.shuffle_seed)
         if tokenized is None:
@@ -283,6 +294,9 @@ class TrainIterator:
             self._plans.prefetch(self.epoch + 1)
         batch = self._epoch_ds[self.position]
         self.position += 1
+        due = self._mapped_limit and self.position % RELEASE_EVERY == 0
+        if due and (mapped_rss() or 0) > self._mapped_limit:
+            release_pages(self._tc)
         self._real_tokens += np.count_nonzero(batch["src"]) + np.count_nonzero(batch["tgt_out"])
         self._slots += batch["src"].size + batch["tgt_out"].size
         return batch

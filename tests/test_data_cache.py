@@ -343,3 +343,33 @@ def test_ids_are_uint16_when_they_fit_else_int32(tmp_path):
             tokenized_shard(corpus, BigVocab(), spec, cache_dir=None)
     finally:
         BigVocab.vocab_size = 70_000
+
+
+def _rss_file_mb() -> float | None:
+    """This process's resident pages of mapped files (Linux), MB."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) / 1024 for x in f if x.startswith("RssFile:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def test_release_pages_unmaps_what_reading_mapped_and_keeps_the_data(tmp_path):
+    from data.tokenized import TokenizedCorpus, release_pages
+
+    if _rss_file_mb() is None:
+        pytest.skip("no /proc/self/status here")
+    n = 16 << 20  # 64 MB of int32
+    path = str(tmp_path / "flat.bin")
+    np.arange(n, dtype=np.int32).tofile(path)
+    flat = np.memmap(path, np.int32, mode="r", shape=(n,))
+    meta = np.zeros(4, np.int64)
+    tc = TokenizedCorpus(flat, meta, meta.astype(np.int16), flat[8:], meta, meta, meta)
+    before = _rss_file_mb()
+    assert int(flat[::1024].sum()) == sum(range(0, n, 1024))  # maps every page in
+    mapped = _rss_file_mb()
+    assert mapped - before > 48
+    release_pages(tc)
+    assert mapped - _rss_file_mb() > 48  # the shard's pages left this process ...
+    assert int(flat[12345]) == 12345 and int(tc.tgt_flat[0]) == 8  # ... not the file
+    release_pages(TokenizedCorpus(*(np.zeros(2, np.int64) for _ in range(7))))  # in memory: no-op

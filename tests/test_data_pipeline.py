@@ -506,3 +506,19 @@ def test_carry_over_leaves_one_partial_batch_and_never_narrows_a_pair():
     plain = plan_bucketed(None, own, rows, np.random.default_rng(0))
     slots = lambda p: sum(rows[k] * widths[k] for k, _ in p)
     assert slots(plan) < slots(plain)
+
+
+@pytest.mark.parametrize(("limit_gb", "rss_gb", "releases"), [(0, 9, 0), (1, 0.5, 0), (1, 2, 2)])
+def test_the_iterator_unmaps_the_shards_pages_over_the_limit(
+    monkeypatch, limit_gb, rss_gb, releases
+):
+    from data import pipeline
+
+    released = []
+    monkeypatch.setattr(pipeline, "RELEASE_EVERY", 3)
+    monkeypatch.setattr(pipeline, "mapped_rss", lambda: int(rss_gb * 2**30))
+    monkeypatch.setattr(pipeline, "release_pages", lambda tc: released.append(tc))
+    it = TrainIterator(config(mapped_cache_gb=limit_gb), TOK, make_corpus())
+    for _ in range(7):
+        next(it)
+    assert len(released) == releases and all(tc is it._tc for tc in released)

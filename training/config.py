@@ -70,6 +70,7 @@ _NON_NEGATIVE = (
     "max_consecutive_nonfinite",
     "data_shards",
     "data_workers",
+    "mapped_cache_gb",
     "grad_clip_norm",
     "weight_decay",
     "loss_chunk_tokens",
