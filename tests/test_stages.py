@@ -184,3 +184,26 @@ def test_search_rule_is_greedy_for_beam_one():
     assert search_rule(1).stop == "first" and search_rule(4, 2).n_best == 2
     with pytest.raises(ValueError, match="n_best must be in"):
         beam.Rule(2, n_best=3)
+
+
+def test_an_exported_translator_shrinks_batches_as_the_live_model(model, tmp_path, monkeypatch):
+    from inference.export import ExportedTranslator, export_translator
+
+    monkeypatch.setattr(stages, "MIN_SAVED_ROW_STEPS", {"new": 1, "known": 1})
+    shrunk = []
+    real_finish = stages._Stages.finish
+
+    def finish(self, job):
+        more = real_finish(self, job)
+        shrunk.append(more is not None)
+        return more
+
+    monkeypatch.setattr(stages._Stages, "finish", finish)
+    export_translator(model, b"unused", str(tmp_path), beam_size=4, alpha=0.6, n_best=2)
+    sources = sources_of(np.random.default_rng(2).integers(1, 13, 30))
+    exported = ExportedTranslator.load(str(tmp_path), batch_tokens=512).translate(sources)
+    assert any(shrunk)  # some batch went on in fewer rows through the exported programs
+    live = translate_ids(model, sources, beam_size=4, n_best=2, batch_tokens=512)
+    for got, want in zip(exported, live, strict=True):
+        assert [h.tokens for h in got] == [h.tokens for h in want]
+        np.testing.assert_allclose([h.score for h in got], [h.score for h in want], atol=1e-5)
