@@ -56,9 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data_cache_dir = ""
     # Unmap the cached corpus's pages from the process whenever its mapped files hold more
     # than this many GB of its RSS (0 = never). They are page cache, shared and dropped by
-    # the kernel under memory pressure, but RSS counts them: random batches from a 4.4 GB
-    # cache of 36M pairs reach ~4 GB. Pages unmapped are mapped again when read, which
-    # costs throughput (bench/data_scale.py --mapped_cache_gb; docs/data.md).
+    # the kernel under memory pressure, but RSS counts them: random batches from the 5.7 GB
+    # cache of 36M pairs reach ~5 GB. At 1, base's pipeline peaks at 1.35 GB and reads
+    # half as many tokens/s: pages unmapped are mapped again when read (docs/data.md).
     c.mapped_cache_gb = 0.0
 
     # --- Model (maps onto model.TransformerConfig) -----------------------
