@@ -186,6 +186,7 @@ def test_search_rule_is_greedy_for_beam_one():
         beam.Rule(2, n_best=3)
 
 
+@pytest.mark.slow  # exports 8 widths' programs: ~45 s on 2 cores
 def test_an_exported_translator_shrinks_batches_as_the_live_model(model, tmp_path, monkeypatch):
     from inference.export import ExportedTranslator, export_translator
 
