@@ -20,13 +20,21 @@ def _compilation_cache(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _log_to_stderr():
     """The project's log lines on stderr, as train.py and decode.py print them."""
+    from training import log
+
+    log.setup()
+
+
+@pytest.fixture(autouse=True)
+def _log_to_caplog():
+    """The project's loggers also propagate to the root logger, where pytest's caplog
+    listens on every pytest version (pytest < 9 does not attach it to loggers that do
+    not propagate). Set before each test: an in-process train.main() or decode.main()
+    calls log.setup() again, which turns propagation off."""
     import logging
 
     from training import log
 
-    log.setup()
-    # Also up to the root logger, where pytest's caplog listens on every pytest version
-    # (pytest < 9 does not attach it to loggers that do not propagate).
     for name in log.TAGS:
         logging.getLogger(name).propagate = True
 
