@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from data import files
+from data.corpora import read_pairs
 from data.tokenized import (
     TokenizedCorpus,
     chunk_starts,
@@ -83,13 +84,6 @@ class ShardSpec:
     def positions(self, lo: int, hi: int) -> np.ndarray:
         """Corpus positions of the shard's pairs lo..hi-1."""
         return self.index + self.count * np.arange(lo, hi, dtype=np.int64)
-
-
-def read_pairs(corpus: Any, positions: np.ndarray) -> list[tuple[str, str]]:
-    """corpus[i] for each position; a file-backed corpus reads them in one span."""
-    if hasattr(corpus, "pairs"):
-        return corpus.pairs(positions)
-    return [corpus[int(i)] for i in positions]
 
 
 def _encode_range(corpus, tokenizer, spec: ShardSpec, ids: np.dtype, lo: int, hi: int) -> dict:

@@ -131,6 +131,23 @@ class TfdsCorpus:
         }
 
 
+def read_pairs(corpus: Any, positions: np.ndarray) -> list[tuple[str, str]]:
+    """corpus[i] for each position (sorted positions: a TSV file reads them in spans).
+
+    The pages of a TSV's mapped line index that the read mapped into this process
+    are unmapped again: a cache build reads the index from end to end and the
+    tokenizer's sample all over it, and each process doing so would otherwise end
+    up holding all of it (16 bytes a pair: 0.58 GB of RSS per process at 36M pairs).
+    """
+    if not hasattr(corpus, "pairs"):
+        return [corpus[int(i)] for i in positions]
+    pairs = corpus.pairs(positions)
+    release = getattr(corpus, "release_pages", None)
+    if release is not None:
+        release()
+    return pairs
+
+
 def _reopen_tfds(name, split, data_dir, source_lang, target_lang, corpus_name) -> TfdsCorpus:
     import tensorflow_datasets as tfds
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
 import secrets
 import shutil
@@ -196,3 +197,21 @@ def move_aside(path: str) -> None:
     _log.warning(f"moving the damaged cache {path} aside to {aside}; it will be rebuilt")
     with contextlib.suppress(FileNotFoundError):  # another process moved it first
         os.rename(path, aside)
+
+
+def drop_mapped_pages(*arrays: Any) -> None:
+    """Unmap from this process the pages of numpy memmaps that reading has mapped in.
+
+    A process's RSS counts every page of a mapped file it has touched, though none
+    of it is the process's own memory. MADV_DONTNEED on a read-only file map drops
+    the pages from the process, not from the page cache: the next read maps them
+    again, the data unchanged. Arrays in memory (and systems without madvise) are
+    left alone.
+    """
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None:  # not Linux
+        return
+    for a in arrays:
+        mapped = getattr(a, "_mmap", None)  # numpy.memmap's mmap (views share it)
+        if mapped is not None and not mapped.closed:
+            mapped.madvise(advice)

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import mmap
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from data.files import DataError
+from data.files import DataError, drop_mapped_pages
 
 # Arrays of a tokenized corpus, in the order of TokenizedCorpus's fields.
 FIELDS = ("src_flat", "src_start", "src_len", "tgt_flat", "tgt_start", "tgt_len", "index")
@@ -191,13 +190,7 @@ def release_pages(tc: TokenizedCorpus) -> None:
     these read-only file maps drops the pages from the process, not from the page
     cache: the next read maps them again from memory, the data unchanged.
     """
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None:  # not Linux
-        return
-    for a in (tc.src_flat, tc.src_start, tc.src_len, tc.tgt_flat, tc.tgt_start, tc.tgt_len):
-        mapped = getattr(a, "_mmap", None)  # numpy.memmap's mmap (views share it)
-        if mapped is not None and not mapped.closed:
-            mapped.madvise(advice)
+    drop_mapped_pages(tc.src_flat, tc.src_start, tc.src_len, tc.tgt_flat, tc.tgt_start, tc.tgt_len)
 
 
 # --- Lengths, as the batch plans see them ----------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
+from data.corpora import read_pairs
 from data.files import DataError, atomic_write_bytes
 from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
@@ -88,12 +89,7 @@ def iter_training_text(corpus: Any, sample_size: int, seed: int) -> Iterator[str
     num_pairs = min(n, max(1, sample_size // 2))
     idx = np.sort(np.random.default_rng(seed).choice(n, size=num_pairs, replace=False))
     for lo in range(0, len(idx), _SAMPLE_READ):
-        chunk = idx[lo : lo + _SAMPLE_READ]
-        if hasattr(corpus, "pairs"):  # a file read in spans, not line by line
-            pairs = corpus.pairs(chunk)
-        else:
-            pairs = [corpus[int(i)] for i in chunk]
-        for src, tgt in pairs:
+        for src, tgt in read_pairs(corpus, idx[lo : lo + _SAMPLE_READ]):
             yield from (t for t in (src, tgt) if t)
 
 

@@ -209,6 +209,11 @@ class LineIndex:
     def num_malformed(self) -> int:
         return self.num_lines - self.num_valid
 
+    def release_pages(self) -> None:
+        """Unmap the offsets' pages that reads have mapped into this process (16 bytes
+        a pair: a cache worker that has read all 36M pairs holds 0.58 GB of them)."""
+        files.drop_mapped_pages(self.starts, self.ends)
+
 
 def _map(path: str, count: int) -> np.ndarray:
     if count == 0:
@@ -342,6 +347,10 @@ class TsvCorpus:
         if self._fd is None:
             self._fd = os.open(self.index.path, os.O_RDONLY)
         return os.pread(self._fd, size, offset)
+
+    def release_pages(self) -> None:
+        """Unmap the line index's pages that reads have mapped into this process."""
+        self.index.release_pages()
 
     def __getitem__(self, i: int) -> tuple[str, str]:
         if not -self._len <= i < self._len:

@@ -373,3 +373,59 @@ def test_release_pages_unmaps_what_reading_mapped_and_keeps_the_data(tmp_path):
     assert mapped - _rss_file_mb() > 48  # the shard's pages left this process ...
     assert int(flat[12345]) == 12345 and int(tc.tgt_flat[0]) == 8  # ... not the file
     release_pages(TokenizedCorpus(*(np.zeros(2, np.int64) for _ in range(7))))  # in memory: no-op
+
+
+def test_reading_a_tsv_unmaps_its_line_index_again(tmp_path):
+    """A cache build reads a TSV's mapped line index from end to end, in every worker:
+    read_pairs leaves none of the index's pages in the process, and reads right."""
+    from data import tsv
+    from data.corpora import read_pairs
+
+    if _rss_file_mb() is None:
+        pytest.skip("no /proc/self/status here")
+    n = 1 << 20  # 16 MB of line offsets
+    path = tmp_path / "big.tsv"
+    path.write_text(
+        "".join(f"ein satz mit der nummer {i}\tsentence number {i}\n" for i in range(n))
+    )
+    assert path.stat().st_size > tsv.CACHE_MIN_BYTES  # so its index is mapped, not read
+    corpus = tsv.TsvCorpus(tsv.line_index(str(path), root=str(tmp_path / "index")))
+    chunks = [np.arange(lo, min(lo + 8192, n)) for lo in range(0, n, 8192)]
+    before = _rss_file_mb()
+    for chunk in chunks:
+        corpus.pairs(chunk)
+    assert _rss_file_mb() - before > 12  # plain reads keep the index's pages mapped
+    corpus.release_pages()
+    assert _rss_file_mb() - before < 2
+    for chunk in chunks:
+        read_pairs(corpus, chunk)
+    assert _rss_file_mb() - before < 2
+    picked = read_pairs(corpus, np.array([0, 654_321, n - 1]))
+    assert picked == [
+        (f"ein satz mit der nummer {i}", f"sentence number {i}") for i in (0, 654_321, n - 1)
+    ]
+
+
+def test_a_cache_build_unmaps_the_line_index_after_every_chunk(corpus_tsv, tokenizer, monkeypatch):
+    class Counting:  # a file-backed corpus that counts its release_pages calls
+        def __init__(self, inner):
+            self.inner, self.released = inner, 0
+
+        def __len__(self):
+            return len(self.inner)
+
+        def pairs(self, positions):
+            return self.inner.pairs(positions)
+
+        def release_pages(self):
+            self.released += 1
+
+    corpus = load_split(config(corpus_tsv), "train")
+    spec = ShardSpec(0, 1, 16, "drop")
+    monkeypatch.setattr(cache, "CHUNK_PAIRS", 200)
+    counting = Counting(corpus)
+    same_arrays(
+        tokenized_shard(counting, tokenizer, spec, cache_dir=None, workers=1),
+        tokenized_shard(corpus, tokenizer, spec, cache_dir=None, workers=1),
+    )
+    assert counting.released == -(-len(corpus) // 200)  # once per chunk
