@@ -148,12 +148,14 @@ def search_threads(sharding: NamedSharding | None = None) -> int:
     """How many batches `run_stages` searches at once by default: 2 on a CPU of 2 or more
     cores, else 1. XLA's CPU programs of the search's small matmuls keep only about one
     core busy each (the Ding test: 15.8 s on one core, 12.5 s on two), so two batches
-    in two threads use both (9.4 s). On accelerators, and with several processes (which
-    must run the same programs in the same order), one."""
+    in two threads use both (9.4 s). One on accelerators, with several processes (which
+    must run the same programs in the same order), and with rows sharded over several
+    devices (programs with collectives, which two at a time could leave waiting on
+    each other for the CPU client's threads)."""
     if jax.process_count() > 1:
         return 1
-    devices = sharding.mesh.devices.flat if sharding is not None else jax.devices()[:1]
-    if any(d.platform != "cpu" for d in devices):
+    devices = list(sharding.mesh.devices.flat) if sharding is not None else jax.devices()[:1]
+    if len(devices) > 1 or devices[0].platform != "cpu":
         return 1
     return min(2, os.cpu_count() or 1)
 

@@ -5,11 +5,13 @@ stopping it as soon as the hypotheses asked for are final.
 """
 
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from inference import stages
 from inference.translate import LiveSearch, search_fn, search_rule, translate_ids
@@ -154,6 +156,12 @@ def test_two_threads_by_default_only_on_a_multi_core_cpu(monkeypatch):
     monkeypatch.setattr(stages.os, "cpu_count", lambda: 1)
     assert stages.search_threads() == 1
     monkeypatch.setattr(stages.os, "cpu_count", lambda: 8)
+    cpu = jax.devices()[0]
+    one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([cpu]), ("data",)), P("data"))
+    assert stages.search_threads(one) == 2
+    # Rows sharded over several devices: programs with collectives, one at a time.
+    two = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.array([cpu, cpu])))
+    assert stages.search_threads(two) == 1
     monkeypatch.setattr(stages.jax, "process_count", lambda: 2)
     assert stages.search_threads() == 1
 
