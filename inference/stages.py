@@ -16,9 +16,10 @@ so finished sources stop costing steps. A source's results do not depend on
 the stage or batch it finishes in (model/beam.py).
 
 Searches are dispatched before the previous one is read back, so the host work
-overlaps the device's. With a `sharding` of the rows, each batch's rows (and a
-carried-over state's) are spread over its devices; every process passes all
-sources and gets all results.
+overlaps the device's; on a CPU two threads each drive their own batches
+(`search_threads`), since one search program keeps about one core busy. With a
+`sharding` of the rows, each batch's rows (and a carried-over state's) are
+spread over its devices; every process passes all sources and gets all results.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def search_threads(sharding: NamedSharding | None = None) -> int:
     """How many batches `run_stages` searches at once by default: 2 on a CPU of 2 or more
     cores, else 1. XLA's CPU programs of the search's small matmuls keep only about one
     core busy each (the Ding test: 15.8 s on one core, 12.5 s on two), so two batches
-    in two threads use both (9.4 s). One on accelerators, with several processes (which
+    in two threads use both (8.9-9.7 s). One on accelerators, with several processes (which
     must run the same programs in the same order), and with rows sharded over several
     devices (programs with collectives, which two at a time could leave waiting on
     each other for the CPU client's threads)."""
