@@ -144,6 +144,7 @@ def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
 
 def _open_ct2(options: DecodeOptions) -> Loaded:
     from inference.ct2 import CT2Translator
+    from inference.ct2_export import int8_saturates
 
     try:
         translator = CT2Translator.load(
@@ -158,6 +159,14 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
         tokenizer = Tokenizer.load(translator.tokenizer_path)
     except (ImportError, OSError, ValueError, DataError) as e:
         raise UsageError(str(e)) from e
+    int8 = str(translator.settings.get("quantization", "")).startswith("int8")
+    if int8 and (options.device or "cpu") == "cpu" and int8_saturates():
+        _warn(
+            "this CPU has no VNNI: CTranslate2's int8 matrix products can saturate here "
+            "(oneDNN's u8s8 kernels), so int8 output strays further from float32's than "
+            "8-bit weights alone would make it; set CT2_USE_MKL=1 for accurate int8 "
+            "(slower), or export float32 (faster than int8 on such CPUs)"
+        )
     identity = {"ct2": os.path.abspath(options.ct2), "files": files_identity([options.ct2])}
     description = f"the CTranslate2 model in {options.ct2}"
     return Loaded(translator, tokenizer, description, identity=identity)

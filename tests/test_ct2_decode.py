@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 
+from inference.ct2_export import int8_saturates
 from inference.resume import PARTIAL
 from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
 from tests.test_decode_stream import hostile_input, run_killed
@@ -121,6 +122,8 @@ def test_int8_gives_finite_sensible_translations(ct2_dirs, tmp_path):
     assert exact >= 0.9 * len(pairs), f"{exact}/{len(pairs)} exact"
     # (scores go to stderr when stdout holds the translations)
     assert float(r.stderr.decode().split("BLEU = ")[1].split()[0]) > 80
+    # A CPU whose int8 kernels saturate is named; others are not warned.
+    assert ("has no VNNI" in r.stderr.decode()) == int8_saturates()
 
 
 def test_n_best_reference_and_long_lines_as_ours(workdir, ct2_dirs, tmp_path):  # noqa: F811
