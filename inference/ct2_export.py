@@ -127,8 +127,8 @@ def int8_saturates(cpuinfo: str | None = None) -> bool:
     On an x86-64 CPU without VNNI that is not Intel's, CTranslate2 multiplies int8
     with oneDNN's u8s8 kernels, whose 16-bit intermediate sums (vpmaddubsw) saturate:
     on the 2-core AMD EPYC (AVX2) int8 log-probabilities of a small random model
-    strayed up to 1.0 from float32's, and on the Ding test 52% of lines matched the
-    float32 decoder's against 79% with MKL's kernels. Intel CPUs get MKL's;
+    strayed up to 1.0 from float32's, and on the Ding test 52% of int8 lines matched
+    the JAX decoder's against 79% with MKL's kernels. Intel CPUs get MKL's;
     CT2_USE_MKL=1 asks for them elsewhere (there: 480 against 1,086 tokens/s).
     cpuinfo: /proc/cpuinfo's text (read when None).
     """
