@@ -8,8 +8,7 @@ Each backend is decode.py as a user runs it, in a fresh process, on the Ding
 test split's 1,000 sources with their references: `--workdir` (our decoder;
 `jax` with its default GNMT length penalty, `jax-average` with CTranslate2's),
 or `--ct2` on a directory `--export_ct2` wrote from the same checkpoint
-(`ct2-float32`, `ct2-int8`, ...; exported once into --scratch); `jax-t1`,
-`jax-t3`, ...: ours with `--threads=1`, 3 (batches searched at once). Runs are
+(`ct2-float32`, `ct2-int8`, ...; exported once into --scratch). Runs are
 interleaved (backend by backend, repeat after repeat) so that load from other
 processes falls on all of them alike; the median is kept.
 
@@ -89,19 +88,14 @@ def cpu_seconds_of(fn) -> tuple[dict, float]:
 
 
 def backend_flags(name: str, args: argparse.Namespace, ct2_dirs: dict[str, str]) -> list[str]:
-    jax_backend = re.fullmatch(r"jax(-average)?(?:-t(\d+))?", name)
-    if jax_backend:
+    if name == "jax":
         flags = [f"--workdir={args.workdir}"]
-        if jax_backend[1]:
-            flags.append("--length_penalty=average")
-        if jax_backend[2]:  # batches searched at once (decode.py's default: 2 on a CPU)
-            flags.append(f"--threads={jax_backend[2]}")
+    elif name == "jax-average":
+        flags = [f"--workdir={args.workdir}", "--length_penalty=average"]
     elif name.startswith("ct2-"):
         flags = [f"--ct2={ct2_dirs[name]}", f"--threads={args.threads}"]
     else:
-        raise SystemExit(
-            f"unknown backend {name!r} (jax, jax-average, with -tN: N threads; ct2-QUANTIZATION)"
-        )
+        raise SystemExit(f"unknown backend {name!r} (jax, jax-average, ct2-QUANTIZATION)")
     if name.startswith("jax") and args.compilation_cache:
         flags.append(f"--compilation_cache={args.compilation_cache}")
     return flags

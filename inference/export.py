@@ -236,7 +236,6 @@ class ExportedTranslator:
         self.length_penalty = metadata["length_penalty"]
         self._state_def = beam.state_treedef(metadata["model"]["num_decoder_layers"])
         self._programs: dict[str, jax.export.Exported] = {}
-        self.threads: int | None = None  # batches searched at once (None: search_threads)
 
     @classmethod
     def load(cls, directory: str, batch_tokens: int = 4096) -> ExportedTranslator:
@@ -297,5 +296,4 @@ class ExportedTranslator:
             max_len=self.max_len,
             batch_tokens=self.batch_tokens,
             progress=progress,
-            threads=self.threads,
         )

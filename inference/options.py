@@ -65,7 +65,7 @@ class DecodeOptions:
     quantization: str = "float32"  # its weight type
     ct2: str | None = None  # or translate with a CTranslate2 model directory
     device: str | None = None  # --ct2: "cpu" (None) or "cuda"
-    threads: int = 0  # CTranslate2's intra-op threads, or JAX batches searched at once (0: default)
+    threads: int = 0  # --ct2: CTranslate2's intra-op threads (0 = its default)
     read_lines: int | None = None  # lines per chunk (None: see `chunk_lines`)
     restart: bool = False  # ignore a partial output of an earlier run and start over
     dry_run: bool = False  # read, tokenize, plan and write without running the model
@@ -136,11 +136,11 @@ class DecodeOptions:
             raise UsageError("--export and --export_ct2: one export at a time")
         if self.quantization != "float32" and not self.export_ct2:
             raise UsageError("--quantization is for --export_ct2")
-        if self.device is not None and not self.ct2:
-            raise UsageError("--device is for --ct2 (CTranslate2); JAX uses its default device")
+        if (self.device is not None or self.threads) and not self.ct2:
+            raise UsageError("--device and --threads are for --ct2 (CTranslate2)")
         if self.threads < 0:
             raise UsageError(
-                f"--threads must be >= 0 (0 = the backend's default), got {self.threads}"
+                f"--threads must be >= 0 (0 = CTranslate2's default), got {self.threads}"
             )
         if self.ct2 and self.length_penalty == "gnmt":
             raise UsageError(

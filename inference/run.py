@@ -107,7 +107,6 @@ def open_translator(options: DecodeOptions) -> Loaded:
         batch_tokens=options.batch_tokens,
         vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
         length_penalty=options.penalty,
-        threads=options.threads or None,
     )
     identity = workdir_identity(options.workdir, step, options.average_last)
     return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
@@ -116,7 +115,6 @@ def open_translator(options: DecodeOptions) -> Loaded:
 def _open_exported(options: DecodeOptions) -> Loaded:
     try:
         translator = ExportedTranslator.load(options.exported, options.batch_tokens)
-        translator.threads = options.threads or None
         tokenizer = Tokenizer.load(translator.tokenizer_path)
     except (OSError, ValueError, DataError) as e:
         raise UsageError(str(e)) from e

@@ -16,20 +16,16 @@ so finished sources stop costing steps. A source's results do not depend on
 the stage or batch it finishes in (model/beam.py).
 
 Searches are dispatched before the previous one is read back, so the host work
-overlaps the device's; on a CPU two threads each drive their own batches
-(`search_threads`), since one search program keeps about one core busy. With a
-`sharding` of the rows, each batch's rows (and a carried-over state's) are
-spread over its devices; every process passes all sources and gets all results.
+overlaps the device's. With a `sharding` of the rows, each batch's rows (and a
+carried-over state's) are spread over its devices; every process passes all
+sources and gets all results.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import functools
 import math
-import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -144,23 +140,6 @@ def fetch(x: Any) -> Any:
 
 # --- the loop -------------------------------------------------------------------------------
 
-
-def search_threads(sharding: NamedSharding | None = None) -> int:
-    """How many batches `run_stages` searches at once by default: 2 on a CPU of 2 or more
-    cores, else 1. XLA's CPU programs of the search's small matmuls keep only about one
-    core busy each (the Ding test: 15.8 s on one core, 12.5 s on two), so two batches
-    in two threads use both (8.9-9.7 s). One on accelerators, with several processes (which
-    must run the same programs in the same order), and with rows sharded over several
-    devices (programs with collectives, which two at a time could leave waiting on
-    each other for the CPU client's threads)."""
-    if jax.process_count() > 1:
-        return 1
-    devices = list(sharding.mesh.devices.flat) if sharding is not None else jax.devices()[:1]
-    if len(devices) > 1 or devices[0].platform != "cpu":
-        return 1
-    return min(2, os.cpu_count() or 1)
-
-
 # A batch goes on in half its rows once half of its sources are finished, only if the
 # rows it leaves behind would otherwise have computed at least this many beam-row steps
 # in its room: a smaller batch of a shape this process has not run yet is a new
@@ -189,7 +168,6 @@ class _Stages:
         self.results: list[list[Any]] = [[] for _ in sources]
         # (width, room) -> [(indices into nonempty, their states)]
         self.pools: dict[tuple[int, int], list[tuple[np.ndarray, BeamState]]] = {}
-        self.lock = threading.Lock()  # the pools, progress and the job iterators
 
     def early(self, rows: int, width: int, room: int) -> tuple[int, int]:
         """(keep, until) for a search of `rows` rows with room for `room` tokens: it stops
@@ -232,35 +210,19 @@ class _Stages:
                 count += len(hyps[0].tokens) + 1 if hyps else 0
         carried = np.flatnonzero(~done[: len(chunk)])
         if self.progress is not None:
-            with self.lock:
-                self.progress(len(chunk) - carried.size, count)
+            self.progress(len(chunk) - carried.size, count)
         if not carried.size:
             return None
         kept = take_sources(fetch(state), carried)
         if int(step) < room:  # stopped at `keep`: the rest go on at once, in fewer rows
             fewer = _round_rows(carried.size, rows, self.multiple, self.min_rows)
             return self.launch(chunk[carried], join_sources([kept], width, fewer), width, room)
-        with self.lock:
-            self.pools.setdefault((width, room), []).append((chunk[carried], kept))
+        self.pools.setdefault((width, room), []).append((chunk[carried], kept))
         return None
 
-    def drain(self, jobs: Iterator[Callable[[], _Job]], threads: int = 1) -> None:
-        """Run the jobs in `threads` threads at once (see `search_threads`), each with one
-        more queued behind the one it reads back, so the device never waits for the
-        host; a job's continuation goes to the back of its thread's queue."""
-        if threads <= 1:
-            self._drain_one(jobs)
-            return
-        shared = _Locked(jobs, self.lock)
-        with concurrent.futures.ThreadPoolExecutor(threads, "search") as pool:
-            running = [pool.submit(self._drain_one, shared) for _ in range(threads)]
-            try:
-                for job in concurrent.futures.as_completed(running):
-                    job.result()  # the first error, raised here
-            finally:
-                shared.close()  # the other threads take no new job after an error
-
-    def _drain_one(self, jobs: Iterator[Callable[[], _Job]]) -> None:
+    def drain(self, jobs: Iterator[Callable[[], _Job]]) -> None:
+        """Run jobs with one more queued behind the one read back, so the device never
+        waits for the host; a job's continuation goes to the back of the queue."""
         queue: collections.deque[_Job] = collections.deque()
         for launch in jobs:
             queue.append(launch())
@@ -292,26 +254,6 @@ class _Stages:
                 yield functools.partial(self.launch, chunks[pick], joined, width, next_room)
 
 
-class _Locked:
-    """An iterator shared by threads: one `next` at a time (a generator may not be entered
-    twice), and none after `close`."""
-
-    def __init__(self, jobs: Iterator[Callable[[], _Job]], lock: threading.Lock):
-        self.jobs, self.lock, self.closed = jobs, lock, False
-
-    def __iter__(self) -> _Locked:
-        return self
-
-    def __next__(self) -> Callable[[], _Job]:
-        with self.lock:
-            if self.closed:
-                raise StopIteration
-            return next(self.jobs)
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def _round_rows(n: int, limit: int, multiple: int, min_rows: int = MIN_ROWS) -> int:
     """Rows for n carried sources: a power of two >= n (at least `min_rows`), at most
     `limit`, a multiple of `multiple`."""
@@ -339,20 +281,14 @@ def run_stages(
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
     min_rows: int = MIN_ROWS,
-    threads: int | None = None,
 ) -> list[list[Any]]:
     """Per source, in input order, its hypotheses (inference.hypothesis.Hypothesis).
 
     sources: EOS-terminated id lists of at most max_len tokens; an empty one gets
     no hypotheses without running the model. min_rows: the fewest rows of a batch
     (data.plans.plan_translation): 1 for a dev set translated at every evaluation.
-    threads: batches searched at once, each driven by a host thread (None:
-    `search_threads`); the results do not depend on it.
     """
     check_lengths(sources, max_len)
-    threads = search_threads(sharding) if threads is None else threads
-    if threads < 1 or (threads > 1 and jax.process_count() > 1):
-        raise ValueError(f"threads must be >= 1, and 1 with several processes; got {threads}")
     if batch_tokens < 1:
         raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
     nonempty = [i for i, s in enumerate(sources) if len(s)]
@@ -373,8 +309,8 @@ def run_stages(
         out = search.start(place(src, sharding), room, *stages.early(rows, width, room))
         return out, chunk, width, room, rows
 
-    stages.drain((lambda c=c, w=w, r=r: fresh(c, w, r) for c, w, r in plan), threads)
+    stages.drain(lambda c=c, w=w, r=r: fresh(c, w, r) for c, w, r in plan)
     full_rows = lambda width: max(1 << (max(batch_tokens // width, 1).bit_length() - 1), min_rows)
     while stages.pools:  # a search still running when the pools ran dry may fill one again
-        stages.drain(stages.carried_batches(full_rows), threads)
+        stages.drain(stages.carried_batches(full_rows))
     return stages.results

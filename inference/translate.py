@@ -175,7 +175,6 @@ def translate_ids(
     progress: Progress | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     min_rows: int = MIN_ROWS,
-    threads: int | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -194,8 +193,6 @@ def translate_ids(
       length_penalty: "gnmt" or "average" (model.decoding.length_penalty).
       min_rows: the fewest rows of a batch (data.plans.plan_translation): 1 for a
         dev set translated again and again, where 8 rows of filler cost 8x the search.
-      threads: batches searched at once (None: 2 on a multi-core CPU, else 1;
-        inference.stages.search_threads); the results do not depend on it.
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).
@@ -211,7 +208,6 @@ def translate_ids(
         sharding=sharding,
         progress=progress,
         min_rows=min_rows,
-        threads=threads,
     )
 
 
@@ -226,7 +222,6 @@ class LiveTranslator:
     batch_tokens: int = 4096
     vocab_limit: int | None = None
     length_penalty: str = DEFAULT_LENGTH_PENALTY
-    threads: int | None = None  # batches searched at once (None: search_threads)
 
     @property
     def max_len(self) -> int:
@@ -245,7 +240,6 @@ class LiveTranslator:
             vocab_limit=self.vocab_limit,
             progress=progress,
             length_penalty=self.length_penalty,
-            threads=self.threads,
         )
 
 

@@ -190,7 +190,7 @@ def test_ct2_job_resumes_after_sigkill_and_refuses_a_changed_model(ct2_dirs, tmp
         (["--ct2={ct2}", "--threads=-1"], "--threads must be >= 0"),
         (["--ct2={ct2}", "--n_best=5"], "--n_best must be in [1, --beam_size=4]"),
         (["--workdir={workdir}", "--quantization=int8"], "--quantization is for --export_ct2"),
-        (["--workdir={workdir}", "--device=cuda"], "--device is for --ct2"),
+        (["--workdir={workdir}", "--threads=2"], "--device and --threads are for --ct2"),
         (["--export_ct2=/tmp/x"], "--export_ct2 converts a trained model: give --workdir"),
         (["--workdir={workdir}", "--export_ct2=/tmp/x", "--quantization=int4"], "int4"),
     ],

@@ -4,17 +4,13 @@ A source's results must not depend on the stage or batch it finishes in, nor on
 stopping it as soon as the hypotheses asked for are final.
 """
 
-import threading
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from inference import stages
-from inference.translate import LiveSearch, search_fn, search_rule, translate_ids
+from inference.translate import search_fn, search_rule, translate_ids
 from model import EOS_ID, beam, decoding
 from tests.test_decoding import make, ragged_src
 
@@ -51,20 +47,11 @@ def test_stage_rooms_grow_to_every_sources_limit():
 
 
 @pytest.mark.parametrize(
-    ("beam_size", "n_best", "min_rows", "batch_tokens", "threads"),
-    [
-        (4, 1, 8, 64, 1),
-        (4, 1, 8, 64, 2),
-        (3, 3, 8, 64, 2),
-        (1, 1, 8, 64, 2),
-        (4, 1, 1, 512, 1),
-        (4, 1, 1, 512, 2),
-        (3, 3, 1, 512, 2),
-        (1, 1, 1, 96, 3),
-    ],
+    ("beam_size", "n_best", "min_rows", "batch_tokens"),
+    [(4, 1, 8, 64), (3, 3, 8, 64), (1, 1, 8, 64), (4, 1, 1, 512), (3, 3, 1, 512), (1, 1, 1, 96)],
 )
 def test_staged_translation_equals_one_program(
-    model, monkeypatch, beam_size, n_best, min_rows, batch_tokens, threads
+    model, monkeypatch, beam_size, n_best, min_rows, batch_tokens
 ):
     shrunk, carried = [], []  # batches that went on in fewer rows; with more room
     real_finish, real_carried = stages._Stages.finish, stages._Stages.carried_batches
@@ -92,7 +79,6 @@ def test_staged_translation_equals_one_program(
         n_best=n_best,
         batch_tokens=batch_tokens,
         min_rows=min_rows,
-        threads=threads,
     )
     # Some sources went on with more room (stages); with batches that can shrink, some
     # went on in fewer rows as soon as half of their batch was finished.
@@ -112,58 +98,6 @@ def test_staged_translation_equals_one_program(
         got = staged[i]
         assert [h.tokens for h in got] == [t for t, _ in want], i
         np.testing.assert_allclose([h.score for h in got], [s for _, s in want], atol=1e-5)
-
-
-def test_threads_search_batches_at_once_and_an_error_in_one_ends_the_call(model, monkeypatch):
-    sources = sources_of(np.random.default_rng(2).integers(1, 13, 40))
-    searching, overlapped, callers = [0], [False], set()
-    real_start = LiveSearch.start
-
-    def start(self, *args, **kwargs):
-        callers.add(threading.get_ident())
-        searching[0] += 1
-        overlapped[0] |= searching[0] > 1
-        try:
-            return jax.block_until_ready(real_start(self, *args, **kwargs))
-        finally:
-            searching[0] -= 1
-
-    monkeypatch.setattr(LiveSearch, "start", start)
-    got = translate_ids(model, sources, batch_tokens=32, threads=2)
-    assert len(callers) == 2 and overlapped[0]  # two threads, searching at the same time
-    want = translate_ids(model, sources, batch_tokens=32, threads=1)
-    assert [[h.tokens for h in hs] for hs in got] == [[h.tokens for h in hs] for hs in want]
-
-    calls = [0]
-
-    def failing(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("out of memory in batch 3")
-        return real_start(self, *args, **kwargs)
-
-    monkeypatch.setattr(LiveSearch, "start", failing)
-    with pytest.raises(RuntimeError, match="batch 3"):
-        translate_ids(model, sources, batch_tokens=32, threads=2)
-    with pytest.raises(ValueError, match="threads must be >= 1"):
-        translate_ids(model, sources, threads=0)
-
-
-def test_two_threads_by_default_only_on_a_multi_core_cpu(monkeypatch):
-    assert jax.default_backend() == "cpu"
-    monkeypatch.setattr(stages.os, "cpu_count", lambda: 8)
-    assert stages.search_threads() == 2
-    monkeypatch.setattr(stages.os, "cpu_count", lambda: 1)
-    assert stages.search_threads() == 1
-    monkeypatch.setattr(stages.os, "cpu_count", lambda: 8)
-    cpu = jax.devices()[0]
-    one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([cpu]), ("data",)), P("data"))
-    assert stages.search_threads(one) == 2
-    # Rows sharded over several devices: programs with collectives, one at a time.
-    two = types.SimpleNamespace(mesh=types.SimpleNamespace(devices=np.array([cpu, cpu])))
-    assert stages.search_threads(two) == 1
-    monkeypatch.setattr(stages.jax, "process_count", lambda: 2)
-    assert stages.search_threads() == 1
 
 
 class _Beam4:
