@@ -254,9 +254,9 @@ def plan_bucketed(
 # traces and loads, ~0.4 s each for the tiny model on 2 cores. The Ding test's 1,000
 # sources, first call in a process (programs in the persistent cache, two search
 # threads): 10.9-11.6 s with these widths against 13.6-14.5 s with widths ~1.5x
-# apart (8, 12, 16, 24, ...);
-# 900 lines of three Ding sentences each: 21.4 against 20.8 s, 17.0 against 18.1 s
-# once compiled. Same tokens; scores differ by up to 6e-6 (more padding).
+# apart (8, 12, 16, 24, ...); 900 lines of three Ding sentences each: 21.4 against
+# 20.8 s, 17.0 against 18.1 s once compiled. Same tokens; scores differ by up to 6e-6
+# (more padding).
 INFERENCE_WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)
 # The fewest rows of a batch: smaller last batches are padded up to it.
 MIN_ROWS = 8
