@@ -29,6 +29,7 @@ This file only parses flags into `inference.options.DecodeOptions`; the work is
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app, flags, logging
@@ -138,8 +139,12 @@ def main(argv: list[str]) -> None:
         options = options_from_flags()
         options.check()
         cache = FLAGS.compilation_cache
-        xla.enable_compilation_cache(xla.default_cache_dir() if cache is None else cache)
+        cache = xla.enable_compilation_cache(xla.default_cache_dir() if cache is None else cache)
+        from inference import programs
         from inference.run import run
+
+        # The search programs whole, beside XLA's cache: a new process skips tracing them.
+        programs.enable(None if cache is None else os.path.join(cache, "programs"))
 
         run(options)
     except UsageError as e:

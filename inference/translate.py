@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from data.plans import MIN_ROWS, plan_translation
+from inference import programs
 from inference.hypothesis import Hypothesis, hypotheses
 from inference.stages import Progress, batch_of, check_lengths, fetch, place, run_stages
 from model import Transformer, beam
@@ -116,6 +117,7 @@ class LiveSearch:
             extra=extra,
             keep=keep,
             until=until,
+            call=programs.call,
         )
 
     def resume(
@@ -129,6 +131,7 @@ class LiveSearch:
             capacity=room,
             keep=keep,
             until=until,
+            call=programs.call,
         )
 
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -241,6 +242,14 @@ def results(s: BeamState) -> tuple[jax.Array, jax.Array]:
 
 # --- the compiled programs ------------------------------------------------------------------
 
+# call(fn, graphdef, args, static) = fn(graphdef, *args, **static): how a program runs
+Call = Callable[[Any, Any, tuple, dict], Any]
+
+
+def jit_call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
+    """Run the jitted `fn` as is (traced and lowered once per process)."""
+    return fn(graphdef, *args, **static)
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule", "capacity", "length", "extra"))
 def _start(graphdef, state, src, alpha, keep, until, *, rule, capacity, length, extra):
@@ -268,6 +277,7 @@ def start(
     extra: int | None,
     keep: int = 0,
     until: int = 0,
+    call: Call = jit_call,
 ) -> tuple[BeamState, jax.Array]:
     """Encode src [B, S] and search with room for `capacity` tokens.
 
@@ -275,22 +285,15 @@ def start(
     may produce min(n + extra, length) tokens; extra None: length each).
     keep, until: stop early once at most `keep` sources are unfinished before step
     `until` (`run`; 0, 0: never).
+    call: runs the compiled program, call(fn, graphdef, args, static); the default
+      calls it (inference/programs.py keeps executables on disk instead).
     Returns the state and [B] bool, the sources that are finished (whose results
     are final); the others are not because the room is full, or they are few.
     """
     graphdef, state = nnx.split(model)
-    return _start(
-        graphdef,
-        state,
-        jnp.asarray(src, jnp.int32),
-        jnp.float32(alpha),
-        jnp.int32(keep),
-        jnp.int32(until),
-        rule=rule,
-        capacity=min(capacity, length),
-        length=length,
-        extra=extra,
-    )
+    args = state, jnp.asarray(src, jnp.int32), jnp.float32(alpha), jnp.int32(keep), jnp.int32(until)
+    static = dict(rule=rule, capacity=min(capacity, length), length=length, extra=extra)
+    return call(_start, graphdef, args, static)
 
 
 def resume(
@@ -302,11 +305,13 @@ def resume(
     capacity: int,
     keep: int = 0,
     until: int = 0,
+    call: Call = jit_call,
 ) -> tuple[BeamState, jax.Array]:
-    """Go on with room for `capacity` tokens (>= the current room); as `start` returns."""
+    """Go on with room for `capacity` tokens (>= the current room); `call` and the
+    result as `start`'s."""
     graphdef, state = nnx.split(model)
-    early = jnp.int32(keep), jnp.int32(until)
-    return _resume(graphdef, state, s, jnp.float32(alpha), *early, rule=rule, capacity=capacity)
+    args = state, s, jnp.float32(alpha), jnp.int32(keep), jnp.int32(until)
+    return call(_resume, graphdef, args, dict(rule=rule, capacity=capacity))
 
 
 # --- sources moved between batches (on the host, numpy) --------------------------------------

@@ -1,0 +1,152 @@
+"""Compiled search programs kept on disk, so a new process skips tracing and lowering.
+
+    programs.enable("~/.cache/attention-jax/xla/programs")   # decode.py does this
+    out = programs.call(beam._start, args, static)           # = beam._start(*args, **static)
+
+JAX's persistent compilation cache skips XLA's compilation, but every process
+still traces and lowers each program to find its cache entry: ~0.5 s per beam
+search program of the tiny model on the 2-core box (0.2-0.37 s tracing, 0.19 s
+lowering, 0.1 s loading), and a file of a few widths runs 10-15 of them. Here a
+program compiled once is serialized whole (`jax.experimental.serialize_executable`)
+under a key made of everything it was built from -- the code of model/, the
+versions of jax, jaxlib and flax, the backend and device, $XLA_FLAGS, the static
+arguments and the shapes, dtypes and structure of the others -- and later
+processes load it in ~0.1 s.
+
+Only single-device calls are kept (a sharded evaluation goes through `jax.jit`
+as before). A file that cannot be read or loaded is compiled again and
+replaced; a directory that cannot be written costs nothing but the speed-up.
+Executables are compiled here with JAX's own cache off: one that JAX's cache
+handed back cannot be serialized again on XLA:CPU (it runs, but its copy fails
+to find its kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import re
+import sys
+import tempfile
+from typing import Any
+
+import jax
+
+_directory: str | None = None
+_loaded: dict[str, Any] = {}  # key -> a loaded or compiled executable (jax.stages.Compiled)
+SUFFIX = ".jaxexe"
+
+
+def enable(directory: str | None) -> str | None:
+    """Keep programs in `directory` (created if needed); None = off. Returns the directory
+    in use (None if it cannot be created, e.g. a read-only home)."""
+    global _directory
+    if directory is not None:
+        directory = os.path.abspath(os.path.expanduser(directory))
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError:
+            directory = None
+    _directory = directory
+    return directory
+
+
+@functools.cache
+def _environment() -> str:
+    """What every program depends on besides its arguments: code, versions, backend."""
+    import flax
+    import jaxlib
+
+    model_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model")
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".py"):
+            with open(os.path.join(model_dir, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read() + b"\0")
+    device = jax.devices()[0]
+    return repr(
+        (
+            digest.hexdigest(),
+            jax.__version__,
+            jaxlib.__version__,
+            flax.__version__,
+            sys.version_info[:2],
+            device.platform,
+            device.device_kind,
+            device.client.platform_version,
+            os.environ.get("XLA_FLAGS", ""),
+        )
+    )
+
+
+def _key(fn: Any, graphdef: Any, args: tuple, static: dict) -> str:
+    leaves, treedef = jax.tree.flatten(args)
+    avals = [(tuple(x.shape), str(x.dtype)) for x in leaves]
+    # The model's structure and config; object addresses (e.g. of the activation) vary
+    # from process to process.
+    model = re.sub(r" at 0x[0-9a-f]+", "", repr(graphdef))
+    what = (_environment(), fn.__module__, fn.__qualname__, model, sorted(static.items()))
+    return hashlib.sha256(repr((*what, treedef, avals)).encode()).hexdigest()
+
+
+def _single_device(args: tuple) -> bool:
+    return all(
+        isinstance(x, jax.Array) and len(x.sharding.device_set) == 1 and x.is_fully_addressable
+        for x in jax.tree.leaves(args)
+    )
+
+
+def _load(path: str) -> Any | None:
+    from jax.experimental import serialize_executable
+
+    try:
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree = pickle.load(f)
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    except Exception:  # a torn, stale or foreign file: compile again and replace it
+        return None
+
+
+def _save(path: str, compiled: Any) -> None:
+    from jax.experimental import serialize_executable
+
+    tmp = None
+    try:
+        blob = pickle.dumps(serialize_executable.serialize(compiled))
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+    except Exception:  # e.g. a full or read-only disk: only the speed-up is lost
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _compile(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
+    lowered = fn.trace(graphdef, *args, **static).lower()
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return lowered.compile()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
+def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
+    """fn(graphdef, *args, **static) for a `jax.jit` function whose first argument
+    (graphdef) and `static` are static: through a kept executable when enabled and
+    every array of args is on one device, else as a plain call."""
+    if _directory is None or not _single_device(args):
+        return fn(graphdef, *args, **static)
+    key = _key(fn, graphdef, args, static)
+    compiled = _loaded.get(key)
+    if compiled is None:
+        path = os.path.join(_directory, key + SUFFIX)
+        compiled = _load(path) if os.path.exists(path) else None
+        if compiled is None:
+            compiled = _compile(fn, graphdef, args, static)
+            _save(path, compiled)
+        _loaded[key] = compiled
+    return compiled(*args)

@@ -1,0 +1,122 @@
+"""Search programs kept on disk (inference/programs.py): a loaded executable must search
+exactly as `jax.jit` does, a bad file must be compiled again, and a directory that
+cannot be used must cost nothing but the speed-up."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from inference import programs
+from inference.translate import translate_ids
+from tests.test_decoding import make
+from tests.test_stages import sources_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make(seed=3, vocab_size=40, max_len=96)
+
+
+@pytest.fixture
+def kept(tmp_path, monkeypatch):
+    """programs.enable(tmp_path) for one test, with nothing loaded yet."""
+    monkeypatch.setattr(programs, "_loaded", {})
+    monkeypatch.setattr(programs, "_directory", None)
+    yield programs.enable(str(tmp_path / "programs"))
+    programs.enable(None)
+
+
+SOURCES = sources_of([3, 5, 9, 14, 2, 7, 11, 6], seed=4)  # widths 8 and 16
+
+
+def search(model):
+    hyps = translate_ids(model, SOURCES, beam_size=3, n_best=2, batch_tokens=64)
+    return [[(h.tokens, h.score) for h in hs] for hs in hyps]
+
+
+def test_kept_programs_search_as_jit_does(model, kept, monkeypatch):
+    programs.enable(None)
+    want = search(model)  # plain jax.jit
+    programs.enable(kept)
+    assert search(model) == want  # compiled here and written
+    files = os.listdir(kept)
+    assert files and all(f.endswith(programs.SUFFIX) for f in files)
+
+    # As a new process would: nothing in memory, every program read from disk.
+    monkeypatch.setattr(programs, "_loaded", {})
+    compiled = []
+    real_compile = programs._compile
+    monkeypatch.setattr(programs, "_compile", lambda *a: compiled.append(a[0]) or real_compile(*a))
+    assert search(model) == want
+    assert compiled == []
+    assert sorted(os.listdir(kept)) == sorted(files)
+
+
+def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.path.insert(0, {ROOT!r})
+        from inference import programs
+        from tests.test_programs import search
+        from tests.test_decoding import make
+        programs.enable(sys.argv[1])
+        compiled = []
+        real = programs._compile
+        programs._compile = lambda *a: compiled.append(1) or real(*a)
+        out = search(make(seed=3, vocab_size=40, max_len=96))
+        print(json.dumps({{"compiled": len(compiled), "out": out}}))
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = lambda: subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "programs")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout.splitlines()[-1]
+    import json
+
+    first, second = json.loads(run()), json.loads(run())
+    assert first["compiled"] > 0
+    assert second["compiled"] == 0  # every program loaded from the first process's files
+    assert second["out"] == first["out"]
+
+
+def test_a_bad_file_is_compiled_again_and_replaced(model, kept, monkeypatch):
+    want = search(model)
+    for name in os.listdir(kept):
+        with open(os.path.join(kept, name), "wb") as f:
+            f.write(b"not a program")  # e.g. torn by a full disk, or from another jaxlib
+    monkeypatch.setattr(programs, "_loaded", {})
+    assert search(model) == want
+    monkeypatch.setattr(programs, "_loaded", {})
+    for name in os.listdir(kept):  # replaced by loadable programs
+        assert programs._load(os.path.join(kept, name)) is not None
+
+
+def test_programs_differ_by_shape_and_settings(model, kept):
+    search(model)
+    n = len(os.listdir(kept))
+    translate_ids(model, SOURCES[:2], beam_size=2, n_best=1, batch_tokens=64)
+    assert len(os.listdir(kept)) > n  # another beam size: other programs, other files
+
+
+def test_an_unusable_directory_only_loses_the_speed_up(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(programs, "_loaded", {})
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert programs.enable(str(blocker / "programs")) is None  # cannot be created
+    want = search(model)
+    programs.enable(str(tmp_path / "programs"))
+    monkeypatch.setattr(programs, "_directory", str(blocker))  # writes fail (not a directory)
+    try:
+        assert search(model) == want  # compiled, not written
+    finally:
+        programs.enable(None)
