@@ -59,7 +59,9 @@ def _environment() -> str:
     import flax
     import jaxlib
 
-    model_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model")
+    import model
+
+    model_dir = os.path.dirname(os.path.abspath(model.__file__))
     digest = hashlib.sha256()
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".py"):
