@@ -94,8 +94,12 @@ def _key(fn: Any, graphdef: Any, args: tuple, static: dict) -> str:
 
 
 def _single_device(args: tuple) -> bool:
+    """Concrete arrays on one device (not tracers: e.g. `--export` traces the search)."""
     return all(
-        isinstance(x, jax.Array) and len(x.sharding.device_set) == 1 and x.is_fully_addressable
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and len(x.sharding.device_set) == 1
+        and x.is_fully_addressable
         for x in jax.tree.leaves(args)
     )
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from inference import programs
@@ -120,3 +121,14 @@ def test_an_unusable_directory_only_loses_the_speed_up(model, tmp_path, monkeypa
         assert search(model) == want  # compiled, not written
     finally:
         programs.enable(None)
+
+
+def test_traced_and_sharded_calls_go_through_jit():
+    import jax
+    import jax.numpy as jnp
+
+    seen = []
+    jax.jit(lambda x: seen.append(programs._single_device((x,))) or x)(jnp.zeros(3))
+    assert seen == [False]  # traced (e.g. decode.py --export): jax.jit's own path
+    assert programs._single_device((jnp.zeros(3),))
+    assert not programs._single_device((np.zeros(3),))  # not placed on a device
