@@ -83,12 +83,17 @@ def _environment() -> str:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _model_text(graphdef: Any) -> str:
+    """The model's structure and config (graphdefs are hashable), without the object
+    addresses (e.g. of the activation) that vary from process to process."""
+    return re.sub(r" at 0x[0-9a-f]+", "", repr(graphdef))
+
+
 def _key(fn: Any, graphdef: Any, args: tuple, static: dict) -> str:
     leaves, treedef = jax.tree.flatten(args)
     avals = [(tuple(x.shape), str(x.dtype)) for x in leaves]
-    # The model's structure and config; object addresses (e.g. of the activation) vary
-    # from process to process.
-    model = re.sub(r" at 0x[0-9a-f]+", "", repr(graphdef))
+    model = _model_text(graphdef)
     what = (_environment(), fn.__module__, fn.__qualname__, model, sorted(static.items()))
     return hashlib.sha256(repr((*what, treedef, avals)).encode()).hexdigest()
 
