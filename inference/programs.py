@@ -18,7 +18,8 @@ as before). A file that cannot be read or loaded is compiled again and
 replaced; a directory that cannot be written costs nothing but the speed-up.
 Executables are compiled here with JAX's own cache off: one that JAX's cache
 handed back cannot be serialized again on XLA:CPU (it runs, but its copy fails
-to find its kernels).
+to find its kernels). The files are pickles (as `serialize_executable`'s payloads
+are): keep the directory as private as the code you run.
 """
 
 from __future__ import annotations
