@@ -1,7 +1,7 @@
 """Compiled search programs kept on disk, so a new process skips tracing and lowering.
 
-    programs.enable("~/.cache/attention-jax/xla/programs")   # decode.py does this
-    out = programs.call(beam._start, args, static)           # = beam._start(*args, **static)
+    programs.enable("~/.cache/attention-jax/xla/programs")  # decode.py does this
+    out = programs.call(beam._start, graphdef, args, static)  # _start(graphdef, *args, **static)
 
 JAX's persistent compilation cache skips XLA's compilation, but every process
 still traces and lowers each program to find its cache entry: ~0.5 s per beam
@@ -9,9 +9,9 @@ search program of the tiny model on the 2-core box (0.2-0.37 s tracing, 0.19 s
 lowering, 0.1 s loading), and a file of a few widths runs 10-15 of them. Here a
 program compiled once is serialized whole (`jax.experimental.serialize_executable`)
 under a key made of everything it was built from -- the code of model/, the
-versions of jax, jaxlib and flax, the backend and device, $XLA_FLAGS, the static
-arguments and the shapes, dtypes and structure of the others -- and later
-processes load it in ~0.1 s.
+versions of jax, jaxlib, flax and Python, the backend and device, $XLA_FLAGS, the
+model's structure and config, the static arguments and the shapes, dtypes and
+structure of the others -- and later processes load it in ~0.1 s.
 
 Only single-device calls are kept (a sharded evaluation goes through `jax.jit`
 as before). A file that cannot be read or loaded is compiled again and
