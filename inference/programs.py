@@ -91,22 +91,21 @@ def _model_text(graphdef: Any) -> str:
     return re.sub(r" at 0x[0-9a-f]+", "", repr(graphdef))
 
 
-def _key(fn: Any, graphdef: Any, args: tuple, static: dict) -> str:
-    leaves, treedef = jax.tree.flatten(args)
+def _key(fn: Any, graphdef: Any, leaves: list, treedef: Any, static: dict) -> str:
     avals = [(tuple(x.shape), str(x.dtype)) for x in leaves]
     model = _model_text(graphdef)
     what = (_environment(), fn.__module__, fn.__qualname__, model, sorted(static.items()))
     return hashlib.sha256(repr((*what, treedef, avals)).encode()).hexdigest()
 
 
-def _single_device(args: tuple) -> bool:
+def _single_device(leaves: list) -> bool:
     """Concrete arrays on one device (not tracers: e.g. `--export` traces the search)."""
     return all(
         isinstance(x, jax.Array)
         and not isinstance(x, jax.core.Tracer)
         and len(x.sharding.device_set) == 1
         and x.is_fully_addressable
-        for x in jax.tree.leaves(args)
+        for x in leaves
     )
 
 
@@ -150,9 +149,12 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     """fn(graphdef, *args, **static) for a `jax.jit` function whose first argument
     (graphdef) and `static` are static: through a kept executable when enabled and
     every array of args is on one device, else as a plain call."""
-    if _directory is None or not _single_device(args):
+    if _directory is None:
         return fn(graphdef, *args, **static)
-    key = _key(fn, graphdef, args, static)
+    leaves, treedef = jax.tree.flatten(args)
+    if not _single_device(leaves):
+        return fn(graphdef, *args, **static)
+    key = _key(fn, graphdef, leaves, treedef, static)
     compiled = _loaded.get(key)
     if compiled is None:
         path = os.path.join(_directory, key + SUFFIX)

@@ -123,12 +123,12 @@ def test_an_unusable_directory_only_loses_the_speed_up(model, tmp_path, monkeypa
         programs.enable(None)
 
 
-def test_traced_and_sharded_calls_go_through_jit():
+def test_traced_calls_and_host_arrays_go_through_jit():
     import jax
     import jax.numpy as jnp
 
     seen = []
-    jax.jit(lambda x: seen.append(programs._single_device((x,))) or x)(jnp.zeros(3))
+    jax.jit(lambda x: seen.append(programs._single_device([x])) or x)(jnp.zeros(3))
     assert seen == [False]  # traced (e.g. decode.py --export): jax.jit's own path
-    assert programs._single_device((jnp.zeros(3),))
-    assert not programs._single_device((np.zeros(3),))  # not placed on a device
+    assert programs._single_device([jnp.zeros(3)])
+    assert not programs._single_device([np.zeros(3)])  # not placed on a device
