@@ -106,6 +106,16 @@ def test_greedy_cached_equals_full_forward(model):
         assert as_list(tokens[b]) == reference_greedy(model, src[b], 9)
 
 
+@pytest.fixture
+def paired_steps(monkeypatch):
+    """Beam search steps two positions per loop iteration whatever the cache size
+    (model/beam.py `run`); programs compiled before or after use their own rule."""
+    monkeypatch.setattr(beam, "PAIRED_STEPS_MIN_BYTES", 0)
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize(("penalty", "alpha"), [("gnmt", 0.6), ("average", 1.0)])
 def test_beam_cached_equals_full_forward(model, penalty, alpha):
     src = ragged_src(1, [4, 6])
@@ -118,6 +128,46 @@ def test_beam_cached_equals_full_forward(model, penalty, alpha):
         ref = reference_beam(model, src[b], k, alpha, limit, penalty)
         assert [as_list(tokens[b, i]) for i in range(k)] == [list(s) for s, _ in ref]
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.usefixtures("paired_steps")
+@pytest.mark.parametrize("limit", [7, 8])
+def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, limit):
+    # A room of 7 ends with a single step after three pairs; one of 8 with pairs only.
+    src = ragged_src(1, [4, 6, 2])
+    tokens, scores = decoding.beam_search(model, src, beam_size=3, max_decode_len=limit)
+    for b in range(3):
+        ref = reference_beam(model, src[b], 3, 0.6, limit)
+        assert [as_list(tokens[b, i]) for i in range(3)] == [list(s) for s, _ in ref]
+        np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
+
+
+def test_two_steps_per_iteration_stop_at_most_one_step_late_within_the_room(model, monkeypatch):
+    src = ragged_src(2, [6, 3, 5, 2])
+    length, extra = decoding.decode_shape(model, src, None)
+
+    def search(min_bytes, **kw):
+        monkeypatch.setattr(beam, "PAIRED_STEPS_MIN_BYTES", min_bytes)
+        jax.clear_caches()
+        return beam.start(
+            model, src, alpha=0.6, rule=beam.Rule(3), length=length, extra=extra, **kw
+        )
+
+    # An odd room filled; every source finished; stopped once at most 2 are not.
+    for capacity, keep, until in [(5, 0, 0), (length, 0, 0), (length, 2, length)]:
+        kw = dict(capacity=capacity, keep=keep, until=until)
+        one, one_done = search(1 << 62, **kw)  # a step per iteration
+        two, two_done = search(0, **kw)  # two
+        assert int(one.step) <= int(two.step) <= min(int(one.step) + 1, capacity)
+        if int(two.step) == int(one.step):  # the same steps: the same state
+            for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
+                np.testing.assert_array_equal(a, b)
+        # What is final after one step per iteration is final, and the same, after two.
+        final = np.asarray(one_done)
+        assert final.any() == (capacity == length) and np.all(np.asarray(two_done)[final])
+        for a, b in zip(beam.results(one), beam.results(two), strict=True):
+            np.testing.assert_array_equal(np.asarray(a)[final], np.asarray(b)[final])
+    jax.clear_caches()
 
 
 def test_beam_scores_are_length_normalized_log_probs(model):
