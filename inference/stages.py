@@ -36,24 +36,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 from data.plans import MIN_ROWS, plan_translation
 from inference.hypothesis import hypotheses
 from model import EOS_ID
-from model.beam import BeamState, join_sources, take_sources
+from model.beam import BeamState, join_sources, rooms, take_sources
 from model.scoring import EXTRA_DECODE_LEN
 
 # progress(sentences, output tokens) after each batch
 Progress = Callable[[int, int], None]
-# The first stage's room, beyond the batch's source width: on the Ding test set
-# (beam 4, n_best 1) 89% of the sources are done by then.
-FIRST_EXTRA = 16
 
 
 def stage_rooms(width: int, max_len: int) -> list[int]:
     """Tokens a batch of source width `width` has room for, stage by stage: width + 16,
-    doubled, up to L = min(width + 50, max_len) (every source's limit)."""
-    length = min(width + EXTRA_DECODE_LEN, max_len)
-    rooms = [min(width + FIRST_EXTRA, length)]
-    while rooms[-1] < length:
-        rooms.append(min(2 * rooms[-1], length))
-    return rooms
+    doubled, up to L = min(width + 50, max_len) (every source's limit; model/beam.py
+    `rooms`)."""
+    return rooms(width, min(width + EXTRA_DECODE_LEN, max_len))
 
 
 class Search(Protocol):

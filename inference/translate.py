@@ -147,15 +147,13 @@ def search_fn(
     """One batch's whole search as one program: src [B, S] -> tokens [B, n_best, L],
     scores [B, n_best] (L = S + 50; what inference/export.py exports for plain JAX).
 
-    The same search as `LiveSearch` in one stage with room for every token.
+    The same search as `LiveSearch`, its stages in one program (model/beam.py `search`).
     """
     rule = search_rule(beam_size, n_best, vocab_limit, length_penalty)
 
     def search(src: jax.Array) -> tuple[jax.Array, jax.Array]:
         length, extra = decode_shape(model, src, None)
-        state, _ = beam.start(
-            model, src, alpha=alpha, rule=rule, capacity=length, length=length, extra=extra
-        )
+        state = beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
         tokens, scores = beam.results(state)  # [B, K, L], [B, K]
         return tokens[:, :n_best], scores[:, :n_best]
 

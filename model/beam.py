@@ -6,13 +6,13 @@ a batch and resume it with room for more tokens (pure, jit-compiled).
     s, done = resume(model, s, alpha=0.6, rule=rule, capacity=66)    # room for 66 tokens
     tokens, scores = results(s)                                      # [B, K, C], [B, K]
 
-`model.decoding.beam_search` is one stage with room for every token (L = S + 50);
-inference/translate.py runs stages: a batch starts with room for a few more
-tokens than its sources are long, and the few sources that are not done when
-it is full go on together, from any batches of their width, with twice the
-room. Attention and the cache reorder then read caches of about the length
-decoded so far, not of L, and a batch's last slow source no longer keeps all
-the others computing.
+A batch starts with room for a few more tokens than its sources are long
+(`rooms`), and goes on with twice the room while some of its sources are not
+done, so attention and the cache reorder read caches of about the length
+decoded so far, not of L = S + 50. inference/translate.py runs each stage as
+its own program and moves the few sources not done into batches of their own,
+so that a batch's last slow source no longer keeps all the others computing;
+`search` (model.decoding.beam_search) runs a large batch's stages in one program.
 
 Search: K hypotheses per source, in B*K rows (rows b*K .. b*K + K-1 are source
 b's). Each step takes the 2K best extensions; an EOS among the first K finishes
@@ -200,22 +200,26 @@ def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     return done(s, alpha, rule) | (s.step >= s.limits)
 
 
-# Self-attention caches of at least this many bytes (all layers, keys and values) are
-# stepped two positions per loop iteration (`run`). Measured on the 2-core CPU box
-# (tiny model, beam 4, room 48): 512 beam rows (38 MB of caches) 69.2 -> 59.7 ms a
-# step, 128 rows 19.7 -> 17.5, 32 rows 6.3 -> 5.7; each program compiles ~1.7 s
-# longer, which below a few MB the steps never win back.
-PAIRED_STEPS_MIN_BYTES = 8 << 20
+# A search whose self-attention caches (all layers, keys and values) hold at least
+# this many bytes is large: `run` steps it two positions per loop iteration, and
+# `search` grows its room in stages. Measured on the 2-core CPU box (tiny model, beam
+# 4, room 48), two steps per iteration: 512 beam rows (38 MB of caches) 69.2 -> 59.7
+# ms a step, 128 rows 19.7 -> 17.5, 32 rows 6.3 -> 5.7; but each program compiles
+# ~1.7 s longer, which below a few MB the steps rarely win back.
+LARGE_SEARCH_BYTES = 8 << 20
 
 
-def _paired(s: BeamState) -> bool:
-    """Whether `run` steps this batch two positions per loop iteration (its caches are
-    large, or of a symbolic batch size: an exported program serves batches of any)."""
-    shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(s.cache.self_kv)]
-    if not all(isinstance(d, int) for shape, _ in shapes for d in shape):
-        return True
-    size = sum(int(np.prod(shape)) * jnp.dtype(dtype).itemsize for shape, dtype in shapes)
-    return size >= PAIRED_STEPS_MIN_BYTES
+def cache_bytes(model: Transformer, rows: Any, room: Any) -> Any:
+    """Bytes of a search's self-attention caches: `rows` beam rows, room for `room` tokens."""
+    cfg = model.config
+    per_token = 2 * cfg.num_decoder_layers * cfg.num_heads * cfg.head_dim  # keys and values
+    return rows * room * per_token * jnp.dtype(cfg.compute_dtype).itemsize
+
+
+def _large(nbytes: Any) -> bool:
+    """Whether a search of `nbytes` of caches is large; one of a symbolic batch size (an
+    exported program, which serves batches of any size) is."""
+    return not isinstance(nbytes, int) or nbytes >= LARGE_SEARCH_BYTES
 
 
 def run(
@@ -232,7 +236,7 @@ def run(
     step `until`: the caller then goes on with those few in a smaller batch instead
     of computing every row until the batch's slowest source ends.
 
-    With large caches (`PAIRED_STEPS_MIN_BYTES`) each iteration takes two steps, and
+    A large search (`LARGE_SEARCH_BYTES`) takes two steps per iteration, and
     a last single step fills an odd room. A step's cache reorder is a gather, which
     cannot write the buffer it reads: in a one-step loop XLA copies its result back
     into the loop's buffer every step; with two, the first gather writes a fresh
@@ -249,7 +253,8 @@ def run(
         return (s.step < capacity) & (unfinished > 0) & ~few
 
     one = lambda s: step(model, s, alpha, rule)
-    if _paired(s):
+    b, k, _ = s.live_seqs.shape
+    if _large(cache_bytes(model, b * k, capacity)):
         s = jax.lax.while_loop(
             lambda s: cond(s) & (s.step + 2 <= capacity), lambda s: one(one(s)), s
         )
@@ -283,11 +288,15 @@ def jit_call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     return fn(graphdef, *args, **static)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "capacity", "length", "extra"))
-def _start(graphdef, state, src, alpha, keep, until, *, rule, capacity, length, extra):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "rule", "capacity", "length", "extra", "more")
+)
+def _start(graphdef, state, src, alpha, keep, until, *, rule, capacity, length, extra, more):
     model = nnx.merge(graphdef, state)
     s = init(model, src, row_limits(src, length, extra), rule.beam_size, capacity)
     s = run(model, s, alpha, rule, keep, until)
+    for room in more:  # later stages in this program; a loop ends at once if all are done
+        s = run(model, grow(s, room), alpha, rule, keep, until)
     return s, finished(s, alpha, rule)
 
 
@@ -309,6 +318,7 @@ def start(
     extra: int | None,
     keep: int = 0,
     until: int = 0,
+    more: tuple[int, ...] = (),
     call: Call = jit_call,
 ) -> tuple[BeamState, jax.Array]:
     """Encode src [B, S] and search with room for `capacity` tokens.
@@ -317,6 +327,9 @@ def start(
     may produce min(n + extra, length) tokens; extra None: length each).
     keep, until: stop early once at most `keep` sources are unfinished before step
     `until` (`run`; 0, 0: never).
+    more: then with room for each of these many tokens in turn (increasing, at most
+      `length`), in the same program: what `resume` would do, for a caller that does
+      not look at the state in between (`search`).
     call: runs the compiled program, call(fn, graphdef, args, static); the default
       calls it (inference/programs.py keeps executables on disk instead).
     Returns the state and [B] bool, the sources that are finished (whose results
@@ -325,7 +338,47 @@ def start(
     graphdef, state = nnx.split(model)
     args = state, jnp.asarray(src, jnp.int32), jnp.float32(alpha), jnp.int32(keep), jnp.int32(until)
     static = dict(rule=rule, capacity=min(capacity, length), length=length, extra=extra)
-    return call(_start, graphdef, args, static)
+    return call(_start, graphdef, args, {**static, "more": tuple(more)})
+
+
+# The first stage's room, beyond the batch's source width: on the Ding test set
+# (beam 4, n_best 1) 89% of the sources are done by then.
+FIRST_EXTRA = 16
+
+
+def rooms(width: int, length: int) -> list[int]:
+    """Tokens a batch of source width `width` has room for, stage by stage, when its
+    sources may produce at most `length`: width + 16, doubled, up to length."""
+    out = [min(width + FIRST_EXTRA, length)]
+    while out[-1] < length:
+        out.append(min(2 * out[-1], length))
+    return out
+
+
+def search(
+    model: Transformer,
+    src: jax.Array,
+    *,
+    alpha: float | jax.Array,
+    rule: Rule,
+    length: int,
+    extra: int | None,
+) -> BeamState:
+    """A batch's whole search in one program: src [B, S] -> the state once every source is
+    finished (at its limit at the latest), with room for `length` tokens.
+
+    A large search (`LARGE_SEARCH_BYTES`) grows its room in stages (`rooms`), so that
+    attention and the cache reorder read caches about as long as what was decoded
+    (the tiny model, 512 beam rows, outputs of up to 82 tokens: 5.85 -> 5.18 s); a
+    small one has room for `length` tokens from the start: one loop compiles faster.
+    """
+    k = rule.beam_size
+    room = [length]
+    if _large(cache_bytes(model, src.shape[0] * k, length)):
+        room = rooms(src.shape[1], length)
+    args = dict(alpha=alpha, rule=rule, length=length, extra=extra)
+    state, _ = start(model, src, capacity=room[0], more=tuple(room[1:]), **args)
+    return state
 
 
 def resume(

@@ -9,8 +9,9 @@
 Every search encodes the source once (`Transformer.init_cache` also projects the
 cross-attention keys/values of every layer once) and then feeds one token per
 step through `Transformer.decode_step`, which returns the updated `DecodeCache`
-with the logits; the whole loop is one `jax.lax.while_loop` inside one
-`jax.jit`. Beam search keeps K hypotheses per source in one batch of B*K rows
+with the logits; the whole search is one `jax.jit` (a `jax.lax.while_loop`;
+for a large beam search, a loop per stage of growing room: model/beam.py
+`search`). Beam search keeps K hypotheses per source in one batch of B*K rows
 (rows b*K .. b*K + K-1 are source b's): `DecodeCache.repeat` makes those rows
 and `DecodeCache.reorder` makes each surviving beam carry on the cache of the
 beam it extends. The jitted functions live at module level and take the model
@@ -256,10 +257,7 @@ def beam_search(
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     rule = beam.Rule(beam_size, penalty=length_penalty, vocab_limit=vocab_limit)
-    # One stage with room for every token: inference/translate.py runs several.
-    s, _ = beam.start(
-        model, src, alpha=alpha, rule=rule, capacity=length, length=length, extra=extra
-    )
+    s = beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
     return beam.results(s)
 
 

@@ -29,6 +29,14 @@ def ragged_src(seed, lengths, width=None, vocab=12):
     return jnp.asarray(src)
 
 
+def never_eos_model(**overrides) -> Transformer:
+    """A model whose (tied) EOS embedding is far from every output: it never ends by itself."""
+    model = make(**overrides)
+    emb = model.src_embed.embedding
+    emb[...] = emb[...].at[EOS_ID].set(-10 * jnp.abs(emb[...]).max())
+    return model
+
+
 @pytest.fixture(scope="module")
 def model():
     # A sharp output distribution makes EOS likely early and ties impossible.
@@ -107,10 +115,11 @@ def test_greedy_cached_equals_full_forward(model):
 
 
 @pytest.fixture
-def paired_steps(monkeypatch):
-    """Beam search steps two positions per loop iteration whatever the cache size
-    (model/beam.py `run`); programs compiled before or after use their own rule."""
-    monkeypatch.setattr(beam, "PAIRED_STEPS_MIN_BYTES", 0)
+def large_searches(monkeypatch):
+    """Every beam search counts as large (model/beam.py `LARGE_SEARCH_BYTES`): two steps
+    per loop iteration, and stages of growing room in one program; programs compiled
+    before or after use their own rule."""
+    monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
     jax.clear_caches()
     yield
     jax.clear_caches()
@@ -130,7 +139,7 @@ def test_beam_cached_equals_full_forward(model, penalty, alpha):
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.usefixtures("paired_steps")
+@pytest.mark.usefixtures("large_searches")
 @pytest.mark.parametrize("limit", [7, 8])
 def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, limit):
     # A room of 7 ends with a single step after three pairs; one of 8 with pairs only.
@@ -142,22 +151,38 @@ def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, li
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("large_searches")
+def test_a_large_search_grows_its_room_in_stages_as_the_reference():
+    model = never_eos_model(max_len=64)  # every hypothesis runs to its limit
+    src = ragged_src(7, [5, 3])
+    # Stages of 21 tokens, then 30: each ends with a single step after pairs.
+    assert beam.rooms(5, 30) == [21, 30]
+    tokens, scores = decoding.beam_search(model, src, beam_size=2, max_decode_len=30)
+    for b in range(2):
+        ref = reference_beam(model, src[b], 2, 0.6, 30)
+        assert [as_list(tokens[b, i]) for i in range(2)] == [list(s) for s, _ in ref]
+        np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
+
+
 def test_two_steps_per_iteration_stop_at_most_one_step_late_within_the_room(model, monkeypatch):
     src = ragged_src(2, [6, 3, 5, 2])
     length, extra = decoding.decode_shape(model, src, None)
-
-    def search(min_bytes, **kw):
-        monkeypatch.setattr(beam, "PAIRED_STEPS_MIN_BYTES", min_bytes)
-        jax.clear_caches()
-        return beam.start(
-            model, src, alpha=0.6, rule=beam.Rule(3), length=length, extra=extra, **kw
-        )
-
     # An odd room filled; every source finished; stopped once at most 2 are not.
-    for capacity, keep, until in [(5, 0, 0), (length, 0, 0), (length, 2, length)]:
-        kw = dict(capacity=capacity, keep=keep, until=until)
-        one, one_done = search(1 << 62, **kw)  # a step per iteration
-        two, two_done = search(0, **kw)  # two
+    cases = [(5, 0, 0), (length, 0, 0), (length, 2, length)]
+
+    def search(min_bytes):
+        monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", min_bytes)
+        jax.clear_caches()
+        args = dict(alpha=0.6, rule=beam.Rule(3), length=length, extra=extra)
+        return [
+            beam.start(model, src, capacity=c, keep=keep, until=until, **args)
+            for c, keep, until in cases
+        ]
+
+    # A step per loop iteration, then two.
+    for (capacity, _, _), (one, one_done), (two, two_done) in zip(
+        cases, search(1 << 62), search(0), strict=True
+    ):
         assert int(one.step) <= int(two.step) <= min(int(one.step) + 1, capacity)
         if int(two.step) == int(one.step):  # the same steps: the same state
             for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
@@ -238,10 +263,7 @@ def test_default_length_limit_is_source_length_plus_50():
     tokens = decoding.greedy_search(model, src)
     assert tokens.shape == (2, 60)  # S + 50 columns
     # A model that never predicts EOS on its own is stopped at n + 50 (EOS included).
-    never_eos = make(max_len=128)
-    emb = never_eos.src_embed.embedding
-    emb[...] = emb[...].at[EOS_ID].set(-10 * jnp.abs(emb[...]).max())
-    tokens = np.asarray(decoding.greedy_search(never_eos, src))
+    tokens = np.asarray(decoding.greedy_search(never_eos_model(max_len=128), src))
     lengths = [as_list(r).index(EOS_ID) + 1 for r in tokens]
     assert lengths == [53, 59]
     assert tokens[0, 53:].max() == 0
