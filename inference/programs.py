@@ -14,8 +14,10 @@ model's structure and config, the static arguments and the shapes, dtypes and
 structure of the others -- and later processes load it in ~0.1 s.
 
 Only single-device calls are kept (a sharded evaluation goes through `jax.jit`
-as before). A file that cannot be read or loaded is compiled again and
-replaced; a directory that cannot be written costs nothing but the speed-up.
+as before), and only programs XLA can serialize: for one it cannot (XLA:CPU's
+small sorts) an empty `<key>.unkept` file sends later processes through
+`jax.jit` and XLA's own cache. A file that cannot be read or loaded is compiled
+again and replaced; a directory that cannot be written costs nothing but the speed-up.
 Executables are compiled here with JAX's own cache off: one that JAX's cache
 handed back cannot be serialized again on XLA:CPU (it runs, but its copy fails
 to find its kernels). The files are pickles (as `serialize_executable`'s payloads
@@ -38,6 +40,7 @@ import jax
 _directory: str | None = None
 _loaded: dict[str, Any] = {}  # key -> a loaded or compiled executable (jax.stages.Compiled)
 SUFFIX = ".jaxexe"
+UNKEPT = ".unkept"  # an empty file: XLA could not serialize the program of this key
 
 
 def enable(directory: str | None) -> str | None:
@@ -123,26 +126,36 @@ def _load(path: str) -> Any | None:
 def _save(path: str, compiled: Any) -> None:
     from jax.experimental import serialize_executable
 
-    tmp = None
     try:
         blob = pickle.dumps(serialize_executable.serialize(compiled))
+    except Exception:  # e.g. XLA:CPU's "`LessThan` is not serializable" (a small sort)
+        blob, path = b"", path[: -len(SUFFIX)] + UNKEPT  # later processes: jax.jit
+    tmp = None
+    try:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
-    except Exception:  # e.g. a full or read-only disk: only the speed-up is lost
+    except OSError:  # e.g. a full or read-only disk: only the speed-up is lost
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
 def _compile(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
+    """Compiled afresh, never handed back by XLA's cache (see the module docstring)."""
+    from jax.experimental.compilation_cache import compilation_cache
+
     lowered = fn.trace(graphdef, *args, **static).lower()
     before = jax.config.jax_enable_compilation_cache
+    # JAX decides once per process whether its cache is used; reset_cache() makes it
+    # look at the setting again, here and after.
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         return lowered.compile()
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
 
 
 def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
@@ -157,6 +170,8 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     key = _key(fn, graphdef, leaves, treedef, static)
     compiled = _loaded.get(key)
     if compiled is None:
+        if os.path.exists(os.path.join(_directory, key + UNKEPT)):
+            return fn(graphdef, *args, **static)  # XLA could not serialize it: as before
         path = os.path.join(_directory, key + SUFFIX)
         compiled = _load(path) if os.path.exists(path) else None
         if compiled is None:
