@@ -40,6 +40,9 @@ import jax
 _directory: str | None = None
 _loaded: dict[str, Any] = {}  # key -> a loaded or compiled executable (jax.stages.Compiled)
 SUFFIX = ".jaxexe"
+# Part of every key. 2: files of format 1 may hold programs XLA's cache handed back,
+# which load but fail at run time ("Function ... not found"): never read them.
+FORMAT = 2
 UNKEPT = ".unkept"  # an empty file: XLA could not serialize the program of this key
 
 
@@ -74,6 +77,7 @@ def _environment() -> str:
     device = jax.devices()[0]
     return repr(
         (
+            FORMAT,
             digest.hexdigest(),
             jax.__version__,
             jaxlib.__version__,
