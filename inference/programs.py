@@ -38,7 +38,8 @@ from typing import Any
 import jax
 
 _directory: str | None = None
-_loaded: dict[str, Any] = {}  # key -> a loaded or compiled executable (jax.stages.Compiled)
+# key -> a loaded or compiled executable (jax.stages.Compiled), or the jitted function
+_loaded: dict[str, Any] = {}
 SUFFIX = ".jaxexe"
 # Part of every key. 2: files of format 1 may hold programs XLA's cache handed back,
 # which load but fail at run time ("Function ... not found"): never read them.
@@ -174,10 +175,11 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     key = _key(fn, graphdef, leaves, treedef, static)
     compiled = _loaded.get(key)
     if compiled is None:
-        if os.path.exists(os.path.join(_directory, key + UNKEPT)):
-            return fn(graphdef, *args, **static)  # XLA could not serialize it: as before
         path = os.path.join(_directory, key + SUFFIX)
-        compiled = _load(path) if os.path.exists(path) else None
+        if os.path.exists(os.path.join(_directory, key + UNKEPT)):
+            compiled = functools.partial(fn, graphdef, **static)  # as before: jax.jit
+        else:
+            compiled = _load(path) if os.path.exists(path) else None
         if compiled is None:
             compiled = _compile(fn, graphdef, args, static)
             _save(path, compiled)

@@ -36,8 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from data.plans import MIN_ROWS, plan_translation
 from inference.hypothesis import hypotheses
 from model import EOS_ID
-from model.beam import BeamState, join_sources, rooms, take_sources
-from model.scoring import EXTRA_DECODE_LEN
+from model.beam import BeamState, join_sources, take_sources
+from model.scoring import EXTRA_DECODE_LEN, rooms
 
 # progress(sentences, output tokens) after each batch
 Progress = Callable[[int, int], None]
@@ -45,7 +45,7 @@ Progress = Callable[[int, int], None]
 
 def stage_rooms(width: int, max_len: int) -> list[int]:
     """Tokens a batch of source width `width` has room for, stage by stage: width + 16,
-    doubled, up to L = min(width + 50, max_len) (every source's limit; model/beam.py
+    doubled, up to L = min(width + 50, max_len) (every source's limit; model/scoring.py
     `rooms`)."""
     return rooms(width, min(width + EXTRA_DECODE_LEN, max_len))
 
@@ -235,8 +235,8 @@ class _Stages:
         while self.pools:
             width, room = min(self.pools, key=lambda key: (key[1], key[0]))
             parts = self.pools.pop((width, room))
-            rooms = stage_rooms(width, self.max_len)
-            next_room = rooms[rooms.index(room) + 1]
+            schedule = stage_rooms(width, self.max_len)
+            next_room = schedule[schedule.index(room) + 1]
             chunks = np.concatenate([c for c, _ in parts])
             state = parts[0][1] if len(parts) == 1 else None
             limit = full_rows(width)

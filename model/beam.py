@@ -7,12 +7,13 @@ a batch and resume it with room for more tokens (pure, jit-compiled).
     tokens, scores = results(s)                                      # [B, K, C], [B, K]
 
 A batch starts with room for a few more tokens than its sources are long
-(`rooms`), and goes on with twice the room while some of its sources are not
-done, so attention and the cache reorder read caches of about the length
-decoded so far, not of L = S + 50. inference/translate.py runs each stage as
-its own program and moves the few sources not done into batches of their own,
-so that a batch's last slow source no longer keeps all the others computing;
-`search` (model.decoding.beam_search) runs a large batch's stages in one program.
+(model/scoring.py `rooms`), and goes on with twice the room while some of its
+sources are not done, so attention and the cache reorder read caches of about
+the length decoded so far, not of L = S + 50. inference/translate.py runs each
+stage as its own program and moves the few sources not done into batches of
+their own, so that a batch's last slow source no longer keeps all the others
+computing; `search` (model.decoding.beam_search) runs a large batch's stages in
+one program.
 
 Search: K hypotheses per source, in B*K rows (rows b*K .. b*K + K-1 are source
 b's). Each step takes the 2K best extensions; an EOS among the first K finishes
@@ -41,6 +42,7 @@ from model.scoring import (
     NEG_INF,
     normalized_score,
     restrict,
+    rooms,
     row_limits,
 )
 from model.tokens import BOS_ID, EOS_ID, PAD_ID
@@ -209,16 +211,12 @@ def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
 LARGE_SEARCH_BYTES = 8 << 20
 
 
-def cache_bytes(model: Transformer, rows: Any, room: Any) -> Any:
-    """Bytes of a search's self-attention caches: `rows` beam rows, room for `room` tokens."""
+def _large(model: Transformer, rows: Any, room: Any) -> bool:
+    """Whether a search of `rows` beam rows with room for `room` tokens is large; one of a
+    symbolic batch size (an exported program, which serves batches of any size) is."""
     cfg = model.config
     per_token = 2 * cfg.num_decoder_layers * cfg.num_heads * cfg.head_dim  # keys and values
-    return rows * room * per_token * jnp.dtype(cfg.compute_dtype).itemsize
-
-
-def _large(nbytes: Any) -> bool:
-    """Whether a search of `nbytes` of caches is large; one of a symbolic batch size (an
-    exported program, which serves batches of any size) is."""
+    nbytes = rows * room * per_token * jnp.dtype(cfg.compute_dtype).itemsize
     return not isinstance(nbytes, int) or nbytes >= LARGE_SEARCH_BYTES
 
 
@@ -245,7 +243,7 @@ def run(
     needed: results do not change (a done source gains nothing), and it never
     passes the room.
     """
-    capacity = s.live_seqs.shape[2]
+    b, k, capacity = s.live_seqs.shape
 
     def cond(s: BeamState) -> jax.Array:
         unfinished = jnp.sum(~finished(s, alpha, rule))
@@ -253,8 +251,7 @@ def run(
         return (s.step < capacity) & (unfinished > 0) & ~few
 
     one = lambda s: step(model, s, alpha, rule)
-    b, k, _ = s.live_seqs.shape
-    if _large(cache_bytes(model, b * k, capacity)):
+    if _large(model, b * k, capacity):
         s = jax.lax.while_loop(
             lambda s: cond(s) & (s.step + 2 <= capacity), lambda s: one(one(s)), s
         )
@@ -341,20 +338,6 @@ def start(
     return call(_start, graphdef, args, {**static, "more": tuple(more)})
 
 
-# The first stage's room, beyond the batch's source width: on the Ding test set
-# (beam 4, n_best 1) 89% of the sources are done by then.
-FIRST_EXTRA = 16
-
-
-def rooms(width: int, length: int) -> list[int]:
-    """Tokens a batch of source width `width` has room for, stage by stage, when its
-    sources may produce at most `length`: width + 16, doubled, up to length."""
-    out = [min(width + FIRST_EXTRA, length)]
-    while out[-1] < length:
-        out.append(min(2 * out[-1], length))
-    return out
-
-
 def search(
     model: Transformer,
     src: jax.Array,
@@ -367,14 +350,14 @@ def search(
     """A batch's whole search in one program: src [B, S] -> the state once every source is
     finished (at its limit at the latest), with room for `length` tokens.
 
-    A large search (`LARGE_SEARCH_BYTES`) grows its room in stages (`rooms`), so that
-    attention and the cache reorder read caches about as long as what was decoded
-    (the tiny model, 512 beam rows, outputs of up to 82 tokens: 5.85 -> 5.18 s); a
-    small one has room for `length` tokens from the start: one loop compiles faster.
+    A large search (`LARGE_SEARCH_BYTES`) grows its room in stages
+    (`model.scoring.rooms`), so that attention and the cache reorder read caches
+    about as long as what was decoded (the tiny model, 512 beam rows, outputs of up
+    to 82 tokens: 5.85 -> 5.18 s); a small one has room for `length` tokens from
+    the start: one loop compiles faster.
     """
-    k = rule.beam_size
     room = [length]
-    if _large(cache_bytes(model, src.shape[0] * k, length)):
+    if _large(model, src.shape[0] * rule.beam_size, length):
         room = rooms(src.shape[1], length)
     args = dict(alpha=alpha, rule=rule, length=length, extra=extra)
     state, _ = start(model, src, capacity=room[0], more=tuple(room[1:]), **args)

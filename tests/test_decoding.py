@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, beam, decoding
+from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, beam, decoding, scoring
 from tests.conftest import model_fields
 
 TINY = model_fields(vocab_size=12, num_decoder_layers=2)
@@ -156,7 +156,7 @@ def test_a_large_search_grows_its_room_in_stages_as_the_reference():
     model = never_eos_model(max_len=64)  # every hypothesis runs to its limit
     src = ragged_src(7, [5, 3])
     # Stages of 21 tokens, then 30: each ends with a single step after pairs.
-    assert beam.rooms(5, 30) == [21, 30]
+    assert scoring.rooms(5, 30) == [21, 30]
     tokens, scores = decoding.beam_search(model, src, beam_size=2, max_decode_len=30)
     for b in range(2):
         ref = reference_beam(model, src[b], 2, 0.6, 30)
