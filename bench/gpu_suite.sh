@@ -2,6 +2,7 @@
 # The GPU suite in one command: environment, GPU tests, training and decoding benchmarks.
 #
 #   bench/gpu_suite.sh OUTDIR [--wheels DIR] [--commit SHA] [--tar-logs] [--dry-run]
+#                      [--only STEP,STEP...]
 #   make gpu-suite OUT=OUTDIR
 #
 # Made for a bare GPU machine without network access (one H100/H200, jax 0.11.2 on
@@ -23,29 +24,36 @@
 # object, the form bench/results/ keeps) and logs/<step>.log (with --tar-logs,
 # logs.tar.gz instead: fewer files, for tools that bring back only a few).
 # A step that fails or overruns its time budget is recorded and the suite goes
-# on; it exits 1 if any step failed. --dry-run runs the same steps on the CPU
+# on; it exits 1 if any step failed. --only runs setup and the steps named (e.g.
+# --only pytest,train_base to rerun what failed, when device time is short). --dry-run runs the same steps on the CPU
 # with tiny settings (configs/tiny.py, a few steps), to test the plumbing here.
 #
 # Environment: PYTHON (default python3; .venv/bin/python in a dry run if present),
 # SUITE_BUDGET_S (570, x4 in a dry run: the whole suite), GPU_SUITE_SITE (/tmp/gpu-suite-site: where
-# wheels are installed), TRAIN_STEPS (12), MAX_SHAPES (4), DECODE_BATCHES (128).
+# wheels are installed), TRAIN_STEPS (12), MAX_SHAPES (4), DECODE_BATCHES (128), PYTEST_K
+# (a pytest -k expression: which GPU tests the pytest step runs; default all).
 set -euo pipefail
 
 usage() { sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
-OUT="" WHEELS="" COMMIT="${GIT_COMMIT:-}" DRY_RUN=0 TAR_LOGS=0
+OUT="" WHEELS="" COMMIT="${GIT_COMMIT:-}" DRY_RUN=0 TAR_LOGS=0 ONLY=""
 while (($#)); do
   case "$1" in
     --wheels) WHEELS="${2:?--wheels needs a folder}"; shift 2 ;;
     --commit) COMMIT="${2:?--commit needs a SHA}"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --tar-logs) TAR_LOGS=1; shift ;;
+    --only) ONLY=",${2:?--only needs step names, e.g. pytest,train_base},"; shift 2 ;;
     -h | --help) usage ;;
     -*) echo "unknown option $1" >&2; usage ;;
     *) [[ -z "$OUT" ]] || usage; OUT="$1"; shift ;;
   esac
 done
 [[ -n "$OUT" ]] || usage
+STEPS=",pytest,train_base,decode_base,train_big,train_base_packed,train_big_packed,"
+for step in ${ONLY//,/ }; do
+  [[ "$STEPS" == *",$step,"* ]] || { echo "--only: no step $step (steps: ${STEPS//,/ })" >&2; exit 2; }
+done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -95,7 +103,10 @@ run_step() {
   if [[ "$1" == --optional ]]; then optional=1; shift; fi
   local left=$((DEADLINE - $(date +%s)))
   local status rc=0 t0 seconds
-  if ((optional && left < budget)); then
+  if [[ -n "$ONLY" && "$name" != setup && "$ONLY" != *",$name,"* ]]; then
+    status=skipped rc=0 seconds=0
+    say "$name: skipped (not in --only)"
+  elif ((optional && left < budget)); then
     status=skipped rc=0 seconds=0
     say "$name: skipped (needs ${budget}s, ${left}s left)"
   elif ((left < 10)); then
@@ -224,7 +235,7 @@ RESULTS="$OUT/$DEVICE-$(date -u +%Y%m%d)-$COMMIT.jsonl"
 
 : >"$OUT/pytest.jsonl"
 run_step pytest 150 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -p bench.pytest_jsonl \
-  --jsonl="$OUT/pytest.jsonl" -m gpu -rfEs tests/test_gpu.py
+  --jsonl="$OUT/pytest.jsonl" -m gpu -rfEs ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py
 
 # --- 3-4. benchmarks: each one's JSON object goes to the results file ---------------------
 
@@ -282,7 +293,7 @@ problems = [f"step {s['step']}: {s['status']}" for s in steps if s["status"] not
 problems += [f"{t['nodeid']}: {t['outcome']}" for t in tests if t["outcome"] in ("failed", "error")]
 if not dry_run:  # on the GPU every GPU test must have run
     problems += [f"{t['nodeid']}: skipped" for t in tests if t["outcome"] == "skipped"]
-if not tests:
+if not tests and any(s["step"] == "pytest" and s["status"] != "skipped" for s in steps):
     problems.append("no test results")
 summary = {"ok": not problems, "problems": problems, "dry_run": dry_run, "seconds": seconds,
            "steps": steps, "tests": counts, "results_file": os.path.basename(results),

@@ -252,21 +252,38 @@ def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> ja
     its row has no key at all, where the dense reference gives zeros and
     kernels differ. Both selects are elementwise and fuse into neighbours.
     """
-    t, s = q.shape[1], k.shape[1]
+    t = q.shape[1]
+    q, k, v = _pad_to_even(q), _pad_to_even(k), _pad_to_even(v)
+    t_even, s = q.shape[1], k.shape[1]
     q_len = mask.q_lengths.astype(jnp.int32)  # [B]
     kv_len = mask.kv_lengths.astype(jnp.int32)  # [B]
-    q_valid = (jnp.arange(t)[None, :] < q_len[:, None]) & (kv_len > 0)[:, None]  # [B, T]
+    q_valid = (jnp.arange(t_even)[None, :] < q_len[:, None]) & (kv_len > 0)[:, None]  # [B, T]
     kv_valid = jnp.arange(s)[None, :] < kv_len[:, None]  # [B, S]
     q_valid = q_valid[:, :, None, None]  # [B, T, 1, 1]
     kv_valid = kv_valid[:, :, None, None]  # [B, S, 1, 1]
     q = _grad_only_where(q, q_valid)
     k = _grad_only_where(k, kv_valid)
     v = _grad_only_where(v, kv_valid)
-    return _zero_invalid(_cudnn_kernel(q, k, v, mask), q_valid)
+    return _zero_invalid(_cudnn_kernel(q, k, v, mask), q_valid)[:, :t]
 
 
-# Probe shapes: B = 3 rows (full, partial, empty), lengths off the kernels' 64-token tiles.
-_PROBE_T, _PROBE_S, _PROBE_N = 24, 40, 2
+def _pad_to_even(x: jax.Array) -> jax.Array:
+    """x [B, T, N, H] with one zero position appended when T is odd: [B, T + T % 2, N, H].
+
+    JAX's cuDNN flash attention takes even sequence lengths only where it will be
+    differentiated (`check_is_flash_attention` raises "Unsupported sequence
+    length Q 93, KV 93" for bucket length 93, seen with jax 0.11.2 on an H200).
+    The appended position lies past every row's length, so the kernel ignores
+    it as a key and `_fused_attention` zeroes it as a query, then slices it off.
+    """
+    if x.shape[1] % 2 == 0:
+        return x
+    return jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0)))
+
+
+# Probe shapes: B = 3 rows (full, partial, empty), lengths off the kernels' 64-token tiles
+# and odd, so that the probe also runs the padding cuDNN's training kernels need.
+_PROBE_T, _PROBE_S, _PROBE_N = 23, 39, 2
 
 
 def _probe_case(dtype: jnp.dtype, head_dim: int, causal: bool) -> str | None:

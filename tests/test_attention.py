@@ -212,8 +212,12 @@ def nan_kernel(q, k, v, mask: Mask):
 
     Forward: NaN in padded query rows (t >= q_length; all rows of a length-0 row).
     Backward: NaN in dq at those rows and in dk, dv at padded key rows (a flash
-    kernel may leave gradient rows it skips unwritten).
+    kernel may leave gradient rows it skips unwritten). Like JAX's cuDNN wrapper in
+    training, it refuses odd sequence lengths (bucket 11 here: `_fused_attention` pads).
     """
+    for x in (q, k):
+        if x.shape[1] % 2:
+            raise NotImplementedError(f"Unsupported sequence length {x.shape[1]} (odd)")
     q_pad = jnp.arange(q.shape[1])[None, :] >= mask.q_lengths[:, None]  # [B, T]
     kv_pad = jnp.arange(k.shape[1])[None, :] >= mask.kv_lengths[:, None]  # [B, S]
     q_pad, kv_pad = q_pad[:, :, None, None], kv_pad[:, :, None, None]
