@@ -359,3 +359,30 @@ def test_gpu_suite_dry_run(tmp_path):
     }
     logged = sorted(f"{s}.log" for s, status in steps.items() if status != "skipped")
     assert sorted(p.name for p in (out / "logs").iterdir()) == logged
+
+
+@pytest.mark.skipif(ON_GPU or DRY_RUN, reason="the dry run is the CPU stand-in for the suite")
+def test_gpu_suite_only_reruns_the_steps_named(tmp_path):
+    """--only runs setup and the steps named, the rest are skipped; an unknown name is refused."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "PYTHONPATH")}
+    env |= {"PYTHON": sys.executable, "GPU_SUITE_SITE": str(tmp_path / "site")}
+    env |= {"PYTEST_K": "auto_picks"}  # one GPU test, which skips on the CPU
+    suite = ["bash", "bench/gpu_suite.sh", str(tmp_path / "suite"), "--dry-run"]
+    run = lambda *args: subprocess.run(
+        [*suite, *args], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+
+    refused = run("--only", "pytest,train_huge")
+    assert refused.returncode == 2 and "no step train_huge" in refused.stderr, refused.stderr
+    proc = run("--only", "pytest")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "suite" / "summary.json").read_text())
+    steps = {s["step"]: s["status"] for s in summary["steps"]}
+    assert steps.pop("setup") == steps.pop("pytest") == "ok", steps
+    assert set(steps.values()) == {"skipped"} and len(steps) == 5, steps
+    assert summary["tests"] == {"skipped": 1} and summary["benchmarks"] == 0, summary
