@@ -113,6 +113,11 @@ def test_base_on_an_h100_uses_cudnn_attention_and_bf16_matmuls(tmp_path):
     assert set(train["matmul_dtypes"]) == {"bf16"}, train["matmul_dtypes"]
     # Packed rows and one-token decoding steps use XLA attention; the encoder runs cuDNN.
     assert program(report, "beam_search")["cudnn_calls"] == 6
+    # The per-kernel roofline counts the GEMMs' and cuDNN's FLOPs from the HLO alone;
+    # the model's formula (training/metrics.py) counts them from the config.
+    est = train["estimate"]
+    assert est["kernels"]["flops"] == pytest.approx(train["model_flops"], rel=0.02)
+    assert est["step_s"] >= max(est["compute_s"], est["hbm_s"])
 
 
 @pytest.mark.skipif(

@@ -13,9 +13,10 @@ for its default batch on one chip. For each program the report gives, per
 chip: parameter + optimizer, batch, temporary and total bytes against the
 chip's HBM (`fits`, headroom), FLOPs and bytes accessed (XLA's cost analysis),
 collectives by kind with their sizes (training/hlo.py), matmul element types,
-compile time, and a roofline step-time *estimate*: max(FLOPs / peak, bytes /
-HBM bandwidth) plus the collectives' ring traffic over the chip's interconnect,
-not overlapped. Chip facts: training/targets.py.
+compile time, and a step-time *estimate*: on GPUs a roofline per kernel, summed
+(training/roofline.py), on TPUs max(FLOPs / peak, bytes / HBM bandwidth); plus
+the collectives' ring traffic over the chip's interconnect, not overlapped.
+Chip facts: training/targets.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from training.errors import TrainingError
 from training.input import shard_multiple
 from training.mesh import AXES, batch_divisor, batch_sharding, make_mesh, mesh_shape
 from training.metrics import train_flops
+from training.roofline import kernel_roofline
 from training.targets import Target, abstract_devices, parse_target
 
 # decode.py's defaults: sources padded to batches of this many tokens, beam 4.
@@ -270,13 +272,18 @@ def analyse(
         hbm_s = cost["bytes_accessed"] / chip.hbm_bandwidth if cost else 0.0
         comm_s = sum(c["wire_bytes"] for c in comms.values()) / chip.link_bandwidth
         step_s = max(compute_s, hbm_s) + comm_s
-        tokens = program.shape[0] * program.shape[1]
+        kernels = None
+        if ctx.target.platform == "gpu":  # kernels run one after another: sum their rooflines
+            rate = chip.matmul_flops or chip.peak_flops
+            kernels = kernel_roofline(text, rate, chip.copy_bandwidth or chip.hbm_bandwidth)
+            step_s = kernels["seconds"] + comm_s
         report["estimate"] = {
             "compute_s": compute_s,
             "hbm_s": hbm_s,
             "collectives_s": comm_s,
+            "kernels": kernels,
             "step_s": step_s,
-            "padded_target_tokens_per_s": tokens / step_s,
+            "padded_target_tokens_per_s": program.shape[0] * program.shape[1] / step_s,
         }
     return report
 

@@ -39,13 +39,17 @@ GB = 1000**3
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """Datasheet facts of one accelerator chip (one JAX device)."""
+    """Datasheet facts of one accelerator chip (one JAX device), and measured ceilings."""
 
     name: str  # e.g. 'TPU v5e', 'NVIDIA H100 SXM 80GB'
     hbm_bytes: int
     peak_flops: float  # dense bf16 FLOP/s
     hbm_bandwidth: float  # bytes/s
     link_bandwidth: float  # bytes/s one way, what a collective moves per chip
+    # Measured ceilings, where this project has them (None: the datasheet's): an 8192^3
+    # bf16 matmul on random data, and a device-to-device copy (read + written bytes).
+    matmul_flops: float | None = None
+    copy_bandwidth: float | None = None
 
 
 # TPU generation -> (chip, dimensions of its torus, devices per name unit, libtpu name).
@@ -55,10 +59,13 @@ TPUS = {
     "v5p": (Chip("TPU v5p", 95 * GIB, 459e12, 2765e9, 600e9), 3, 2, "v5"),
     "v6e": (Chip("TPU v6e", 32 * GIB, 918e12, 1640e9, 448e9), 2, 1, "v6e"),
 }
-# GPU -> (chip, file in gpu_targets/). H100/H200 SXM: NVLink 4, 900 GB/s both ways.
+# GPU -> (chip, file in gpu_targets/). H100/H200 SXM: NVLink 4, 900 GB/s both ways. The
+# measured ceilings are this workplace's (2026-10/11, one GPU each; H200: 769-798 TFLOP/s).
+_H100 = Chip("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 3.35e12, 450e9, 798e12, 3.0e12)
+_H200 = Chip("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 4.8e12, 450e9, 780e12, 4.3e12)
 GPUS = {
-    "h100": (Chip("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 3.35e12, 450e9), "h100_sxm.txtpb"),
-    "h200": (Chip("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 4.8e12, 450e9), "h200_sxm.txtpb"),
+    "h100": (_H100, "h100_sxm.txtpb"),
+    "h200": (_H200, "h200_sxm.txtpb"),
     "a100": (Chip("NVIDIA A100 SXM 80GB", 80 * GB, 312e12, 2.039e12, 300e9), "a100_sxm_80.txtpb"),
 }
 GPUS_PER_HOST = 8
