@@ -251,6 +251,7 @@ def _fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Mask) -> ja
     kernels may leave them unwritten). A query row also counts as padded when
     its row has no key at all, where the dense reference gives zeros and
     kernels differ. Both selects are elementwise and fuse into neighbours.
+    Odd lengths get one more padded position, which cuDNN needs (`_pad_to_even`).
     """
     t = q.shape[1]
     q, k, v = _pad_to_even(q), _pad_to_even(k), _pad_to_even(v)

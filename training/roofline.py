@@ -10,7 +10,8 @@ maxima is what the single roofline max(all FLOPs / peak, all bytes / bandwidth)
 misses: a transformer step alternates compute-bound GEMMs with memory-bound
 LayerNorm, dropout, softmax and loss fusions, and neither overlaps the other.
 On an H200 (jax 0.11.2, 2026-11-26) the single roofline predicted 10 ms for a
-base step and 34 ms for big where 44 and 92 ms were measured.
+base step and 34 ms for big where 44 and 92 ms were measured; this sum, with
+the chip's measured ceilings, predicts 25 and 62 ms.
 
 FLOPs: GEMMs 2 x output elements x contracted size (from the custom call's
 dimension numbers); cuDNN attention 4 B N T S H forward (half of it under a
@@ -19,7 +20,8 @@ none (their arithmetic hides under their memory traffic). Bytes: every operand
 and result, except that a fusion reading a parameter only through
 (dynamic-)slices reads the slices, and an in-place dynamic-update-slice writes
 only its update. A while loop with a known trip count counts its body that many
-times. Collectives are left to the caller (they run on their own streams).
+times (an unknown count: once); a conditional counts every branch. Collectives
+are left to the caller (they run on their own streams).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def _fusion_bytes(instr: _Instr, module: _Module) -> int:
     """Bytes a fusion moves: operands as its body reads them, plus what it writes."""
     m = re.search(r"calls=%([\w.\-]+)", instr.attrs)
     body = module.computations.get(m.group(1), []) if m else []
-    params = {i.name: int(i.args) for i in body if i.opcode == "parameter"}
+    params = {i.name: int(i.args) for i in body if i.opcode == "parameter" and i.args.isdigit()}
     users: dict[str, list[_Instr]] = {}
     for i in body:
         for op in i.operands:
@@ -155,6 +157,7 @@ class Kernel:
 
 
 def _kernels(module: _Module, computation: str, count: int, peak: float, bw: float, out: list):
+    """Append to `out` the kernels `computation` launches, each run `count` times."""
     for instr in module.computations.get(computation, []):
         op = instr.opcode
         if op in _FREE or _COLLECTIVE.match(op):
