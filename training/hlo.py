@@ -68,7 +68,8 @@ def _wire(kind: str, size: int, p: int) -> float:
     return (p - 1) / p * size  # all-gather, all-to-all: of the full result
 
 
-def _kind(opcode: str) -> str | None:
+def collective_kind(opcode: str) -> str | None:
+    """The collective an opcode is (one of KINDS; async -start/-done halves too), or None."""
     base = opcode.removesuffix("-start").removesuffix("-done")
     base = base.removeprefix("ragged-")
     return base if base in KINDS else None
@@ -87,7 +88,7 @@ def collectives(hlo: str, num_devices: int) -> dict[str, dict[str, Any]]:
         if not m:
             continue
         name, shape, opcode = m.groups()
-        kind = _kind(opcode)
+        kind = collective_kind(opcode)
         if kind is None:
             continue
         if opcode.endswith("-start"):

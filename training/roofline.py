@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.hlo import array_bytes
+from training.hlo import array_bytes, collective_kind
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\(([^)]*)\)(.*)$")
@@ -40,7 +40,6 @@ _DIMS = re.compile(r"\[([\d,]*)\]")
 # Opcodes that launch nothing: views, tuples, constants, scheduling markers.
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
          "opt-barrier", "add-dependency", "partition-id", "replica-id", "domain"}  # fmt: skip
-_COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)")
 
 
 @dataclass
@@ -160,7 +159,7 @@ def _kernels(module: _Module, computation: str, count: int, peak: float, bw: flo
     """Append to `out` the kernels `computation` launches, each run `count` times."""
     for instr in module.computations.get(computation, []):
         op = instr.opcode
-        if op in _FREE or _COLLECTIVE.match(op):
+        if op in _FREE or collective_kind(op):
             continue
         if op == "while":
             body = re.search(r"body=%([\w.\-]+)", instr.attrs)
