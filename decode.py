@@ -49,6 +49,12 @@ flags.DEFINE_enum(
     "gnmt: lp = ((5 + len) / 6)^alpha (the default). average: lp = len^alpha (CTranslate2's; "
     "the default of --ct2). len counts EOS.",
 )  # fmt: skip
+flags.DEFINE_enum(
+    "stop", "bound", ["bound", "heuristic"],
+    "When a source's beam search ends. bound: once no live beam can win, however long it "
+    "grows (exact; the default). heuristic: once none would win if it ended at the next "
+    "step (about half the steps; Hugging Face's default rule).",
+)  # fmt: skip
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
 flags.DEFINE_string("reference", None, "Reference translations: print sacreBLEU BLEU and chrF.")
@@ -103,7 +109,7 @@ flags.DEFINE_boolean(
 
 # Settings an exported translator fixes (a CTranslate2 model has defaults for them):
 # None in the options when not given here.
-_SEARCH = ("beam_size", "alpha", "n_best", "length_penalty")
+_SEARCH = ("beam_size", "alpha", "n_best", "length_penalty", "stop")
 _OPTIONS = (
     "workdir", "exported", "input", "output", "reference", "split", "checkpoint_step",
     "average_last", "batch_tokens", "max_length", "long_lines", "output_format", "alignment",

@@ -2,21 +2,22 @@
 
     python bench/decode_cpu.py --workdir=workdir/tiny            # Ding test set, beam 4
     python bench/decode_cpu.py --workdir=workdir/tiny --repeats=3 --threads=2 \
-        --backends=jax,jax-average,ct2-float32,ct2-int8
+        --backends=jax,jax-heuristic,jax-average,jax-average-heuristic,ct2-float32,ct2-int8
 
 Each backend is decode.py as a user runs it, in a fresh process, on the Ding
 test split's 1,000 sources with their references: `--workdir` (our decoder;
-`jax` with its default GNMT length penalty, `jax-average` with CTranslate2's),
-or `--ct2` on a directory `--export_ct2` wrote from the same checkpoint
-(`ct2-float32`, `ct2-int8`, ...; exported once into --scratch). Runs are
-interleaved (backend by backend, repeat after repeat) so that load from other
-processes falls on all of them alike; the median is kept.
+`jax` with its default GNMT length penalty, `-average` with CTranslate2's,
+`-heuristic` with `--stop=heuristic`), or `--ct2` on a directory `--export_ct2`
+wrote from the same checkpoint (`ct2-float32`, `ct2-int8`, ...; exported once
+into --scratch). Runs are interleaved (backend by backend, repeat after repeat)
+so that load from other processes falls on all of them alike; the median is kept.
 
 Per backend: decode.py's own summary rates (translation only: no start-up), the
 process's wall and CPU seconds (CPU seconds of all its threads: the measure to
 compare when other processes share the cores; `uptime`'s load is recorded
 before and after), BLEU and chrF, and the share of output lines identical to
-`jax-average`'s (the same search rule as CTranslate2's). JAX runs use decode.py's
+`jax-average`'s (CTranslate2's length penalty; its stopping rule is like
+`-heuristic`'s). JAX runs use decode.py's
 persistent compilation cache (or --compilation_cache=DIR|off), filled by
 --warmup rounds that are not counted: what a user's second run of a model costs.
 Prints one JSON object, then a table.
@@ -88,14 +89,15 @@ def cpu_seconds_of(fn) -> tuple[dict, float]:
 
 
 def backend_flags(name: str, args: argparse.Namespace, ct2_dirs: dict[str, str]) -> list[str]:
-    if name == "jax":
+    parts = name.split("-")[1:]
+    if name.split("-")[0] == "jax" and set(parts) <= {"average", "heuristic"}:
         flags = [f"--workdir={args.workdir}"]
-    elif name == "jax-average":
-        flags = [f"--workdir={args.workdir}", "--length_penalty=average"]
+        flags += ["--length_penalty=average"] if "average" in parts else []
+        flags += ["--stop=heuristic"] if "heuristic" in parts else []
     elif name.startswith("ct2-"):
         flags = [f"--ct2={ct2_dirs[name]}", f"--threads={args.threads}"]
     else:
-        raise SystemExit(f"unknown backend {name!r} (jax, jax-average, ct2-QUANTIZATION)")
+        raise SystemExit(f"unknown backend {name!r} (jax[-average][-heuristic], ct2-QUANTIZATION)")
     if name.startswith("jax") and args.compilation_cache:
         flags.append(f"--compilation_cache={args.compilation_cache}")
     return flags
@@ -137,7 +139,10 @@ def agreement(a: str, b: str) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="workdir/tiny")
-    p.add_argument("--backends", default="jax,jax-average,ct2-float32,ct2-int8")
+    p.add_argument(
+        "--backends",
+        default="jax,jax-heuristic,jax-average,jax-average-heuristic,ct2-float32,ct2-int8",
+    )
     p.add_argument("--beam_size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="CTranslate2's --threads")
     p.add_argument("--repeats", type=int, default=1)

@@ -91,13 +91,14 @@ def export_translator(
     config: dict | None = None,
     platforms: Sequence[str] | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
+    stop: str = "bound",
 ) -> dict:
     """Write the translator into `directory` (created; files replaced); returns the metadata.
 
     Args:
       model: the Transformer to export (its config's max_len bounds the widths).
       tokenizer_proto: the serialized SentencePiece model.
-      beam_size, alpha, n_best, vocab_limit, length_penalty: fixed into the programs.
+      beam_size, alpha, n_best, vocab_limit, length_penalty, stop: fixed into the programs.
       config: the training config, stored in the metadata for reference.
       platforms: backends to lower for (e.g. ("cpu", "cuda")); None = this one.
     """
@@ -109,7 +110,7 @@ def export_translator(
     live = lambda flat: nnx.merge(graphdef, jax.tree.unflatten(treedef, flat), rest)
     search = dict(
         beam_size=beam_size, alpha=alpha, n_best=n_best, vocab_limit=vocab_limit,
-        length_penalty=length_penalty,
+        length_penalty=length_penalty, stop=stop,
     )  # fmt: skip
     sizes, rooms = _write_programs(directory, live, leaves, model.config, search, platforms)
     arrays = {f"p{i:04d}": np.asarray(x) for i, x in enumerate(leaves)}
@@ -122,6 +123,7 @@ def export_translator(
         "beam_size": beam_size,
         "alpha": alpha,
         "length_penalty": length_penalty,
+        "stop": stop,
         "n_best": n_best,
         "vocab_limit": vocab_limit,
         "max_len": max_len,
@@ -158,9 +160,8 @@ def _write_programs(
     """Serialize each width's programs into `directory`: the whole search, and its stages
     (start, then a resume per larger room). Returns (bytes per program, rooms per width)."""
     max_len = model_config.max_len
-    rule = search_rule(
-        search["beam_size"], search["n_best"], search["vocab_limit"], search["length_penalty"]
-    )
+    keys = ("beam_size", "n_best", "vocab_limit", "length_penalty", "stop")
+    rule = search_rule(*(search[k] for k in keys))
     searcher = lambda flat: LiveSearch(live(flat), rule, search["alpha"])
     state_def = beam.state_treedef(model_config.num_decoder_layers)
 
@@ -234,6 +235,7 @@ class ExportedTranslator:
         self.max_len, self.n_best = metadata["max_len"], metadata["n_best"]
         self.beam_size, self.alpha = metadata["beam_size"], metadata["alpha"]
         self.length_penalty = metadata["length_penalty"]
+        self.stop = metadata.get("stop", "bound")  # exports before --stop: the exact rule
         self._state_def = beam.state_treedef(metadata["model"]["num_decoder_layers"])
         self._programs: dict[str, jax.export.Exported] = {}
 

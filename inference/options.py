@@ -61,6 +61,7 @@ class DecodeOptions:
     export: str | None = None  # write a self-contained translator into this directory
     export_platforms: tuple[str, ...] = ()  # backends to lower for (default: this one)
     length_penalty: str | None = None  # "gnmt" or "average"; None: gnmt, or the backend's
+    stop: str | None = None  # "bound" (None) or "heuristic": when a beam search ends
     export_ct2: str | None = None  # write a CTranslate2 model into this directory
     quantization: str = "float32"  # its weight type
     ct2: str | None = None  # or translate with a CTranslate2 model directory
@@ -96,6 +97,11 @@ class DecodeOptions:
         if self.exported and (self.workdir or self.export):
             raise UsageError("--exported translates on its own: drop --workdir and --export")
         self._check_ct2()
+        if self.stop is not None and self.ct2:
+            raise UsageError(
+                "--stop is for the JAX decoder: CTranslate2 (--ct2) stops a source on its "
+                "own rule, short of the exact bound (like --stop=heuristic)"
+            )
         if not (self.exported or self.workdir or self.ct2):
             raise UsageError(
                 "--workdir is required (the directory train.py wrote), or --exported, or --ct2"
@@ -154,6 +160,7 @@ class DecodeOptions:
             ("output_format", OUTPUT_FORMATS),
             ("split", (None, *SPLITS)),
             ("length_penalty", (None, *LENGTH_PENALTIES)),
+            ("stop", (None, "bound", "heuristic")),
             ("quantization", QUANTIZATIONS),
             ("device", (None, *DEVICES)),
         ):

@@ -107,6 +107,7 @@ def open_translator(options: DecodeOptions) -> Loaded:
         batch_tokens=options.batch_tokens,
         vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
         length_penalty=options.penalty,
+        stop=options.stop or "bound",
     )
     identity = workdir_identity(options.workdir, step, options.average_last)
     return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
@@ -118,7 +119,7 @@ def _open_exported(options: DecodeOptions) -> Loaded:
         tokenizer = Tokenizer.load(translator.tokenizer_path)
     except (OSError, ValueError, DataError) as e:
         raise UsageError(str(e)) from e
-    for name in ("beam_size", "alpha", "n_best", "length_penalty"):
+    for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop"):
         asked, exported = getattr(options, name), getattr(translator, name)
         if asked is not None and asked != exported:
             raise UsageError(
@@ -185,6 +186,7 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
         config=loaded.config.to_dict(),
         platforms=list(options.export_platforms) or None,
         length_penalty=options.penalty,
+        stop=options.stop or "bound",
     )
     print(
         f"decode.py: exported {len(meta['widths'])} search programs (widths "
@@ -266,7 +268,7 @@ def describe_job(
     settings.update(
         beam_size=t.beam_size, alpha=t.alpha, n_best=t.n_best, max_length=max_length,
         plot_attention=plots, read_lines=options.chunk_lines,
-        length_penalty=getattr(t, "length_penalty", None),
+        length_penalty=getattr(t, "length_penalty", None), stop=getattr(t, "stop", None),
     )  # fmt: skip
     model = loaded.identity or {"translator": loaded.description}
     return {"inputs": inputs, "model": model, "settings": settings, "jax": jax.__version__}
@@ -385,9 +387,10 @@ def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: i
         _warn(f"{totals.long} line(s) over {max_length} tokens {how}")
     seconds = max(totals.seconds, 1e-9)
     translator = loaded.translator
+    stop = ", heuristic stop" if getattr(translator, "stop", None) == "heuristic" else ""
     print(
         f"decode.py: {totals.lines} lines ({totals.empty} empty) from {loaded.description}, "
-        f"beam {translator.beam_size}, alpha {translator.alpha}: {seconds:.1f} s, "
+        f"beam {translator.beam_size}, alpha {translator.alpha}{stop}: {seconds:.1f} s, "
         f"{totals.segments / seconds:.1f} sentences/s, {totals.tokens / seconds:.0f} tokens/s",
         file=sys.stderr,
     )

@@ -74,12 +74,17 @@ def search_rule(
     n_best: int = 1,
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
+    stop: str = "bound",
 ) -> beam.Rule:
     """model/beam.py's settings for what decode.py asks: beam search that stops a source
-    once its n_best best are final, or for beam_size 1 greedy search (the first
-    hypothesis that ends), scored the same way."""
-    stop = "first" if beam_size == 1 else "bound"
-    return beam.Rule(beam_size, n_best, stop, length_penalty, vocab_limit)
+    once its n_best best are final ("bound") or no live beam would beat them if it
+    ended next ("heuristic"), or for beam_size 1 greedy search (the first hypothesis
+    that ends), scored the same way."""
+    if stop not in ("bound", "heuristic"):
+        raise ValueError(f"stop must be 'bound' or 'heuristic', got {stop!r}")
+    return beam.Rule(
+        beam_size, n_best, "first" if beam_size == 1 else stop, length_penalty, vocab_limit
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +148,14 @@ def search_fn(
     n_best: int = 1,
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
+    stop: str = "bound",
 ) -> WholeSearch:
     """One batch's whole search as one program: src [B, S] -> tokens [B, n_best, L],
     scores [B, n_best] (L = S + 50; what inference/export.py exports for plain JAX).
 
     The same search as `LiveSearch`, its stages in one program (model/beam.py `search`).
     """
-    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty)
+    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty, stop)
 
     def search(src: jax.Array) -> tuple[jax.Array, jax.Array]:
         length, extra = decode_shape(model, src, None)
@@ -176,6 +182,7 @@ def translate_ids(
     progress: Progress | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     min_rows: int = MIN_ROWS,
+    stop: str = "bound",
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -194,13 +201,14 @@ def translate_ids(
       length_penalty: "gnmt" or "average" (model.decoding.length_penalty).
       min_rows: the fewest rows of a batch (data.plans.plan_translation): 1 for a
         dev set translated again and again, where 8 rows of filler cost 8x the search.
+      stop: "bound" (exact) or "heuristic" (about half the steps; model/beam.py `Rule`).
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
-    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty)
+    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty, stop)
     return run_stages(
         LiveSearch(model, rule, alpha),
         sources,
@@ -223,6 +231,7 @@ class LiveTranslator:
     batch_tokens: int = 4096
     vocab_limit: int | None = None
     length_penalty: str = DEFAULT_LENGTH_PENALTY
+    stop: str = "bound"
 
     @property
     def max_len(self) -> int:
@@ -241,6 +250,7 @@ class LiveTranslator:
             vocab_limit=self.vocab_limit,
             progress=progress,
             length_penalty=self.length_penalty,
+            stop=self.stop,
         )
 
 

@@ -224,6 +224,7 @@ def beam_search(
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
+    stop: str = "bound",
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's).
 
@@ -238,6 +239,9 @@ def beam_search(
       max_decode_len: output columns L (see `greedy_search`).
       vocab_limit: never emit ids >= this (None = the whole vocabulary).
       length_penalty: "gnmt" or "average" (see `length_penalty`).
+      stop: "bound" (exact: however long a live beam grows, it cannot win) or
+        "heuristic" (it would not win if it ended at the next step: about half the
+        steps; model/beam.py `Rule`).
     Returns:
       tokens [B, K, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores
       [B, K] float32 = log P / lp(len) (gnmt: ((5 + len) / 6)^alpha, len counting
@@ -254,9 +258,11 @@ def beam_search(
         raise ValueError(
             f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
         )
+    if stop not in ("bound", "heuristic"):
+        raise ValueError(f"stop must be 'bound' or 'heuristic', got {stop!r}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
-    rule = beam.Rule(beam_size, penalty=length_penalty, vocab_limit=vocab_limit)
+    rule = beam.Rule(beam_size, stop=stop, penalty=length_penalty, vocab_limit=vocab_limit)
     s = beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
     return beam.results(s)
 

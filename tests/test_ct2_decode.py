@@ -186,6 +186,7 @@ def test_ct2_job_resumes_after_sigkill_and_refuses_a_changed_model(ct2_dirs, tmp
         (["--ct2={workdir}"], "decoding.json is missing"),
         (["--ct2={ct2}", "--alignment", "--output_format=jsonl"], "need the trained model"),
         (["--ct2={ct2}", "--length_penalty=gnmt"], "--length_penalty=gnmt needs the JAX"),
+        (["--ct2={ct2}", "--stop=heuristic"], "--stop is for the JAX decoder"),
         (["--ct2={ct2}", "--device=cuda"], "CTranslate2 sees no CUDA device"),
         (["--ct2={ct2}", "--threads=-1"], "--threads must be >= 0"),
         (["--ct2={ct2}", "--n_best=5"], "--n_best must be in [1, --beam_size=4]"),

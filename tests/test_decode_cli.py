@@ -281,6 +281,7 @@ def test_cli_export_translates_like_the_live_model(workdir, tmp_path):
     assert r.returncode == 0, r.stderr.decode()
     meta = json.loads((export_dir / "metadata.json").read_text())
     assert meta["beam_size"] == 4 and meta["n_best"] == 2 and meta["jax_version"] == jax.__version__
+    assert meta["stop"] == "bound"
     assert {"tokenizer.model", "params.npz", "search_S8.jax"} <= set(os.listdir(export_dir))
     pairs = digit_pairs(np.random.default_rng(12), 25)
     stdin = "".join(s + "\n" for s, _ in pairs).encode() + b"\n" + b"eins " * 40 + b"\n"
@@ -303,10 +304,39 @@ def test_cli_export_translates_like_the_live_model(workdir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[:3] == ["one", "two", "three"]
     # A different beam needs a new export; the model-only flags need the workdir.
-    for bad, message in (("--beam_size=2", "exported with beam_size=4"), ("--alignment", "")):
+    for bad, message in (
+        ("--beam_size=2", "exported with beam_size=4"),
+        ("--stop=heuristic", "exported with stop=bound"),
+        ("--alignment", ""),
+    ):
         r = run_decode(f"--exported={export_dir}", bad, "--output_format=jsonl", stdin=b"eins\n")
         assert r.returncode == 1 and message in r.stderr.decode()
         assert "Traceback" not in r.stderr.decode()
+
+
+def test_cli_export_keeps_the_heuristic_stop(workdir, tmp_path):
+    export_dir = tmp_path / "translator"
+    flags = ("--n_best=2", "--stop=heuristic")
+    r = run_decode(f"--workdir={workdir}", f"--export={export_dir}", *flags)
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads((export_dir / "metadata.json").read_text())["stop"] == "heuristic"
+    pairs = digit_pairs(np.random.default_rng(13), 25)
+    stdin = "".join(s + "\n" for s, _ in pairs).encode()
+    args = ["--n_best=2", "--output_format=jsonl", "--batch_tokens=64"]
+    live = run_decode(f"--workdir={workdir}", *args, "--stop=heuristic", stdin=stdin)
+    exported = run_decode(f"--exported={export_dir}", *args, stdin=stdin)
+    assert live.returncode == 0 and exported.returncode == 0, exported.stderr.decode()
+    assert "heuristic stop" in exported.stderr.decode()
+    # The same hypotheses; scores as the live model's up to float32 rounding (batches
+    # of other shapes), as test_stages compares the exact rule's.
+    for got, want in zip(exported.stdout.splitlines(), live.stdout.splitlines(), strict=True):
+        got, want = json.loads(got)["hypotheses"], json.loads(want)["hypotheses"]
+        assert [h["tokens"] for h in got] == [h["tokens"] for h in want]
+        np.testing.assert_allclose(
+            [h["score"] for h in got], [h["score"] for h in want], rtol=1e-5, atol=1e-6
+        )
+    r = run_decode(f"--exported={export_dir}", "--stop=bound", stdin=b"eins\n")
+    assert r.returncode == 1 and "exported with stop=heuristic" in r.stderr.decode()
 
 
 def test_cli_average_last_says_how_many_it_averaged(workdir):
@@ -336,9 +366,19 @@ def test_cli_compilation_cache_is_filled_and_reused(workdir, tmp_path):
         (["--n_best=2"], "needs --output_format=jsonl"),
         (["--alignment"], "--alignment needs --output_format=jsonl"),
         (["--exported=/nonexistent"], "--exported translates on its own"),
+        (["--stop=never"], "--stop"),
     ],
 )
 def test_cli_translation_flag_mistakes(workdir, args, message):
     r = run_decode(f"--workdir={workdir}", *args, stdin=b"eins\n")
     assert r.returncode == 1 and message in r.stderr.decode()
     assert "Traceback" not in r.stderr.decode() and r.stdout == b""
+
+
+def test_cli_heuristic_stop_translates_as_the_exact_rule(workdir):
+    # The digit task's translations are certain: stopping once no live beam would win at
+    # the next step gives the same lines, and the summary says which rule ran.
+    r = run_decode(f"--workdir={workdir}", "--stop=heuristic", stdin=b"eins zwei drei\nvier\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == b"one two three\nfour\n"
+    assert "heuristic stop" in r.stderr.decode()

@@ -78,8 +78,10 @@ PENALTIES = {
 }
 
 
-def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt"):
-    """Textbook beam search over full forward passes (same stopping rule, no cache)."""
+def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt", stop="bound"):
+    """Textbook beam search over full forward passes (same stopping rule, no cache).
+    stop="bound": no live beam can win however long it grows (lp of the limit);
+    "heuristic": none would win if it ended at the next step (lp of t + 2 tokens)."""
     lp = lambda n: PENALTIES[penalty](n, alpha)
     live, finished = [((), 0.0)], []
     for t in range(limit):
@@ -95,7 +97,7 @@ def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt"):
         live = [c for c in cands if c[0][-1] != EOS_ID][:k]
         if not live:
             break
-        best_live = max(sc for _, sc in live) / lp(limit)
+        best_live = max(sc for _, sc in live) / lp(limit if stop == "bound" else t + 2)
         if len(finished) == k and finished[-1][1] >= best_live:
             break
     return finished
@@ -125,16 +127,23 @@ def large_searches(monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.parametrize("stop", ["bound", "heuristic"])
 @pytest.mark.parametrize(("penalty", "alpha"), [("gnmt", 0.6), ("average", 1.0)])
-def test_beam_cached_equals_full_forward(model, penalty, alpha):
+def test_beam_cached_equals_full_forward(model, penalty, alpha, stop):
     src = ragged_src(1, [4, 6])
     k, limit = 3, 7
     tokens, scores = decoding.beam_search(
-        model, src, beam_size=k, alpha=alpha, max_decode_len=limit, length_penalty=penalty
+        model,
+        src,
+        beam_size=k,
+        alpha=alpha,
+        max_decode_len=limit,
+        length_penalty=penalty,
+        stop=stop,
     )
     assert tokens.shape == (2, k, limit) and scores.shape == (2, k)
     for b in range(2):
-        ref = reference_beam(model, src[b], k, alpha, limit, penalty)
+        ref = reference_beam(model, src[b], k, alpha, limit, penalty, stop)
         assert [as_list(tokens[b, i]) for i in range(k)] == [list(s) for s, _ in ref]
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
@@ -244,6 +253,47 @@ def test_beam_alpha0_never_worse_than_greedy():
         assert np.all(np.asarray(beam_lp) >= np.asarray(greedy_lp) - 1e-4)
 
 
+@pytest.mark.parametrize("penalty", ["gnmt", "average"])
+def test_heuristic_stop_is_the_bound_at_alpha_0(penalty):
+    # With alpha 0, lp is 1 at every length: "ended at the next step" and "however
+    # long it grows" give the same test, so the same results.
+    model, src = make(5), ragged_src(4, [6, 3, 8, 5])
+    run = lambda stop: decoding.beam_search(
+        model, src, beam_size=3, alpha=0.0, length_penalty=penalty, stop=stop
+    )
+    (t1, s1), (t2, s2) = run("bound"), run("heuristic")
+    np.testing.assert_array_equal(t1, t2)
+    np.testing.assert_array_equal(s1, s2)
+
+
+@pytest.mark.parametrize("n_best", [1, 4])
+def test_heuristic_stop_is_the_bound_search_cut_short(n_best):
+    # Both searches take the same steps until the heuristic stops a source, after which
+    # the exact one may only add better hypotheses: never a better best for the
+    # heuristic, never more steps (each source searched alone, so its own steps count).
+    # EOS's (tied) embedding is zeroed, so its logit is ~0 and hypotheses end early;
+    # over these sources the heuristic must save steps.
+    saved = 0
+    for seed in range(2):
+        model, src = make(seed), ragged_src(seed, [6, 3, 8, 5, 2, 7])
+        emb = model.src_embed.embedding
+        emb[...] = emb[...].at[EOS_ID].set(0.0)
+        length, extra = scoring.decode_shape(model, src, None)
+        for b in range(src.shape[0]):
+            exact, cut = (
+                beam.search(
+                    model, src[b : b + 1], alpha=0.6, length=length, extra=extra,
+                    rule=beam.Rule(4, n_best=n_best, stop=stop),
+                )
+                for stop in ("bound", "heuristic")
+            )  # fmt: skip
+            assert int(cut.step) <= int(exact.step)
+            saved += int(exact.step) - int(cut.step)
+            best_exact, best_cut = beam.results(exact)[1][0, 0], beam.results(cut)[1][0, 0]
+            assert np.isfinite(best_cut) and best_cut <= best_exact + 1e-6
+    assert saved > 0
+
+
 def test_searches_work_for_a_model_trained_with_remat(model):
     # The config travels with a checkpoint: remat (a training setting) must not
     # reach the layers inside the search loop, and must not change the results.
@@ -332,3 +382,5 @@ def test_average_length_penalty_counts_eos():
     assert float(score[0]) == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="length_penalty must be one of"):
         decoding.beam_search(make(), ragged_src(0, [3]), length_penalty="wu")
+    with pytest.raises(ValueError, match="stop must be"):
+        decoding.beam_search(make(), ragged_src(0, [3]), stop="first")

@@ -50,8 +50,9 @@ def test_stage_rooms_grow_to_every_sources_limit():
     ("beam_size", "n_best", "min_rows", "batch_tokens"),
     [(4, 1, 8, 64), (3, 3, 8, 64), (1, 1, 8, 64), (4, 1, 1, 512), (3, 3, 1, 512), (1, 1, 1, 96)],
 )
+@pytest.mark.parametrize("stop", ["bound", "heuristic"])
 def test_staged_translation_equals_one_program(
-    model, monkeypatch, beam_size, n_best, min_rows, batch_tokens
+    model, monkeypatch, beam_size, n_best, min_rows, batch_tokens, stop
 ):
     shrunk, carried = [], []  # batches that went on in fewer rows; with more room
     real_finish, real_carried = stages._Stages.finish, stages._Stages.carried_batches
@@ -79,13 +80,14 @@ def test_staged_translation_equals_one_program(
         n_best=n_best,
         batch_tokens=batch_tokens,
         min_rows=min_rows,
+        stop=stop,
     )
     # Some sources went on with more room (stages); with batches that can shrink, some
     # went on in fewer rows as soon as half of their batch was finished.
     assert carried
     assert all(after < before for before, after in shrunk)
     assert bool(shrunk) == (min_rows == 1)
-    whole = search_fn(model, beam_size=beam_size, alpha=0.6, n_best=n_best)
+    whole = search_fn(model, beam_size=beam_size, alpha=0.6, n_best=n_best, stop=stop)
     src = np.zeros((len(sources), 12), np.int32)  # all in one batch, one stage
     for i, ids in enumerate(sources):
         src[i, : len(ids)] = ids
