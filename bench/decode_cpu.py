@@ -17,9 +17,9 @@ process's wall and CPU seconds (CPU seconds of all its threads: the measure to
 compare when other processes share the cores; `uptime`'s load is recorded
 before and after), BLEU and chrF, and the share of output lines identical to
 `jax-average`'s (CTranslate2's length penalty; its stopping rule is like
-`-heuristic`'s). JAX runs use decode.py's
-persistent compilation cache (or --compilation_cache=DIR|off), filled by
---warmup rounds that are not counted: what a user's second run of a model costs.
+`-heuristic`'s). JAX runs use decode.py's persistent compilation cache (or
+--compilation_cache=DIR|off), filled by --warmup rounds that are not counted:
+what a user's second run of a model costs.
 Prints one JSON object, then a table.
 """
 

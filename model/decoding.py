@@ -276,6 +276,7 @@ def translate(
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
+    stop: str = "bound",
 ) -> jax.Array:
     """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy).
 
@@ -291,5 +292,6 @@ def translate(
         max_decode_len=max_decode_len,
         vocab_limit=vocab_limit,
         length_penalty=length_penalty,
+        stop=stop,
     )
     return tokens[:, 0]  # [B, K, L] -> [B, L]
