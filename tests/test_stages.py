@@ -47,10 +47,19 @@ def test_stage_rooms_grow_to_every_sources_limit():
 
 
 @pytest.mark.parametrize(
-    ("beam_size", "n_best", "min_rows", "batch_tokens"),
-    [(4, 1, 8, 64), (3, 3, 8, 64), (1, 1, 8, 64), (4, 1, 1, 512), (3, 3, 1, 512), (1, 1, 1, 96)],
+    ("beam_size", "n_best", "min_rows", "batch_tokens", "stop"),
+    [
+        (4, 1, 8, 64, "bound"),
+        (3, 3, 8, 64, "bound"),
+        (1, 1, 8, 64, "bound"),
+        (4, 1, 1, 512, "bound"),
+        (3, 3, 1, 512, "bound"),
+        (1, 1, 1, 96, "bound"),
+        # (Beam 1 is greedy search whatever the rule: inference.translate.search_rule.)
+        (3, 3, 8, 64, "heuristic"),
+        (4, 1, 1, 512, "heuristic"),
+    ],
 )
-@pytest.mark.parametrize("stop", ["bound", "heuristic"])
 def test_staged_translation_equals_one_program(
     model, monkeypatch, beam_size, n_best, min_rows, batch_tokens, stop
 ):
