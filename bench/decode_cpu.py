@@ -89,8 +89,8 @@ def cpu_seconds_of(fn) -> tuple[dict, float]:
 
 
 def backend_flags(name: str, args: argparse.Namespace, ct2_dirs: dict[str, str]) -> list[str]:
-    parts = name.split("-")[1:]
-    if name.split("-")[0] == "jax" and set(parts) <= {"average", "heuristic"}:
+    kind, *parts = name.split("-")
+    if kind == "jax" and set(parts) <= {"average", "heuristic"}:
         flags = [f"--workdir={args.workdir}"]
         flags += ["--length_penalty=average"] if "average" in parts else []
         flags += ["--stop=heuristic"] if "heuristic" in parts else []

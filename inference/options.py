@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from inference.ct2_export import DEVICES, QUANTIZATIONS
+from model.beam import BEAM_STOPS
 from model.decoding import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
@@ -97,11 +98,6 @@ class DecodeOptions:
         if self.exported and (self.workdir or self.export):
             raise UsageError("--exported translates on its own: drop --workdir and --export")
         self._check_ct2()
-        if self.stop is not None and self.ct2:
-            raise UsageError(
-                "--stop is for the JAX decoder: CTranslate2 (--ct2) stops a source on its "
-                "own rule, short of the exact bound (like --stop=heuristic)"
-            )
         if not (self.exported or self.workdir or self.ct2):
             raise UsageError(
                 "--workdir is required (the directory train.py wrote), or --exported, or --ct2"
@@ -148,6 +144,11 @@ class DecodeOptions:
             raise UsageError(
                 f"--threads must be >= 0 (0 = CTranslate2's default), got {self.threads}"
             )
+        if self.ct2 and self.stop is not None:
+            raise UsageError(
+                "--stop is for the JAX decoder: CTranslate2 (--ct2) stops a source on its "
+                "own rule, short of the exact bound (like --stop=heuristic)"
+            )
         if self.ct2 and self.length_penalty == "gnmt":
             raise UsageError(
                 "CTranslate2 ranks by log P / len^alpha (--length_penalty=average); "
@@ -160,7 +161,7 @@ class DecodeOptions:
             ("output_format", OUTPUT_FORMATS),
             ("split", (None, *SPLITS)),
             ("length_penalty", (None, *LENGTH_PENALTIES)),
-            ("stop", (None, "bound", "heuristic")),
+            ("stop", (None, *BEAM_STOPS)),
             ("quantization", QUANTIZATIONS),
             ("device", (None, *DEVICES)),
         ):

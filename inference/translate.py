@@ -80,8 +80,8 @@ def search_rule(
     once its n_best best are final ("bound") or no live beam would beat them if it
     ended next ("heuristic"), or for beam_size 1 greedy search (the first hypothesis
     that ends), scored the same way."""
-    if stop not in ("bound", "heuristic"):
-        raise ValueError(f"stop must be 'bound' or 'heuristic', got {stop!r}")
+    if stop not in beam.BEAM_STOPS:
+        raise ValueError(f"stop must be one of {beam.BEAM_STOPS}, got {stop!r}")
     return beam.Rule(
         beam_size, n_best, "first" if beam_size == 1 else stop, length_penalty, vocab_limit
     )

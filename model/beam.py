@@ -19,9 +19,9 @@ Search: K hypotheses per source, in B*K rows (rows b*K .. b*K + K-1 are source
 b's). Each step takes the 2K best extensions; an EOS among the first K finishes
 a hypothesis (so beam 1 with alpha 0 is greedy search); the K best others stay
 live and carry on the cache of the beam they extend. A source is done by `Rule.stop`
-(by default once its result can no longer change); from then on it gains no finished
-hypothesis, so stopping it earlier or later (stages, batches) gives the same
-results. Scores are log P / lp(len), len counting EOS (model/scoring.py).
+(by default once its result can no longer change) and then gains no hypothesis, so
+stopping it earlier or later (stages, batches) gives the same results. Scores are
+log P / lp(len), len counting EOS (model/scoring.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from model.scoring import (
 from model.tokens import BOS_ID, EOS_ID, PAD_ID
 from model.transformer import DecodeCache, Transformer
 
-STOPS = ("bound", "heuristic", "first")
+BEAM_STOPS = ("bound", "heuristic")  # what decode.py's --stop offers
+STOPS = (*BEAM_STOPS, "first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +59,10 @@ class Rule:
     beam_size: K.
     n_best: how many of the best finished hypotheses must be final before a source
       stops (K: all; decode.py asks for the ones it prints).
-    stop: "bound": once no live beam can reach the n_best-th finished score (its
-      log-probability, which only falls, over lp of its length limit): exact;
+    stop: "bound" (exact): once no live beam can reach the n_best-th finished score;
       "heuristic": once none would beat it if it ended at the next step (Hugging
-      Face's default; CTranslate2 too stops short of the bound): 58% of the steps,
-      998 of the Ding test's 1,000 lines as with "bound"; "first": at the first
-      finished hypothesis (greedy search, with K = 1).
+      Face's default: 58% of the steps, 998 of the Ding test's 1,000 lines as with
+      "bound"); "first": at the first finished hypothesis (greedy, with K = 1).
     penalty: the length penalty, "gnmt" or "average".
     vocab_limit: never emit ids >= this (None = the whole vocabulary).
     """
@@ -151,9 +150,7 @@ def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     """[B] bool: sources whose n_best best hypotheses are final."""
     if rule.stop == "first":
         return jnp.isfinite(s.fin_scores[:, 0])
-    # alpha >= 0 makes lp grow with length, so the best score a live beam can still
-    # reach is its log-probability (which only falls) over lp(limit). The heuristic's
-    # lp(next length) could let a beam rise again: `step` empties done sources' beams.
+    # alpha >= 0: a live beam's best is log P (only falls) / lp(limit); see Rule.stop.
     length = s.step + 1 if rule.stop == "heuristic" else s.limits
     best_live = normalized_score(jnp.max(s.live_logp, axis=1), length, alpha, rule.penalty)
     return s.fin_scores[:, rule.n_best - 1] >= best_live  # [B]
@@ -184,7 +181,7 @@ def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> Beam
 
     # Live: the K best candidates that did not end.
     live_logp, live_pos = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)  # [B, K]
-    if rule.stop == "heuristic":  # done stays done (see `done`)
+    if rule.stop == "heuristic":  # lp(next length) grows: keep done sources done
         live_logp = jnp.where(stopped[:, None], NEG_INF, live_logp)
     live_seqs = _gather_beams(top_seqs, live_pos)  # [B, 2K, C] -> [B, K, C]
     origin = jnp.take_along_axis(top_beam, live_pos, axis=1)  # [B, K] previous beam
@@ -210,11 +207,10 @@ def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
 
 
 # A search whose self-attention caches (all layers, keys and values) hold at least
-# this many bytes is large: `run` steps it two positions per loop iteration, and
-# `search` grows its room in stages. Measured on the 2-core CPU box (tiny model, beam
-# 4, room 48), two steps per iteration: 512 beam rows (38 MB of caches) 69.2 -> 59.7
-# ms a step, 128 rows 19.7 -> 17.5, 32 rows 6.3 -> 5.7; but each program compiles
-# ~1.7 s longer, which below a few MB the steps rarely win back.
+# this many bytes is large: `run` steps it two positions per iteration, `search` grows
+# its room in stages. Two steps, 2-core CPU box, tiny, beam 4, room 48: 512 beam rows
+# (38 MB of caches) 69.2 -> 59.7 ms a step, 128 rows 19.7 -> 17.5, 32 rows 6.3 -> 5.7;
+# but each program compiles ~1.7 s longer, which below a few MB is rarely won back.
 LARGE_SEARCH_BYTES = 8 << 20
 
 
@@ -241,14 +237,11 @@ def run(
     step `until`: the caller then goes on with those few in a smaller batch instead
     of computing every row until the batch's slowest source ends.
 
-    A large search (`LARGE_SEARCH_BYTES`) takes two steps per iteration, and
-    a last single step fills an odd room. A step's cache reorder is a gather, which
-    cannot write the buffer it reads: in a one-step loop XLA copies its result back
-    into the loop's buffer every step; with two, the first gather writes a fresh
-    buffer and the second the loop's own, and nothing is copied. The loop then
-    checks whether to stop every other step, so it may run one step more than
-    needed: results do not change (a done source gains nothing), and it never
-    passes the room.
+    A large search (`LARGE_SEARCH_BYTES`) takes two steps per iteration (a last single
+    step fills an odd room): a step's cache reorder is a gather, which cannot write the
+    buffer it reads, so a one-step loop copies it back every step; with two, the first
+    writes a fresh buffer and the second the loop's own. It may run one step more than
+    needed: a done source gains nothing, and it never passes the room.
     """
     b, k, capacity = s.live_seqs.shape
 

@@ -258,8 +258,8 @@ def beam_search(
         raise ValueError(
             f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
         )
-    if stop not in ("bound", "heuristic"):
-        raise ValueError(f"stop must be 'bound' or 'heuristic', got {stop!r}")
+    if stop not in beam.BEAM_STOPS:
+        raise ValueError(f"stop must be one of {beam.BEAM_STOPS}, got {stop!r}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     rule = beam.Rule(beam_size, stop=stop, penalty=length_penalty, vocab_limit=vocab_limit)
