@@ -10,11 +10,20 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def session_dir(tmp_path_factory, name: str) -> str:
+    """A directory of this test session, shared by its xdist workers (the parent of a
+    worker's base directory is the session's; without xdist it holds earlier sessions
+    too, so the base directory itself is used)."""
+    base = tmp_path_factory.getbasetemp()
+    return str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _compilation_cache(tmp_path_factory):
     """train.py and decode.py in subprocesses share a compilation cache of this test
-    session, never the user's (~/.cache/attention-jax/xla)."""
-    os.environ["ATTENTION_JAX_COMPILATION_CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
+    session (all its workers: what one compiled, the others load), never the user's
+    (~/.cache/attention-jax/xla). Its writes are atomic renames."""
+    os.environ["ATTENTION_JAX_COMPILATION_CACHE"] = session_dir(tmp_path_factory, "xla_cache")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -361,7 +361,15 @@ def _loss_and_grads(impl: str):
     return loss, logits, jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("guards", ["both", "no_output_select", "no_gradient_select"])
+# ~12 s each: the working kernel in make test, each guard removed in make test-slow.
+@pytest.mark.parametrize(
+    "guards",
+    [
+        "both",
+        pytest.param("no_output_select", marks=pytest.mark.slow),
+        pytest.param("no_gradient_select", marks=pytest.mark.slow),
+    ],
+)
 def test_transformer_trains_through_a_kernel_with_junk_in_padded_rows(monkeypatch, guards):
     """A Transformer on attention_impl='cudnn' over `nan_kernel`, forward and backward.
 
@@ -443,6 +451,7 @@ def test_auto_falls_back_to_xla_with_one_warning(monkeypatch, caplog, failure):
         np.asarray(dot_product_attention(q, k, v, mask, impl="cudnn"))
 
 
+@pytest.mark.slow  # ~28 s: the probe compiles every case
 def test_auto_uses_the_fused_path_where_the_probe_passes(monkeypatch, caplog):
     calls = []
 

@@ -126,6 +126,7 @@ def test_int8_gives_finite_sensible_translations(ct2_dirs, tmp_path):
     assert ("has no VNNI" in r.stderr.decode()) == int8_saturates()
 
 
+@pytest.mark.slow  # ~15 s
 def test_n_best_reference_and_long_lines_as_ours(workdir, ct2_dirs, tmp_path):  # noqa: F811
     pairs = digit_pairs(np.random.default_rng(6), 12)
     lines = [s for s, _ in pairs] + ["", " ".join(["eins zwei drei"] * 6)]
@@ -149,6 +150,7 @@ def test_n_best_reference_and_long_lines_as_ours(workdir, ct2_dirs, tmp_path):  
     assert "BLEU = 100.00" in theirs.stderr.decode() and "chrF = " in theirs.stderr.decode()
 
 
+@pytest.mark.slow  # ~23 s; the JAX path's resume is tested in make test
 def test_ct2_job_resumes_after_sigkill_and_refuses_a_changed_model(ct2_dirs, tmp_path):
     pairs = digit_pairs(np.random.default_rng(9), 24)
     src = tmp_path / "in.de"

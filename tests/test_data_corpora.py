@@ -130,6 +130,7 @@ def test_unknown_dataset_kind():
         load_split(make_config(), "validation")
 
 
+@pytest.mark.slow  # ~18 s: parses the whole installed dictionary
 @pytest.mark.skipif(not os.path.isfile(REAL_DING), reason="trans-de-en not installed")
 def test_real_ding_file():
     config = make_config()

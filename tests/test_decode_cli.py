@@ -5,8 +5,10 @@ hundred Adam steps on a synthetic word-for-word task, then saves them as
 train.py would (config.json, checkpoints/, tokenizer.model).
 """
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -22,6 +24,7 @@ from data import Tokenizer
 from data.tokenizer import train_tokenizer
 from inference.restore import restore_model
 from model import EOS_ID, decoding, shift_right
+from tests.conftest import session_dir
 from training import checkpoints, steps
 from training import config as config_lib
 
@@ -79,7 +82,28 @@ def train_digits(model, tok, num_steps=TRAIN_STEPS, batch=64, width=24, seed=0):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    wd = str(tmp_path_factory.mktemp("workdir"))
+    """The trained digit workdir, a copy of its own for each test module: trained once per
+    test session (~1 min on 2 cores), by the first xdist worker that needs it, and used
+    by test_decode_cli, test_decode_stream and test_ct2_decode."""
+    shared = session_dir(tmp_path_factory, "digit-workdir")
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait for the first to finish
+        if not os.path.isdir(shared):
+            building = f"{shared}.building"
+            shutil.rmtree(building, ignore_errors=True)
+            os.makedirs(building)
+            train_digit_workdir(building)
+            os.rename(building, shared)  # complete, or not there
+    wd = str(tmp_path_factory.mktemp("workdir") / "w")
+    shutil.copytree(shared, wd)
+    config = config_lib.load_config(wd)
+    config.dataset = f"tsv:{os.path.join(wd, 'digits.tsv')}"  # this copy's (--split=test)
+    config_lib.save_config(config, wd)
+    return wd
+
+
+def train_digit_workdir(wd: str) -> None:
+    """Train a tokenizer and a model on the digit task into wd, as train.py lays it out."""
     texts = [s for pair in digit_pairs(np.random.default_rng(1), 400) for s in pair]
     proto = train_tokenizer(texts, 320)  # room for every word as one piece
     with open(os.path.join(wd, "tokenizer.model"), "wb") as f:
@@ -110,7 +134,6 @@ def workdir(tmp_path_factory):
     manager.save(state, {})
     manager.wait()
     manager.close()
-    return wd
 
 
 def run_decode(*args, stdin=None, pythonpath=""):
@@ -314,6 +337,8 @@ def test_cli_export_translates_like_the_live_model(workdir, tmp_path):
         assert "Traceback" not in r.stderr.decode()
 
 
+# A second export (~50 s): test_cli_export_translates_like_the_live_model is in make test.
+@pytest.mark.slow
 def test_cli_export_keeps_the_heuristic_stop(workdir, tmp_path):
     export_dir = tmp_path / "translator"
     flags = ("--n_best=2", "--stop=heuristic")
@@ -347,6 +372,7 @@ def test_cli_average_last_says_how_many_it_averaged(workdir):
     assert "only 1 exist" in err and "averaged the parameters of 1 checkpoint(s)" in err
 
 
+@pytest.mark.slow  # ~12 s
 def test_cli_compilation_cache_is_filled_and_reused(workdir, tmp_path):
     cache = tmp_path / "xla"
     args = [f"--workdir={workdir}", f"--compilation_cache={cache}", "--beam_size=2"]

@@ -68,6 +68,7 @@ def test_tiny_chunks_keep_order_and_every_line(workdir, tmp_path):  # noqa: F811
     assert not any(name.endswith((PARTIAL, RECORD)) for name in os.listdir(tmp_path))
 
 
+@pytest.mark.slow  # ~30 s; test_decode_cli checks n-best, alignments and scores
 def test_n_best_alignments_and_scores_across_chunks(workdir, tmp_path):  # noqa: F811
     data, expected = hostile_input(seed=6, n=20)
     ref = tmp_path / "ref.en"
@@ -93,6 +94,7 @@ def test_n_best_alignments_and_scores_across_chunks(workdir, tmp_path):  # noqa:
     assert scores == whole_scores and "BLEU = " in scores and "chrF = " in scores
 
 
+@pytest.mark.slow  # ~9 s
 def test_split_streams_and_scores_the_whole_split(workdir, tmp_path):  # noqa: F811
     outs = []
     for chunk in ("--read_lines=3", WHOLE):
@@ -104,6 +106,7 @@ def test_split_streams_and_scores_the_whole_split(workdir, tmp_path):  # noqa: F
     assert outs[0] == outs[1] and len(outs[0].splitlines()) == 10
 
 
+@pytest.mark.slow  # ~13 s; test_tiny_chunks_keep_order_and_every_line covers chunking
 def test_attention_plots_continue_across_chunks(workdir, tmp_path):  # noqa: F811
     plots = tmp_path / "plots"
     stdin = b"eins\n\nzwei drei\nvier\nfuenf\n"
@@ -171,7 +174,10 @@ def job(workdir, tmp_path_factory):  # noqa: F811
     return args, (d / "whole.jsonl").read_bytes(), r.stdout.decode()
 
 
-@pytest.mark.parametrize("where", [0, 1, 2])
+# ~10 s each: the first in make test, the others in make test-slow.
+@pytest.mark.parametrize(
+    "where", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)]
+)
 def test_sigkill_then_rerun_gives_the_uninterrupted_output(job, tmp_path, where):
     args, whole, scores = job
     out = tmp_path / "out.jsonl"
@@ -190,6 +196,7 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_output(job, tmp_path, where)
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl"]
 
 
+@pytest.mark.slow  # ~10 s; the kills at chosen moments are in make test
 def test_sigkill_at_any_moment_then_rerun(job, tmp_path):
     """A kill from outside once the first chunk is recorded (not at a chosen write)."""
     args, whole, _ = job
@@ -239,6 +246,7 @@ def test_a_changed_job_is_refused_and_restart_starts_over(job, tmp_path):
     assert "going on" not in r.stderr.decode() and out.read_bytes() == whole
 
 
+@pytest.mark.slow  # an export (~45 s); the live model's resume is tested in make test
 def test_exported_translator_resumes_too(workdir, tmp_path):  # noqa: F811
     export_dir = tmp_path / "translator"
     r = run_decode(f"--workdir={workdir}", f"--export={export_dir}", "--beam_size=2")

@@ -149,7 +149,7 @@ def test_beam_cached_equals_full_forward(model, penalty, alpha, stop):
 
 
 @pytest.mark.usefixtures("large_searches")
-@pytest.mark.parametrize("limit", [7, 8])
+@pytest.mark.parametrize("limit", [7, pytest.param(8, marks=pytest.mark.slow)])  # 8: ~13 s
 def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, limit):
     # A room of 7 ends with a single step after three pairs; one of 8 with pairs only.
     src = ragged_src(1, [4, 6, 2])
@@ -160,6 +160,7 @@ def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, li
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # ~27 s of compiles
 @pytest.mark.usefixtures("large_searches")
 def test_a_large_search_grows_its_room_in_stages_as_the_reference():
     model = never_eos_model(max_len=64)  # every hypothesis runs to its limit
@@ -173,6 +174,7 @@ def test_a_large_search_grows_its_room_in_stages_as_the_reference():
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # ~32 s of compiles
 def test_two_steps_per_iteration_stop_at_most_one_step_late_within_the_room(model, monkeypatch):
     src = ragged_src(2, [6, 3, 5, 2])
     length, extra = decoding.decode_shape(model, src, None)
@@ -241,6 +243,7 @@ def sequence_logp(model, src, tokens):
     return jnp.sum(jnp.where(after == 0, picked, 0.0), axis=1)
 
 
+@pytest.mark.slow  # ~19 s
 def test_beam_alpha0_never_worse_than_greedy():
     for seed in range(4):
         model = make(seed + 10)
@@ -266,7 +269,7 @@ def test_heuristic_stop_is_the_bound_at_alpha_0(penalty):
     np.testing.assert_array_equal(s1, s2)
 
 
-@pytest.mark.parametrize("n_best", [1, 4])
+@pytest.mark.parametrize("n_best", [1, pytest.param(4, marks=pytest.mark.slow)])  # 4: ~8 s
 def test_heuristic_stop_is_the_bound_search_cut_short(n_best):
     # Both searches take the same steps until the heuristic stops a source, after which
     # the exact one may only add better hypotheses: never a better best for the
@@ -294,6 +297,7 @@ def test_heuristic_stop_is_the_bound_search_cut_short(n_best):
     assert saved > 0
 
 
+@pytest.mark.slow  # ~14 s
 def test_searches_work_for_a_model_trained_with_remat(model):
     # The config travels with a checkpoint: remat (a training setting) must not
     # reach the layers inside the search loop, and must not change the results.

@@ -76,6 +76,7 @@ def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(base, corpu
     assert checkpoints.Checkpoints(str(w)).all_steps() == [10, 20]
 
 
+@pytest.mark.slow  # ~35 s of train.py runs
 def test_no_usable_checkpoint_is_an_error_unless_a_fresh_start_is_allowed(base, corpus, tmp_path):
     w = copy(base, tmp_path)
     for step in (10, 20):  # delete the JSON data item of every checkpoint
@@ -111,6 +112,7 @@ def test_a_read_that_fails_once_is_retried_not_quarantined(base, corpus, tmp_pat
 # --- Config changes on resume ----------------------------------------------------------
 
 
+@pytest.mark.slow  # ~20 s of train.py runs
 def test_changes_that_keep_the_state_structure_resume_and_are_listed(base, corpus, tmp_path, capfd):
     w = copy(base, tmp_path)
     changed = dict(learning_rate=5e-3, grad_clip_norm=0.5, eval_beam_size=3, num_train_steps=24)
@@ -123,6 +125,7 @@ def test_changes_that_keep_the_state_structure_resume_and_are_listed(base, corpu
     assert not os.path.exists(w / "checkpoints_damaged")
 
 
+@pytest.mark.slow  # ~17 s of train.py runs
 def test_an_optimizer_structure_change_stops_and_reset_optimizer_resumes(base, corpus, tmp_path):
     w = copy(base, tmp_path)
     before = sorted(os.listdir(w / "checkpoints"))
@@ -189,6 +192,7 @@ def test_a_vocabulary_too_small_for_the_corpus_is_one_line_naming_the_minimum(co
     assert "need at least" in line and "or more" in line
 
 
+@pytest.mark.slow  # ~40 s: trains and decodes
 def test_a_vocabulary_larger_than_the_corpus_supports_trains_and_decodes(corpus, tmp_path, capfd):
     from data import Tokenizer
 
@@ -264,6 +268,8 @@ def test_nonfinite_step_leaves_params_and_optimizer_state_unchanged(monkeypatch)
 DIVERGE = dict(learning_rate=1e30, warmup_steps=1, grad_clip_norm=0.0, num_train_steps=12)
 
 
+# ~17 s: test_nonfinite_step_leaves_params_and_optimizer_state_unchanged is in make test.
+@pytest.mark.slow
 def test_nonfinite_stop_policy_stops_and_keeps_the_last_checkpoint(corpus, tmp_path):
     w = tmp_path / "w"
     config = cfg(corpus, nonfinite_policy="stop", checkpoint_every_steps=1, **DIVERGE)
@@ -280,6 +286,7 @@ def test_nonfinite_stop_policy_stops_and_keeps_the_last_checkpoint(corpus, tmp_p
     )
 
 
+@pytest.mark.slow  # ~16 s of train.py runs
 def test_nonfinite_skip_policy_counts_and_gives_up_on_divergence(corpus, tmp_path):
     w = tmp_path / "w"
     config = cfg(corpus, nonfinite_policy="skip", max_consecutive_nonfinite=3, **DIVERGE)

@@ -135,6 +135,7 @@ def test_hidden_then_project_is_the_forward_pass(tied):
     np.testing.assert_allclose(model(src, tgt), manual, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # ~25 s
 def test_one_lookup_of_a_shared_table_has_the_gradient_of_two():
     """__call__ reads source and target rows of a shared table in one lookup; its
     gradient must equal that of encode + decode, which look up each side apart."""
@@ -148,6 +149,8 @@ def test_one_lookup_of_a_shared_table_has_the_gradient_of_two():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+# ~45 s (two train steps compiled); the loss itself is checked against NumPy in make test.
+@pytest.mark.slow
 def test_train_step_with_a_chunked_loss_equals_the_whole():
     rng = np.random.default_rng(6)
     batches = [reverse_batch(rng, 8, 10, 40) for _ in range(3)]

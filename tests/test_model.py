@@ -117,6 +117,7 @@ def test_packed_rows_equal_separate_rows():
     np.testing.assert_allclose(packed[:, 3:], m(s2, t2), atol=1e-5)
 
 
+@pytest.mark.slow  # ~17 s
 def test_dropout_only_when_not_deterministic():
     m = make(dropout_rate=0.3, attention_dropout_rate=0.2)
     src, tgt = random_tokens(0, (2, 5)), random_tokens(1, (2, 4))
@@ -126,6 +127,7 @@ def test_dropout_only_when_not_deterministic():
     assert not np.allclose(a, b)
 
 
+@pytest.mark.slow  # ~25 s: two gradients compiled
 def test_remat_gives_same_gradients():
     src, tgt = random_tokens(0, (2, 5)), random_tokens(1, (2, 4))
     loss = lambda m: m(src, tgt).mean()
@@ -167,6 +169,7 @@ def test_cross_attention_weights_are_distributions(model):
     np.testing.assert_array_equal(w[:, 1, :, :, 4:], 0.0)  # never on source padding
 
 
+@pytest.mark.slow  # ~24 s
 def test_cross_attention_weights_rows_are_independent():
     # Word alignments for n-best lists run many (source, hypothesis) rows at once:
     # each row must get what it gets alone, whatever the others' lengths.

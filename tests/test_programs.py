@@ -60,6 +60,7 @@ def test_kept_programs_search_as_jit_does(model, kept, monkeypatch):
     assert sorted(os.listdir(kept)) == sorted(files)
 
 
+@pytest.mark.slow  # 50-80 s each; test_kept_programs_search_as_jit_does is in make test
 @pytest.mark.parametrize("xla_cache", [False, True])
 def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path, xla_cache):
     # With XLA's cache on (JAX decides once per process that it is used, at the first

@@ -65,15 +65,27 @@ def resume_failing(corpus, workdir, monkeypatch, capfd, error, raised, message, 
     ("error", "raised", "message"),
     [
         (jax.errors.JaxRuntimeError(OUT_OF_MEMORY), TrainingError, "out of memory, not damage"),
-        (
+        # ~20 s each (train.py runs): out of memory in make test, the others in make test-slow.
+        pytest.param(
             RuntimeError("Unable to initialize backend 'cuda'"),
             TrainingError,
             "not evidence of damage",
+            marks=pytest.mark.slow,
         ),
-        (TypeError("an error of the program"), TypeError, "an error of the program"),
-        (AttributeError("'NoneType' object has no attribute 'shape'"), AttributeError, "shape"),
-        (KeyboardInterrupt(), KeyboardInterrupt, ""),
-        (SystemExit(3), SystemExit, ""),
+        pytest.param(
+            TypeError("an error of the program"),
+            TypeError,
+            "an error of the program",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            AttributeError("'NoneType' object has no attribute 'shape'"),
+            AttributeError,
+            "shape",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(KeyboardInterrupt(), KeyboardInterrupt, "", marks=pytest.mark.slow),
+        pytest.param(SystemExit(3), SystemExit, "", marks=pytest.mark.slow),
     ],
     ids=["out-of-memory", "no-device", "type-error", "attribute-error", "ctrl-c", "exit"],
 )
@@ -90,6 +102,7 @@ def test_a_restore_failing_for_another_reason_than_damage_moves_nothing(
             assert fix in str(e)
 
 
+@pytest.mark.slow  # ~26 s; test_faults' read retried once is in make test
 def test_a_storage_that_refuses_is_retried_then_stops_without_moving(
     base, corpus, tmp_path, monkeypatch, capfd
 ):

@@ -50,14 +50,16 @@ def test_stage_rooms_grow_to_every_sources_limit():
     ("beam_size", "n_best", "min_rows", "batch_tokens", "stop"),
     [
         (4, 1, 8, 64, "bound"),
-        (3, 3, 8, 64, "bound"),
-        (1, 1, 8, 64, "bound"),
-        (4, 1, 1, 512, "bound"),
-        (3, 3, 1, 512, "bound"),
+        # 25-40 s each on 2 cores: one case of each beam size, rows and rule in make
+        # test, the others in make test-slow.
+        pytest.param(3, 3, 8, 64, "bound", marks=pytest.mark.slow),
+        pytest.param(1, 1, 8, 64, "bound", marks=pytest.mark.slow),
+        pytest.param(4, 1, 1, 512, "bound", marks=pytest.mark.slow),
+        pytest.param(3, 3, 1, 512, "bound", marks=pytest.mark.slow),
         (1, 1, 1, 96, "bound"),
         # (Beam 1 is greedy search whatever the rule: inference.translate.search_rule.)
         (3, 3, 8, 64, "heuristic"),
-        (4, 1, 1, 512, "heuristic"),
+        pytest.param(4, 1, 1, 512, "heuristic", marks=pytest.mark.slow),
     ],
 )
 def test_staged_translation_equals_one_program(

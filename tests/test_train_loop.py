@@ -130,6 +130,7 @@ def test_resume_after_sigkill_continues_the_same_trajectory(uninterrupted, corpu
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow  # ~20 s; the SIGKILL resume is tested in make test
 def test_sigterm_saves_a_checkpoint_at_the_current_step(corpus_tsv, tmp_path):
     proc = _child({"dataset": f"tsv:{corpus_tsv}"}, tmp_path, "SIGTERM", at=13)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -160,6 +161,7 @@ def test_restore_model_loads_and_averages_checkpoints(uninterrupted):
         restore_model(os.path.join(workdir, "nope"))
 
 
+@pytest.mark.slow  # ~37 s of training
 def test_time_based_checkpoints_and_the_final_average(corpus_tsv, tmp_path):
     """checkpoint_every_minutes saves on log steps; average_last scores the mean params."""
     from data import Tokenizer, load_split

@@ -78,6 +78,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # ~100 s: training on three meshes of 8 virtual devices
 def test_meshes_match_one_device_and_checkpoints_move_between_meshes(tmp_path):
     env = dict(os.environ)
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"

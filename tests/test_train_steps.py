@@ -180,6 +180,7 @@ def reverse_batch(rng, rows, length, vocab):
     return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
 
 
+@pytest.mark.slow  # ~40 s: two train steps compiled
 def test_grad_accumulation_equals_one_big_batch():
     rng = np.random.default_rng(1)
     batches = [reverse_batch(rng, 8, 10, 40) for _ in range(3)]
@@ -199,6 +200,9 @@ def test_grad_accumulation_equals_one_big_batch():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+# ~60 s of training; in make test, test_decode_cli's fixture trains a model that must
+# then translate its task exactly.
+@pytest.mark.slow
 def test_tiny_model_learns_to_reverse_sequences():
     cfg = small_train_config(
         vocab_size=16, learning_rate=3e-3, warmup_steps=50, num_train_steps=600, grad_clip_norm=1.0

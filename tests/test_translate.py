@@ -63,6 +63,7 @@ def test_min_rows_pads_a_few_sources_only_to_a_power_of_two():
     assert [rows for _, _, rows in default] == [8, 8, 8]
 
 
+@pytest.mark.slow  # ~20 s; test_stages covers min_rows 1 and 8 in make test
 def test_min_rows_does_not_change_the_translations(model):
     sources = sources_of([5, 8, 3, 12, 6, 2, 9], seed=5)
     padded = translate_ids(model, sources, beam_size=3, n_best=2)
@@ -91,6 +92,7 @@ def test_translate_ids_keeps_input_order(model):
     assert best == [as_list(r)[:-1] for r in np.asarray(reference)]
 
 
+@pytest.mark.slow  # ~28 s; test_decode_cli checks n-best lists
 def test_n_best_is_sorted_and_its_first_is_the_1_best(model):
     sources = sources_of([5, 8, 3, 12, 6], seed=4)
     one = translate_ids(model, sources, beam_size=4, n_best=1)
@@ -117,7 +119,7 @@ def test_scores_are_length_normalized_log_probabilities(model, beam_size, alpha)
             assert h.score == pytest.approx(logp / ((5 + len(out)) / 6) ** alpha, abs=2e-4)
 
 
-@pytest.mark.parametrize("beam_size", [1, 3])
+@pytest.mark.parametrize("beam_size", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3: ~34 s
 def test_vocab_limit_is_never_exceeded(model, beam_size):
     sources = sources_of([7, 3, 10, 5, 9, 6], seed=6)
     free = translate_ids(model, sources, beam_size=beam_size, n_best=beam_size)
@@ -152,6 +154,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # ~75 s: a subprocess with 8 virtual devices
 def test_same_translations_on_any_mesh():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
