@@ -21,9 +21,10 @@ def session_dir(tmp_path_factory, name: str) -> str:
 @pytest.fixture(autouse=True, scope="session")
 def _compilation_cache(tmp_path_factory):
     """train.py and decode.py in subprocesses share a compilation cache of this test
-    session (all its workers: what one compiled, the others load), never the user's
-    (~/.cache/attention-jax/xla). Its writes are atomic renames."""
-    os.environ["ATTENTION_JAX_COMPILATION_CACHE"] = session_dir(tmp_path_factory, "xla_cache")
+    session, never the user's (~/.cache/attention-jax/xla). One per xdist worker: JAX
+    writes a cache file in place, so a process of another worker could read one half
+    written."""
+    os.environ["ATTENTION_JAX_COMPILATION_CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -196,7 +196,7 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_output(job, tmp_path, where)
     assert sorted(os.listdir(tmp_path)) == ["out.jsonl"]
 
 
-@pytest.mark.slow  # ~10 s; the kills at chosen moments are in make test
+@pytest.mark.slow  # ~10 s; a kill at a chosen write is in make test
 def test_sigkill_at_any_moment_then_rerun(job, tmp_path):
     """A kill from outside once the first chunk is recorded (not at a chosen write)."""
     args, whole, _ = job
