@@ -90,7 +90,11 @@ flags.DEFINE_enum(
 )  # fmt: skip
 flags.DEFINE_string("ct2", None, "Translate with a CTranslate2 model directory (no --workdir).")
 flags.DEFINE_enum("device", None, ["cpu", "cuda"], "--ct2: where CTranslate2 runs (default cpu).")
-flags.DEFINE_integer("threads", 0, "--ct2: CTranslate2's threads (0 = its default).")
+flags.DEFINE_integer(
+    "threads",
+    0,
+    "--ct2: CTranslate2's threads; on a CPU each translates its own batch (0 = one per core).",
+)
 flags.DEFINE_string(
     "compilation_cache", None,
     "Persistent XLA compilation cache ('off' = none; default: "

@@ -31,9 +31,7 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import tempfile
-import time
 from typing import Any
 
 import numpy as np
@@ -75,52 +73,6 @@ _ACTIVATIONS = ("relu", "gelu")
 _NORMS = ("post", "pre")
 
 
-# libgomp's spin (iterations) before a waiting OpenMP thread sleeps, on idle cores.
-IDLE_SPINCOUNT = "100000"
-
-
-def idle_cores(seconds: float = 0.1) -> float | None:
-    """Cores that no process used over a short sample of /proc/stat (None where unknown)."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user .. steal
-        return ticks[3] + ticks[4], sum(ticks)  # idle + iowait, all
-
-    try:
-        idle0, total0 = sample()
-        time.sleep(seconds)
-        idle1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    if total1 <= total0:
-        return None
-    return (os.cpu_count() or 1) * (idle1 - idle0) / (total1 - total0)
-
-
-def openmp_waiting(threads: int = 0) -> str:
-    """How CTranslate2's OpenMP threads will wait for work, chosen before it is loaded.
-
-    Between parallel regions a thread spins, then sleeps. On idle cores spinning is
-    what makes CTranslate2 fast (the Ding test set: 4,980 tokens/s with a spin of
-    IDLE_SPINCOUNT against 1,958 asleep at once); on cores other processes use, a
-    spinning thread takes time from them and from its peers (2,319 asleep against
-    1,657 spinning beside two busy processes; 42 against 4.7 CPU seconds at load 8-12).
-    So: spin when `threads` cores (0: all) are idle now, else sleep at once
-    (OMP_WAIT_POLICY=PASSIVE). OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the user win.
-    Returns what was chosen, for the log.
-    """
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        return "as set in the environment"
-    want = threads or os.cpu_count() or 1
-    idle = idle_cores()
-    if idle is not None and idle >= want - 0.5:
-        os.environ["GOMP_SPINCOUNT"] = IDLE_SPINCOUNT
-        return f"spinning ({idle:.1f} cores idle)"
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    return "sleeping at once (busy cores)" if idle is not None else "sleeping at once"
-
-
 def int8_saturates(cpuinfo: str | None = None) -> bool:
     """Whether CTranslate2's int8 matrix products lose accuracy on this CPU.
 
@@ -147,14 +99,8 @@ def int8_saturates(cpuinfo: str | None = None) -> bool:
     return not vnni and "GenuineIntel" not in cpuinfo
 
 
-def import_ctranslate2(threads: int = 0) -> Any:
-    """The ctranslate2 module; ImportError with how to install it when it is missing.
-
-    The first import chooses how its OpenMP threads wait (`openmp_waiting`): the
-    library reads the variables when it is loaded.
-    """
-    if "ctranslate2" not in sys.modules:
-        _log.info(f"CTranslate2's OpenMP threads: {openmp_waiting(threads)}")
+def import_ctranslate2() -> Any:
+    """The ctranslate2 module; ImportError with how to install it when it is missing."""
     try:
         import ctranslate2
     except ImportError as e:

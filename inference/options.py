@@ -67,7 +67,7 @@ class DecodeOptions:
     quantization: str = "float32"  # its weight type
     ct2: str | None = None  # or translate with a CTranslate2 model directory
     device: str | None = None  # --ct2: "cpu" (None) or "cuda"
-    threads: int = 0  # --ct2: CTranslate2's intra-op threads (0 = its default)
+    threads: int = 0  # --ct2: CTranslate2's threads, on a CPU one batch each (0 = per core)
     read_lines: int | None = None  # lines per chunk (None: see `chunk_lines`)
     restart: bool = False  # ignore a partial output of an earlier run and start over
     dry_run: bool = False  # read, tokenize, plan and write without running the model

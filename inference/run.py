@@ -301,7 +301,7 @@ def run(options: DecodeOptions) -> None:
         from inference.ct2_export import import_ctranslate2
 
         try:
-            import_ctranslate2(options.threads)  # before the slow part: how to install it
+            import_ctranslate2()  # before the slow part: how to install it
         except ImportError as e:
             raise UsageError(str(e)) from e
     total = check_inputs(options)

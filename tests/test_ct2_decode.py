@@ -17,8 +17,10 @@ import sys
 import numpy as np
 import pytest
 
+from inference.ct2 import CT2Translator, groups
 from inference.ct2_export import int8_saturates
 from inference.resume import PARTIAL
+from model.tokens import EOS_ID
 from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
 from tests.test_decode_stream import hostile_input, run_killed
 
@@ -102,6 +104,30 @@ def test_beam_agrees_on_at_least_95_percent_of_lines(workdir, ct2_dirs, tmp_path
     assert len(a) == len(b) == len(src.read_bytes().split(b"\n"))
     same = sum(x == y for x, y in zip(a, b, strict=True))
     assert same >= 0.95 * len(a), f"{same}/{len(a)} lines identical"
+
+
+def test_groups_side_by_side_give_what_one_group_at_a_time_gives(ct2_dirs):
+    """On a CPU each of --threads workers translates its own group of one output limit;
+    that must change nothing but the speed: every source gets the hypotheses, scores and
+    order that one worker gives, and the progress counts add up."""
+    import sentencepiece as spm
+
+    d = ct2_dirs["float32"]
+    sp = spm.SentencePieceProcessor(model_file=os.path.join(d, "tokenizer.model"))
+    pairs = digit_pairs(np.random.default_rng(11), 60, max_words=14)
+    sources = [[*sp.encode(s), EOS_ID] for s, _ in pairs]
+    sources[7] = []  # an empty line gets no hypothesis
+    one = CT2Translator.load(d, threads=1, n_best=2)
+    three = CT2Translator.load(d, threads=3, n_best=2)
+    assert (one.workers, three.workers) == (1, 3)
+    # More groups than the 2 x 3 queued at once, so some wait for a free place.
+    assert len(groups([len(s) for s in sources], three._extra, three.max_len)) > 6
+    progress = []
+    alone = one.translate(sources)
+    together = three.translate(sources, progress=lambda n, t: progress.append((n, t)))
+    assert together == alone and together[7] == [] and all(together[:7])
+    assert sum(n for n, _ in progress) == len(sources) - 1
+    assert sum(t for _, t in progress) == sum(len(h[0].tokens) + 1 for h in alone if h)
 
 
 def test_int8_gives_finite_sensible_translations(ct2_dirs, tmp_path):

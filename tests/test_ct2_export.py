@@ -201,34 +201,3 @@ def test_missing_ctranslate2_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import fails
     with pytest.raises(ImportError, match=r"pip install '\.\[serve\]'"):
         ct2_export.import_ctranslate2()
-
-
-@pytest.mark.parametrize(
-    ("idle", "want"), [(2.0, "spin"), (1.6, "spin"), (1.2, "sleep"), (None, "sleep")]
-)
-def test_openmp_threads_spin_only_on_idle_cores(monkeypatch, idle, want):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(ct2_export, "idle_cores", lambda: idle)
-    said = ct2_export.openmp_waiting(threads=2)
-    if want == "spin":
-        assert os.environ["GOMP_SPINCOUNT"] == ct2_export.IDLE_SPINCOUNT
-        assert "OMP_WAIT_POLICY" not in os.environ and said.startswith("spinning")
-    else:
-        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-        assert "GOMP_SPINCOUNT" not in os.environ and said.startswith("sleeping")
-
-
-def test_openmp_waiting_set_by_the_user_is_kept(monkeypatch):
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr(ct2_export, "idle_cores", lambda: pytest.fail("not sampled"))
-    assert ct2_export.openmp_waiting(threads=2) == "as set in the environment"
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ
-
-
-def test_idle_cores_is_a_share_of_this_machines_cores():
-    idle = ct2_export.idle_cores(0.05)
-    if idle is None:
-        pytest.skip("no /proc/stat here")
-    assert 0.0 <= idle <= os.cpu_count()
