@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -49,6 +50,8 @@ from inference.hypothesis import Hypothesis
 from inference.stages import check_lengths
 from inference.translate import Progress
 from model.tokens import EOS_ID
+
+_log = logging.getLogger(__name__)
 
 
 def row_limit(source_length: int, extra: int, max_len: int) -> int:
@@ -130,6 +133,9 @@ class CT2Translator:
             )
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"CTranslate2 cannot load {directory}: {e}") from e
+        if device == "cpu":
+            batches = f"{workers} batches" if workers > 1 else "1 batch"
+            _log.info(f"CTranslate2 on the CPU: {batches} at once, one thread each")
         return cls(
             directory,
             settings,
