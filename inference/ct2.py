@@ -54,6 +54,13 @@ from model.tokens import EOS_ID
 _log = logging.getLogger(__name__)
 
 
+def _cores() -> int:
+    """The cores this process may run on (all of the machine's where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def row_limit(source_length: int, extra: int, max_len: int) -> int:
     """Output tokens (EOS included) a source of `source_length` tokens may produce."""
     return min(source_length + extra, max_len)
@@ -123,7 +130,7 @@ class CT2Translator:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if device == "cuda" and ct2.get_cuda_device_count() == 0:
             raise ValueError("--device=cuda: CTranslate2 sees no CUDA device here")
-        workers = 1 if device == "cuda" else threads or len(os.sched_getaffinity(0))
+        workers = 1 if device == "cuda" else threads or _cores()
         try:
             translator = ct2.Translator(
                 directory,
