@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from data.cache import resolve_workers
 from inference.ct2_export import (
     DECODING_JSON,
     DEVICES,
@@ -52,13 +53,6 @@ from inference.translate import Progress
 from model.tokens import EOS_ID
 
 _log = logging.getLogger(__name__)
-
-
-def _cores() -> int:
-    """The cores this process may run on (all of the machine's where that is unknown)."""
-    if hasattr(os, "sched_getaffinity"):  # Linux
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def row_limit(source_length: int, extra: int, max_len: int) -> int:
@@ -97,7 +91,7 @@ class CT2Translator:
     ):
         self.directory, self.settings, self._ct2 = directory, settings, translator
         # Batches CTranslate2 runs at once (one per worker thread on a CPU).
-        self.workers = max(1, getattr(translator, "num_translators", 1))
+        self.workers = translator.num_translators
         self.beam_size, self.alpha, self.n_best = beam_size, alpha, n_best
         self.batch_tokens = batch_tokens
         self.max_len = settings["max_len"]
@@ -130,7 +124,7 @@ class CT2Translator:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if device == "cuda" and ct2.get_cuda_device_count() == 0:
             raise ValueError("--device=cuda: CTranslate2 sees no CUDA device here")
-        workers = 1 if device == "cuda" else threads or _cores()
+        workers = 1 if device == "cuda" else resolve_workers(threads)
         try:
             translator = ct2.Translator(
                 directory,
@@ -183,21 +177,23 @@ class CT2Translator:
         queued: collections.deque = collections.deque()
         for limit, rows in groups([len(s) for s in sources], self._extra, self.max_len):
             pieces = [self._pieces(sources[i]) for i in rows]
-            queued.append((rows, pieces, max(limit - 1, 1), self._submit(pieces, limit)))
+            # Ours forces EOS as the limit-th token, so limit - 1 tokens before it.
+            most = max(limit - 1, 1)
+            queued.append((rows, pieces, most, self._submit(pieces, most)))
             if len(queued) >= 2 * self.workers:
                 yield self._collect(*queued.popleft())
         while queued:
             yield self._collect(*queued.popleft())
 
-    def _submit(self, pieces: list[list[str]], limit: int) -> list[Any]:
-        """One group's translation, started: CTranslate2's asynchronous results."""
+    def _submit(self, pieces: list[list[str]], most: int) -> list[Any]:
+        """One group's translation of at most `most` tokens a hypothesis, started:
+        CTranslate2's asynchronous results."""
         return self._ct2.translate_batch(
             pieces,
             beam_size=self.beam_size,
             length_penalty=self.alpha,
             num_hypotheses=self.n_best,
-            # Ours forces EOS as the limit-th token, so limit - 1 tokens before it.
-            max_decoding_length=max(limit - 1, 1),
+            max_decoding_length=most,
             max_input_length=0,  # sources were cut to max_len already
             max_batch_size=self.batch_tokens,
             batch_type="tokens",
