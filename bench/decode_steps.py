@@ -63,11 +63,13 @@ class CountingSearch:
 
 def count(model, sources, rule, alpha: float, alone: bool) -> dict:
     """Beam-row steps, search calls, output tokens and seconds of one translation."""
+    from inference.options import DecodeOptions
     from inference.stages import run_stages
     from inference.translate import LiveSearch
 
     search = CountingSearch(LiveSearch(model, rule, alpha))
-    batching = dict(batch_tokens=1, min_rows=1) if alone else dict(batch_tokens=4096)
+    default = dict(batch_tokens=DecodeOptions.batch_tokens)  # decode.py's --batch_tokens
+    batching = dict(batch_tokens=1, min_rows=1) if alone else default
     t0 = time.perf_counter()
     hyps = run_stages(search, sources, max_len=model.config.max_len, **batching)
     seconds = time.perf_counter() - t0
