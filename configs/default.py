@@ -138,6 +138,8 @@ def get_config() -> ml_collections.ConfigDict:
     # Multi-host: a process whose peer sent no heartbeat for this long (killed, out of
     # memory, host lost) stops with a clear error instead of waiting in a collective
     # forever (0 = leave it to JAX's coordination service, which aborts after ~100 s).
+    # Counted from a process's last beat, once it has started: a host slower to reach
+    # the training loop (tokenizing, planning, compiling) is waited for.
     c.peer_timeout_seconds = 60.0
     # Input shards (each read by one process, or all by one process): 0 = one
     # per process. Fixing it (e.g. to the process count of a multi-host run)

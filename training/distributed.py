@@ -207,10 +207,17 @@ class PeerWatchdog:
     service ends them only after its heartbeat timeout, with an abort and a C++
     stack. Here a thread bumps this process's counter in the distributed
     runtime's key-value store every `interval` seconds and watches the others':
-    a counter that has not moved for `timeout` seconds (or a store that cannot
-    be reached any more: process 0 holds it) means that process is gone, and
-    this one exits with EXIT_PEER_LOST. A busy process (compiling, evaluating,
-    saving) keeps beating: the thread needs only the GIL for a moment.
+    a counter that has not moved for `timeout` seconds since it was first seen
+    (or a store that cannot be reached any more: process 0 holds it) means that
+    process is gone, and this one exits with EXIT_PEER_LOST. A busy process
+    (compiling, evaluating, saving) keeps beating: the thread needs only the
+    GIL for a moment (XLA compiles without it).
+
+    Processes reach the loop at different times (each tokenizes and plans its
+    own shard, and a loaded host compiles slower), so a peer is only watched
+    from its first beat on: one still getting ready is waited for, as the first
+    collective would wait. One that dies before its first beat is left to JAX's
+    coordination service (and `supervise` says what happened).
     """
 
     def __init__(self, timeout: float, interval: float = 2.0, *, on_lost=None):
@@ -225,33 +232,45 @@ class PeerWatchdog:
         client = jax_distributed.global_state.client
         if jax.process_count() > 1 and self.timeout > 0 and client is not None:
             self._thread = threading.Thread(
-                target=self._run, args=(client,), name="peer-watchdog", daemon=True
+                target=self.watch,
+                args=(client, jax.process_index(), jax.process_count()),
+                name="peer-watchdog",
+                daemon=True,
             )
             self._thread.start()
         return self
 
-    def _run(self, client) -> None:
-        me, n = jax.process_index(), jax.process_count()
+    def watch(self, client, me: int, n: int) -> None:
+        """Beat as process `me` of `n` and watch the others until stopped or one is lost.
+
+        `client` has `key_value_set(key, value, allow_overwrite=True)` and
+        `key_value_try_get(key)` (raising while the key is unset), as JAX's
+        distributed client does.
+        """
         key = lambda p: f"attention_jax/alive/{p}"
-        last = {p: (None, time.monotonic()) for p in range(n) if p != me}  # value, changed at
+        seen: dict[int, tuple[str, float]] = {}  # peer -> (its last counter, when it changed)
         beat = 0
-        while not self._stop.wait(self.interval):
+        while True:  # the first beat at once: peers watch us from it on
             beat += 1
             try:
                 client.key_value_set(key(me), str(beat), allow_overwrite=True)
             except Exception as e:  # the store lives in process 0
                 self._on_lost(f"the job's coordination service (process 0) is unreachable: {e}")
                 return
-            for p, (value, since) in last.items():
+            for p in range(n):
+                if p == me:
+                    continue
                 try:
                     now = client.key_value_try_get(key(p))
-                except Exception:  # not written yet
-                    now = value
-                if now != value:
-                    last[p] = (now, time.monotonic())
-                elif time.monotonic() - since > self.timeout:
+                except Exception:  # not written yet: that process is still getting ready
+                    continue
+                if p not in seen or seen[p][0] != now:
+                    seen[p] = (now, time.monotonic())
+                elif time.monotonic() - seen[p][1] > self.timeout:
                     self._on_lost(f"process {p} sent no heartbeat for {self.timeout:.0f} s")
                     return
+            if self._stop.wait(self.interval):
+                return
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
