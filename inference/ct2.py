@@ -124,13 +124,13 @@ class CT2Translator:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if device == "cuda" and ct2.get_cuda_device_count() == 0:
             raise ValueError("--device=cuda: CTranslate2 sees no CUDA device here")
-        workers = 1 if device == "cuda" else resolve_workers(threads)
+        if device == "cpu":  # batches side by side, one thread each
+            workers, threads_each = resolve_workers(threads), 1
+        else:  # one batch at a time over the GPU
+            workers, threads_each = 1, threads
         try:
             translator = ct2.Translator(
-                directory,
-                device=device,
-                inter_threads=workers,
-                intra_threads=1 if device == "cpu" else threads,
+                directory, device=device, inter_threads=workers, intra_threads=threads_each
             )
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"CTranslate2 cannot load {directory}: {e}") from e

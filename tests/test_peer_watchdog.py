@@ -47,7 +47,7 @@ def watch_in_thread(store, me, n, interval=INTERVAL):
 
 def stop(*dogs_and_threads):
     for dog, thread, _ in dogs_and_threads:
-        dog._stop.set()
+        dog.__exit__(None, None, None)  # as leaving the `with` block does
         thread.join(5)
 
 
