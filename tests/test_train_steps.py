@@ -139,6 +139,27 @@ def test_flops_are_six_times_matmul_params_for_short_sequences():
     assert metrics.train_flops(mcfg, 1, 1, 0, 0) == pytest.approx(6 * (sum(kernels) + d * v))
 
 
+def test_train_window_bounds_the_steps_in_flight():
+    """After wait(2), every step but the last two has finished: a SIGTERM is then
+    answered within ~2 steps, not after every step JAX's async dispatch queued."""
+
+    @jax.jit
+    def slow_step(x):  # ~10 ms on CPU; each step needs the one before (like the state)
+        for _ in range(4):
+            x = jnp.tanh(x @ x)
+        return x, {"loss": x[0, 0]}
+
+    window = metrics.TrainWindow(model_config(small_train_config()), None, 1)
+    x = jnp.full((512, 512), 0.01)
+    slow_step(x)[0].block_until_ready()  # compiled before the loop
+    for n in range(12):
+        x, step_metrics = slow_step(x)
+        window.add(step_metrics, 1, 1)
+        window.wait(2)
+        assert all(m["loss"].is_ready() for m in window.steps[: max(0, n - 1)]), n
+    assert len(window.steps) == 12  # waiting fetches nothing: the window keeps them all
+
+
 def test_peak_flops_lookup():
     cfg = small_train_config()
     assert metrics.peak_flops_per_device(cfg) is None  # CPU: unknown

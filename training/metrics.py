@@ -90,6 +90,18 @@ class TrainWindow:
         self.steps.append(step_metrics)
         self.lengths.append((src_len, tgt_len))
 
+    def wait(self, in_flight: int) -> None:
+        """Wait until at most the window's last `in_flight` steps are still running.
+
+        JAX dispatches steps asynchronously, so the loop can otherwise run far ahead
+        of the device: until the next log line on CPU, up to ~32 programs on a GPU.
+        A stop request (SIGTERM) is then honoured only once all of them have run,
+        which at seconds a step outlasts a preemption notice. Steps chain through
+        the train state, so waiting for one waits for every step before it.
+        """
+        if len(self.steps) > in_flight:
+            jax.block_until_ready(self.steps[-1 - in_flight])
+
     def fetch(self) -> list[dict[str, Any]]:
         """The window's step metrics on the host (waits for the steps in flight)."""
         self.steps = jax.device_get(self.steps)
