@@ -2,6 +2,7 @@
 cross-entropy, FLOPs from the parameter count, gradient accumulation, and learning."""
 
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -140,24 +141,37 @@ def test_flops_are_six_times_matmul_params_for_short_sequences():
 
 
 def test_train_window_bounds_the_steps_in_flight():
-    """After wait(2), every step but the last two has finished: a SIGTERM is then
-    answered within ~2 steps, not after every step JAX's async dispatch queued."""
+    """After wait(), every step but the last `in_flight` has finished: a SIGTERM is
+    answered within those steps, not after every step JAX's async dispatch queued;
+    `in_flight` is about a second of steps at the last window's pace, at least 2."""
 
     @jax.jit
     def slow_step(x):  # ~10 ms on CPU; each step needs the one before (like the state)
         for _ in range(4):
             x = jnp.tanh(x @ x)
-        return x, {"loss": x[0, 0]}
+        return x, {"loss": x[0, 0], "nonfinite": False, "tokens": 10, "src_tokens": 10}
 
     window = metrics.TrainWindow(model_config(small_train_config()), None, 1)
+    assert window.in_flight == metrics.MIN_RUN_AHEAD_STEPS == 2
     x = jnp.full((512, 512), 0.01)
     slow_step(x)[0].block_until_ready()  # compiled before the loop
     for n in range(12):
         x, step_metrics = slow_step(x)
         window.add(step_metrics, 1, 1)
-        window.wait(2)
+        window.wait()
         assert all(m["loss"].is_ready() for m in window.steps[: max(0, n - 1)]), n
     assert len(window.steps) == 12  # waiting fetches nothing: the window keeps them all
+
+    for key in ("accuracy", "perplexity", "grad_norm", "learning_rate"):
+        for m in window.steps:
+            m[key] = 0.0
+    window.start -= 12 / 40 - (time.time() - window.start)  # 12 steps in 0.3 s: 40/s
+    window.flush()
+    assert window.in_flight == pytest.approx(40 * metrics.RUN_AHEAD_SECONDS, abs=1)
+    window.add(step_metrics, 1, 1)
+    window.start -= 10.0  # one step in 10 s: the floor
+    window.flush()
+    assert window.in_flight == 2
 
 
 def test_peak_flops_lookup():

@@ -45,11 +45,6 @@ from training.resume import RunTotals, previous_run, restore_or_init
 
 _log = logging.getLogger(__name__)
 
-# Train steps dispatched but not finished, at most: enough for the host to prepare
-# the next batch while the device works; few enough that a SIGTERM is answered
-# within ~2 steps instead of after every step JAX queued (TrainWindow.wait).
-RUN_AHEAD_STEPS = 2
-
 
 def _due(step: int, every: int, total: int) -> bool:
     """Is it time for a periodic action (0 = never)? The last step has its own."""
@@ -78,7 +73,7 @@ class _Training:
     def step(self, batch: dict[str, Any], mesh: jax.sharding.Mesh) -> None:
         self.state, step_metrics = self.train_step(self.state, shard_batch(batch, mesh))
         self.window.add(step_metrics, batch["src"].shape[1], batch["tgt_out"].shape[1])
-        self.window.wait(RUN_AHEAD_STEPS)
+        self.window.wait()  # a bounded queue: a SIGTERM is answered in ~1 s of steps
 
     def nonfinite_error(self, step: int) -> str | None:
         """The non-finite policy over the window's steps not checked yet: the error to stop

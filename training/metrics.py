@@ -72,6 +72,13 @@ def train_flops(cfg: TransformerConfig, src_tokens: int, tgt_tokens: int, s: int
     return 3.0 * (per_src * src_tokens + per_tgt * tgt_tokens)
 
 
+# Train steps dispatched but not finished, at most (TrainWindow.wait): enough for the
+# host to prepare the next batches while the device works, few enough that a SIGTERM
+# is answered within about a second of steps instead of after every step JAX queued.
+RUN_AHEAD_SECONDS = 1.0
+MIN_RUN_AHEAD_STEPS = 2
+
+
 class TrainWindow:
     """The train steps since the last log line: their metrics (on device until flushed),
     FLOPs and wall time.
@@ -85,13 +92,16 @@ class TrainWindow:
         self.steps: list[Any] = []  # per step: metrics dict (device arrays, then fetched)
         self.lengths: list[tuple[int, int]] = []  # per step: padded (S, T)
         self.start = time.time()
+        # Steps allowed in flight: about RUN_AHEAD_SECONDS of them at the last window's
+        # pace (fast steps keep a queue that absorbs the host's hiccups), at least 2.
+        self.in_flight = MIN_RUN_AHEAD_STEPS
 
     def add(self, step_metrics: Mapping[str, Any], src_len: int, tgt_len: int) -> None:
         self.steps.append(step_metrics)
         self.lengths.append((src_len, tgt_len))
 
-    def wait(self, in_flight: int) -> None:
-        """Wait until at most the window's last `in_flight` steps are still running.
+    def wait(self) -> None:
+        """Wait until at most `self.in_flight` of the window's steps are still running.
 
         JAX dispatches steps asynchronously, so the loop can otherwise run far ahead
         of the device: until the next log line on CPU, up to ~32 programs on a GPU.
@@ -99,8 +109,8 @@ class TrainWindow:
         which at seconds a step outlasts a preemption notice. Steps chain through
         the train state, so waiting for one waits for every step before it.
         """
-        if len(self.steps) > in_flight:
-            jax.block_until_ready(self.steps[-1 - in_flight])
+        if len(self.steps) > self.in_flight:
+            jax.block_until_ready(self.steps[-1 - self.in_flight])
 
     def fetch(self) -> list[dict[str, Any]]:
         """The window's step metrics on the host (waits for the steps in flight)."""
@@ -140,6 +150,7 @@ class TrainWindow:
             else None,
         }
         self.steps, self.lengths = [], []
+        self.in_flight = max(MIN_RUN_AHEAD_STEPS, int(RUN_AHEAD_SECONDS * row["steps_per_sec"]))
         self.restart_clock()
         return fetched, row
 
