@@ -104,9 +104,9 @@ class TrainWindow:
         """Wait until at most `self.in_flight` of the window's steps are still running.
 
         JAX dispatches steps asynchronously, so the loop can otherwise run far ahead
-        of the device: until the next log line on CPU, up to ~32 programs on a GPU.
-        A stop request (SIGTERM) is then honoured only once all of them have run,
-        which at seconds a step outlasts a preemption notice. Steps chain through
+        of the device (on CPU until the next log line; on a GPU as far as its runtime
+        queues). A stop request (SIGTERM) is then honoured only once all of them have
+        run, which at seconds a step outlasts a preemption notice. Steps chain through
         the train state, so waiting for one waits for every step before it.
         """
         if len(self.steps) > self.in_flight:
