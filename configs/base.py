@@ -20,6 +20,10 @@ signature printed), which is not the paper's tokenized (and, for German,
 compound-split) BLEU and typically comes out lower on the same output (Post,
 2018); and German->English numbers are not comparable to English->German
 ones. Our measured runtimes and BLEU are in the README.
+
+Ding (`--config.dataset=ding`, 1.2M target tokens) is too small for base: on
+one H100 (bench/gpu_ding.sh, packed 8192-token batches) dev loss is lowest at
+step 2,000 and test BLEU is 4.65 after 5,050 steps (6.5 minutes).
 """
 
 import ml_collections
