@@ -166,8 +166,9 @@ def test_train_window_bounds_the_steps_in_flight():
         for m in window.steps:
             m[key] = 0.0
     window.start -= 12 / 40 - (time.time() - window.start)  # 12 steps in 0.3 s: 40/s
-    window.flush()
-    assert window.in_flight == pytest.approx(40 * metrics.RUN_AHEAD_SECONDS, abs=1)
+    _, row = window.flush()  # (a loaded box adds its delay to the 0.3 s)
+    assert 3 <= row["steps_per_sec"] <= 40  # above the floor of 2 steps
+    assert window.in_flight == int(row["steps_per_sec"] * metrics.RUN_AHEAD_SECONDS)
     window.add(step_metrics, 1, 1)
     window.start -= 10.0  # one step in 10 s: the floor
     window.flush()
