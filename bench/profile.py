@@ -4,11 +4,15 @@
 
 Times, on one fixed batch shape: the encoder forward; the whole forward with
 the loss; the output projection + loss alone (forward and backward); forward
-+ backward; and the full train step (+ optimizer update). Differences between
-nested pieces give each part's share. XLA's own FLOP count of the compiled step
-is printed beside `training.metrics.train_flops`. With --trace_dir, one step
-is also recorded with `jax.profiler.trace` (open it in TensorBoard's profile
-plugin or Perfetto). Prints one JSON object, then a table.
++ backward; and the full train step (+ optimizer update). The loss is the
+train step's (`training/loss.py`, in chunks of `loss_chunk_tokens`), so
+differences between nested pieces give each part's share. --step_only times
+the train step alone (a quick A/B). XLA's own FLOP count of the compiled step
+is printed beside `training.metrics.train_flops` (on a GPU it leaves out the
+cuBLAS and cuDNN calls, so it is far lower). With --trace_dir, one step is
+also recorded with `jax.profiler.trace` and, on a GPU or TPU, summarized by
+`bench/trace_summary.py` (kernel time by kind; open the trace itself in
+TensorBoard's profile plugin or Perfetto). Prints JSON objects and tables.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main(argv=None) -> None:
     p.add_argument("--length", type=int, default=32, help="padded length of both sides")
     p.add_argument("--dtype", default="", help="'' = bfloat16 on accelerators, float32 on CPU")
     p.add_argument("--trace_dir", default="")
+    p.add_argument("--step_only", action="store_true", help="time the train step alone")
     args = p.parse_args(argv)
     common.set_gpu_flags()
 
@@ -40,6 +45,7 @@ def main(argv=None) -> None:
     from training import config as config_lib
     from training import mesh as mesh_lib
     from training import metrics, steps
+    from training.loss import chunked_loss_sums
 
     config = importlib.import_module(f"configs.{args.config}").get_config()
     config.batch_tokens = args.batch_tokens or config.batch_tokens
@@ -57,13 +63,17 @@ def main(argv=None) -> None:
     batch = mesh_lib.shard_batch(host, mesh)
     model = nnx.merge(graphdef, state.params, state.rngs)
 
+    def head_loss(model, y, batch):  # the train step's loss (training.steps._forward_sums)
+        tgt, eps = batch["tgt_out"], config.label_smoothing
+        if chunk:  # in chunks, the gradient computed in the same pass
+            return chunked_loss_sums(y, model.output_matrix(), tgt, eps, chunk_tokens=chunk)["loss"]
+        return steps.loss_sums(model.project(y), tgt, eps)["loss"]
+
     def loss(model, batch):
-        logits = model(batch["src"], batch["tgt_in"], deterministic=False)
-        return steps.loss_sums(logits, batch["tgt_out"], config.label_smoothing)["loss"]
+        y = model.hidden(batch["src"], batch["tgt_in"], deterministic=False)
+        return head_loss(model, y, batch)
 
-    def head_loss(model, y, batch):
-        return steps.loss_sums(model.tgt_embed.attend(y), batch["tgt_out"], 0.1)["loss"]
-
+    chunk = int(config.loss_chunk_tokens)
     y = jax.random.normal(jax.random.key(0), (b, args.length, cfg.d_model), cfg.compute_dtype)
     pieces = {
         "encoder_fwd": nnx.jit(lambda m, bt: m.encode(bt["src"])),
@@ -72,7 +82,7 @@ def main(argv=None) -> None:
         "fwd_bwd": nnx.jit(nnx.value_and_grad(loss)),
     }
     times = {}
-    for name, fn in pieces.items():
+    for name, fn in ({} if args.step_only else pieces).items():
         args_ = (model, y, batch) if name.startswith("head") else (model, batch)
         times[name] = common.time_fn(lambda fn=fn, a=args_: fn(*a), warmup=2, iters=5)
 
@@ -96,6 +106,29 @@ def main(argv=None) -> None:
     )
     step = times["train_step"]
     rows = [{"piece": name, "ms": 1e3 * t, "share_of_step": t / step} for name, t in times.items()]
+    if not args.step_only:
+        rows += _differences(times)
+    meta = {
+        "device": common.device_info(),
+        "config": args.config,
+        "batch": [b, args.length],
+        "dtype": config.model.dtype,
+        "loss_chunk_tokens": config.loss_chunk_tokens,
+        "model_flops_per_step": model_flops,
+        "xla_flops_per_step": xla_flops,
+        "model_tflops_per_s": model_flops / step / 1e12,
+    }
+    common.report("profile", meta, rows, ["piece", "ms", "share_of_step"])
+    if args.trace_dir and jax.default_backend() != "cpu":
+        from bench import trace_summary
+
+        trace_summary.main([args.trace_dir, "--top=15"])
+
+
+def _differences(times: dict[str, float]) -> list[dict[str, float | str]]:
+    """The backward pass and the optimizer update, as differences of nested pieces."""
+    step = times["train_step"]
+    rows = []
     rows.append(
         {
             "piece": "backward (fwd_bwd - fwd_loss)",
@@ -110,16 +143,7 @@ def main(argv=None) -> None:
             "share_of_step": (step - times["fwd_bwd"]) / step,
         }
     )
-    meta = {
-        "device": common.device_info(),
-        "config": args.config,
-        "batch": [b, args.length],
-        "dtype": config.model.dtype,
-        "model_flops_per_step": model_flops,
-        "xla_flops_per_step": xla_flops,
-        "model_tflops_per_s": model_flops / step / 1e12,
-    }
-    common.report("profile", meta, rows, ["piece", "ms", "share_of_step"])
+    return rows
 
 
 if __name__ == "__main__":

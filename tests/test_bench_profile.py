@@ -1,0 +1,29 @@
+"""bench/profile.py on CPU: every piece is timed, the step-only mode times the step alone,
+and the model's FLOP formula (training.metrics.train_flops) agrees with XLA's own count of
+the compiled train step (on CPU XLA counts every dot; on a GPU cuBLAS calls are left out)."""
+
+import json
+
+import pytest
+
+from bench import profile
+
+
+def _reports(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("step_only", [False, True])
+def test_profile_times_the_pieces_and_counts_the_step_flops(capsys, step_only):
+    argv = ["--config=tiny", "--batch_tokens=256", "--length=16"]
+    profile.main(argv + (["--step_only"] if step_only else []))
+    (report,) = _reports(capsys.readouterr().out)
+    pieces = {r["piece"]: r["ms"] for r in report["results"]}
+    want = {"train_step"}
+    if not step_only:
+        want |= {"encoder_fwd", "fwd_loss", "head_loss_fwd_bwd", "fwd_bwd"}
+        want |= {"backward (fwd_bwd - fwd_loss)", "optimizer (train_step - fwd_bwd)"}
+    assert set(pieces) == want
+    assert pieces["train_step"] > 0
+    assert report["batch"] == [16, 16]
+    assert report["xla_flops_per_step"] == pytest.approx(report["model_flops_per_step"], rel=0.05)

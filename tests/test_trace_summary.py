@@ -1,0 +1,69 @@
+"""bench/trace_summary.py: kernel kinds from names seen in a real H100 trace, busy and idle
+time as the union of kernel intervals (checked by hand), and clear errors for traces
+that hold no device plane."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench import trace_summary
+
+
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+        ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)", "attention"),
+        ("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_splitK_NTT", "gemm"),
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
+        ("input_reduce_fusion_1", "reduction"),
+        ("input_reduce_select_fusion_6", "reduction"),
+        ("input_concatenate_fusion_15", "copy"),
+        ("Memset 0", "copy"),
+        ("memcpy32_post", "copy"),
+        ("loop_pad_fusion", "elementwise"),
+        ("fusion_5031", "elementwise"),
+        ("wrapped_add", "elementwise"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "collective"),
+        ("some_new_kernel", "other"),
+    ],
+)
+def test_kernel_kinds(name, want):
+    assert trace_summary.kind(name) == want
+
+
+def test_busy_is_the_union_of_kernel_intervals_and_idle_the_rest():
+    ms = 1_000_000  # ns
+    events = [
+        ("nvjet_gemm_a", 0, 4 * ms),  # [0, 4)
+        ("loop_add_fusion", 2 * ms, 4 * ms),  # [2, 6): overlaps the GEMM by 2
+        ("input_reduce_fusion", 10 * ms, 1 * ms),  # [10, 11): 4 ms idle before it
+        ("nvjet_gemm_a", 11 * ms, 2 * ms),  # [11, 13)
+    ]
+    s = trace_summary.summarize(list(reversed(events)), top=2)  # order does not matter
+    assert s["span_ms"] == pytest.approx(13.0)
+    assert s["busy_ms"] == pytest.approx(9.0)  # [0, 6) + [10, 13)
+    assert s["idle_ms"] == pytest.approx(4.0)
+    assert s["kernels"] == 4
+    kinds = {k["kind"]: k for k in s["kinds"]}
+    assert kinds["gemm"]["ms"] == pytest.approx(6.0) and kinds["gemm"]["count"] == 2
+    assert kinds["elementwise"]["ms"] == pytest.approx(4.0)
+    assert sum(k["share"] for k in s["kinds"]) == pytest.approx(1.0)
+    assert [k["kind"] for k in s["kinds"]] == ["gemm", "elementwise", "reduction"]
+    assert [t["kernel"] for t in s["top"]] == ["nvjet_gemm_a", "loop_add_fusion"]
+
+
+def test_no_kernels_is_an_error():
+    with pytest.raises(ValueError, match="no device kernels"):
+        trace_summary.summarize([])
+
+
+def test_a_cpu_trace_or_an_empty_folder_gives_one_clear_message(tmp_path):
+    with pytest.raises(SystemExit, match=r"no \*\.xplane\.pb under"):
+        trace_summary.main([str(tmp_path)])
+    with jax.profiler.trace(str(tmp_path)):
+        jax.block_until_ready(jax.jit(lambda x: x * 2)(jnp.ones(8)))
+    if jax.default_backend() == "cpu":
+        with pytest.raises(SystemExit, match="no GPU or TPU plane"):
+            trace_summary.main([str(tmp_path)])
