@@ -2,6 +2,8 @@
 
     python bench/flax_wmt.py --flax_wmt=DIR [--configs=tiny] [--batch_sizes=8,32,128]
         [--src_len=32] [--beam_size=4] [--alpha=0.6] [--iters=3]
+    python bench/flax_wmt.py --flax_wmt=DIR --workdir=workdir/tiny [--split=test]
+        [--batch_tokens=256,1024,4096] [--limit=N]
 
 DIR holds Flax's examples/wmt/decode.py; get it with
 `git clone https://github.com/google/flax` and pass `--flax_wmt=flax/examples/wmt`.
@@ -20,10 +22,20 @@ K, alpha, EOS and L, each inside one jax.jit: only the search differs.
   `init_cache(src, L)` as the cache. As in the Flax example, `beam_init` tiles
   every non-scalar cache leaf K times, so each beam carries (and every step
   gathers) its own copy of the cross-attention keys/values and source mask.
-  Flax feeds id 0 first (their BOS); we feed our BOS there. Its sequences
+  Flax feeds id 0 first (their BOS); we feed our BOS there, and ban PAD and BOS
+  (and ids past the tokenizer's) from its logits as our search does. Its sequences
   [B, K, L] are sorted worst to best with a dummy 0 in column 0, so the best is
   [:, -1, 1:] (at most L - 1 tokens); it stops the whole batch once every
   source's worst finished beats its best live.
+
+With --workdir, the workload decode.py's goals are stated on instead: a trained
+model (`inference.restore.load_workdir`), the Ding --split sentences, and for
+each --batch_tokens the batches decode.py forms (`data.plans.plan_translation`).
+"ours" is decode.py's own search over them (`inference.stages.run_stages`:
+sources leave when done, the cache grows stage by stage); "flax-wmt" runs
+Flax's `beam_search` on each of the same batches, its cache L = width + 50
+columns from the start. Both are compiled by a first pass, then the second is
+timed; BLEU and chrF of both against the references.
 
 Tokens counted, for both: the best hypothesis's tokens up to and including its
 first EOS (all of its columns if it has none). `same_best` is the share of
@@ -113,8 +125,12 @@ def make_flax_search(flax_decode: ModuleType):
     import jax.numpy as jnp
     from flax import nnx
 
-    @functools.partial(jax.jit, static_argnames=("graphdef", "beam_size", "alpha", "length"))
-    def search(graphdef, state, src, *, beam_size: int, alpha: float, length: int):
+    from model.scoring import restrict
+
+    static = ("graphdef", "beam_size", "alpha", "length", "vocab_limit")
+
+    @functools.partial(jax.jit, static_argnames=static)
+    def search(graphdef, state, src, *, beam_size, alpha, length, vocab_limit=None):
         model = nnx.merge(graphdef, state)
         cache = model.init_cache(src, length)  # rows [B, ...]; Flax tiles them to [B*K, ...]
 
@@ -122,7 +138,9 @@ def make_flax_search(flax_decode: ModuleType):
             ids = flat_ids[:, 0]  # [B*K, 1] -> [B*K]
             # Flax's first input is its BOS, id 0; ours is BOS_ID.
             ids = jnp.where(flat_cache.index == 0, BOS_ID, ids)
-            return model.decode_step(ids, flat_cache)  # [B*K, V], cache
+            logits, flat_cache = model.decode_step(ids, flat_cache)  # [B*K, V], cache
+            never = jnp.zeros(ids.shape, bool)  # Flax ends rows at its own length limit
+            return restrict(logits, never, vocab_limit), flat_cache
 
         seqs, _ = flax_decode.beam_search(
             src,
@@ -215,6 +233,91 @@ def compare(model, src, flax_search, *, beam_size: int, alpha: float, iters: int
     ]
 
 
+def _best_tokens(row) -> list[int]:
+    """One best hypothesis [T] -> its ids before the first EOS."""
+    ids = [int(t) for t in row]
+    return ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
+
+
+def _flax_over_plan(model, sources, plan, flax_search, *, beam_size, alpha, vocab_limit):
+    """Flax's beam_search over decode.py's batches: per source, its best ids (no EOS)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from inference.stages import batch_of, stage_rooms
+
+    graphdef, state = nnx.split(model)
+    out: list[list[int]] = [[] for _ in sources]
+    nonempty = [i for i, s in enumerate(sources) if len(s)]
+    for chunk, width, rows in plan:
+        picked = [nonempty[j] for j in chunk]
+        src = jnp.asarray(batch_of(sources, picked, rows, width))  # [rows, width]
+        length = stage_rooms(width, model.config.max_len)[-1]  # ours ends here too
+        best = flax_search(graphdef, state, src, beam_size=beam_size, alpha=alpha,
+                           length=length, vocab_limit=vocab_limit)  # fmt: skip
+        for row, i in zip(np.asarray(best), picked, strict=False):
+            out[i] = _best_tokens(row)
+    return out
+
+
+def workload(args, flax_search) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(meta, rows): ours and Flax's search on decode.py's batches of a trained model."""
+    import sacrebleu
+
+    from data.corpora import prepare_ding
+    from data.plans import plan_translation
+    from inference.restore import load_workdir
+    from inference.stages import run_stages
+    from inference.translate import LiveSearch, search_rule, vocab_limit
+
+    model, config, step, tok = load_workdir(args.workdir)
+    pairs = prepare_ding()[args.split][: args.limit]
+    sources = [[*ids, EOS_ID] for ids in tok.encode_batch([de for de, _ in pairs])]
+    refs = [en for _, en in pairs]
+    limit = vocab_limit(tok.vocab_size, config)
+    search = LiveSearch(model, search_rule(args.beam_size, 1, limit), args.alpha)
+    max_len = model.config.max_len
+    rows = []
+    for bt in (int(x) for x in args.batch_tokens.split(",")):
+        plan = plan_translation([len(x) for x in sources if x], batch_tokens=bt, max_len=max_len)
+
+        def ours(bt=bt):
+            hyps = run_stages(search, sources, max_len=max_len, batch_tokens=bt)
+            return [list(h[0].tokens) if h else [] for h in hyps]
+
+        def flax_wmt(plan=plan):
+            return _flax_over_plan(model, sources, plan, flax_search, beam_size=args.beam_size,
+                                   alpha=args.alpha, vocab_limit=limit)  # fmt: skip
+
+        got = {}
+        for name, run in (("ours", ours), ("flax-wmt", flax_wmt)):
+            t0 = time.perf_counter()
+            run()  # compiles every batch shape's programs
+            first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            best = run()
+            seconds = time.perf_counter() - t0
+            hyps = [tok.decode(b) for b in best]
+            tokens = sum(len(b) + 1 for b in best)  # EOS included
+            got[name] = best
+            rows.append({"decoder": name, "batch_tokens": bt, "batches": len(plan),
+                         "rows": sorted({r for _, _, r in plan}), "seconds": seconds,
+                         "first_call_s": first, "tokens_per_s": tokens / seconds,
+                         "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
+                         "chrf": sacrebleu.corpus_chrf(hyps, [refs]).score})  # fmt: skip
+        same = sum(a == b for a, b in zip(got["ours"], got["flax-wmt"], strict=True))
+        rows[-2]["speedup"] = rows[-1]["seconds"] / rows[-2]["seconds"]
+        rows[-2]["same_best"] = same / len(sources)
+        print(f"# batch_tokens={bt}: ours {rows[-2]['seconds']:.2f} s, flax-wmt "
+              f"{rows[-1]['seconds']:.2f} s, same best {same / len(sources):.1%}",
+              file=sys.stderr)  # fmt: skip
+    meta = {"workdir": os.path.abspath(args.workdir), "step": step, "split": args.split,
+            "sentences": len(sources), "beam_size": args.beam_size,
+            "alpha": args.alpha}  # fmt: skip
+    return meta, rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--flax_wmt", default="", help="directory holding Flax's wmt decode.py")
@@ -224,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--beam_size", type=int, default=4)
     p.add_argument("--alpha", type=float, default=0.6)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--workdir", default="", help="a trained workdir: decode.py's workload")
+    p.add_argument("--split", default="test", help="with --workdir: the Ding split")
+    p.add_argument("--batch_tokens", default="256,1024,4096", help="with --workdir")
+    p.add_argument("--limit", type=int, default=None, help="with --workdir: first N lines")
     args = p.parse_args(argv)
     flax_path = flax_decode_path(args.flax_wmt)
     common.set_gpu_flags()
@@ -233,6 +340,14 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     flax_search = make_flax_search(flax_decode)
+    flax_meta = {"flax_decode_py": flax_path, "flax_decode_sha256": _sha256(flax_path)}
+    if args.workdir:
+        meta, rows = workload(args, flax_search)
+        columns = ["decoder", "batch_tokens", "batches", "seconds", "first_call_s"]
+        columns += ["tokens_per_s", "speedup", "same_best", "bleu", "chrf"]
+        common.report("flax_wmt_workload", {**common.device_info(), **meta, **flax_meta},
+                      rows, columns)  # fmt: skip
+        return
     on_cpu = jax.default_backend() == "cpu"
     rows, meta_configs, lengths = [], {}, {}
     for name in args.configs.split(","):
@@ -262,8 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         "src_len": args.src_len,
         "max_decode_len": lengths,
         "alpha": args.alpha,
-        "flax_decode_py": flax_path,
-        "flax_decode_sha256": _sha256(flax_path),
+        **flax_meta,
         "configs": meta_configs,
     }
     columns = ["config", "decoder", "beam", "batch", "sentences_per_s", "tokens_per_s"]
