@@ -1,6 +1,8 @@
-"""bench/profile.py on CPU: every piece is timed, the step-only mode times the step alone,
-and the model's FLOP formula (training.metrics.train_flops) agrees with XLA's own count of
-the compiled train step (on CPU XLA counts every dot; on a GPU cuBLAS calls are left out)."""
+"""bench/profile.py and bench/host_step.py on CPU. profile.py: every piece is timed, the
+step-only mode times the step alone, and the model's FLOP formula
+(training.metrics.train_flops) agrees with XLA's own count of the compiled train step (on
+CPU XLA counts every dot; on a GPU cuBLAS calls are left out). host_step.py: both ways of
+calling the step are timed."""
 
 import json
 
@@ -27,3 +29,18 @@ def test_profile_times_the_pieces_and_counts_the_step_flops(capsys, step_only):
     assert pieces["train_step"] > 0
     assert report["batch"] == [16, 16]
     assert report["xla_flops_per_step"] == pytest.approx(report["model_flops_per_step"], rel=0.05)
+
+
+def test_host_step_reports_both_ways_of_calling_the_step(capsys):
+    from bench import host_step
+
+    host_step.main(["--config=tiny", "--batch_tokens=64", "--length=8", "--iters=2"])
+    (report,) = _reports(capsys.readouterr().out)
+    parts = [r["part"] for r in report["results"]]
+    assert parts == [
+        "batch to device (shard_batch)",
+        "step call, TrainState",
+        "step call, leaves",
+    ]
+    assert all(r["ms"] > 0 for r in report["results"])
+    assert report["batch"] == [8, 8] and report["state_arrays"] > 100

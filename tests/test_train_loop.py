@@ -27,19 +27,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = textwrap.dedent(
     """
     import json, os, signal, sys, time
+    import jax
     from tests.conftest import small_train_config
     from training import loop, steps
 
     overrides, workdir, sig = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     at = int(sys.argv[4])
-    make = steps.make_train_step
+    make = steps.make_leaf_train_step  # the step the loop calls
 
-    def make_killing(*args, **kwargs):
-        train_step = make(*args, **kwargs)
+    def make_killing(setup, treedef):
+        train_step = make(setup, treedef)
 
-        def step(state, batch):
-            state, metrics = train_step(state, batch)
-            if int(state.step) == at:
+        def step(leaves, batch):
+            leaves, metrics = train_step(leaves, batch)
+            if int(jax.tree.unflatten(treedef, leaves).step) == at:
                 if sig == "SIGKILL":
                     every = small_train_config(**overrides).checkpoint_every_steps
                     done = os.path.join(workdir, "checkpoints", str(at // every * every))
@@ -47,12 +48,12 @@ CHILD = textwrap.dedent(
                     while not os.path.isdir(done) and time.time() < deadline:
                         time.sleep(0.05)
                 os.kill(os.getpid(), getattr(signal, sig))
-            return state, metrics
+            return leaves, metrics
 
         return step
 
     if at > 0:
-        steps.make_train_step = make_killing
+        steps.make_leaf_train_step = make_killing
     summary = loop.train_and_evaluate(small_train_config(**overrides), workdir)
     print("SUMMARY " + json.dumps({"step": summary["step"], "preempted": summary["preempted"]}))
     """

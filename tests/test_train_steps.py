@@ -236,6 +236,29 @@ def test_grad_accumulation_equals_one_big_batch():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_the_step_on_leaves_is_the_step_on_the_state_bit_for_bit():
+    """The loop's step (on the state's leaves, dropout on) against make_train_step's."""
+    rng = np.random.default_rng(2)
+    batches = [reverse_batch(rng, 8, 10, 40) for _ in range(3)]
+    cfg = small_train_config()
+    mesh, train_step, state = _setup(cfg)
+    leaves, treedef = jax.tree.flatten(steps.init_train_state(steps.train_setup(cfg, mesh)))
+    leaf_step = steps.make_leaf_train_step(steps.train_setup(cfg, mesh), treedef)
+    for b in batches:
+        batch = shard_batch(b, mesh)
+        state, want = train_step(state, batch)
+        leaves, got = leaf_step(leaves, batch)
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    assert isinstance(leaves, list)
+    for a, b in zip(leaves, jax.tree.leaves(state), strict=True):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(jax.tree.unflatten(treedef, leaves).step) == 3
+
+
 # ~60 s of training; in make test, test_decode_cli's fixture trains a model that must
 # then translate its task exactly.
 @pytest.mark.slow

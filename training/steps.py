@@ -228,6 +228,37 @@ def make_train_step(
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
     """The compiled `train_step(state, batch) -> (state, metrics)`; `state` is donated.
 
+    See `_train_step_fn` for what a step does.
+    """
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    fn = _train_step_fn(setup)
+    return jax.jit(fn, donate_argnums=0, out_shardings=(setup.shardings, replicated))
+
+
+def make_leaf_train_step(setup: TrainSetup, treedef: Any) -> Callable[..., Any]:
+    """`make_train_step`'s step on the state's leaves: `step(leaves, batch) -> (leaves,
+    metrics)`, leaves = `jax.tree.leaves(state)` (donated), treedef its structure.
+
+    The same program, called with a flat list: a jitted call's host cost grows with
+    the pytree nodes of its arguments, and base's TrainState is 608 arrays under
+    nnx.State nodes. On the 2-core box a call that only passes that state through
+    returned after 9.7 ms, against 1.3 ms for the same arrays in a list; on a GPU
+    the host's time per step bounds small-batch training (docs/PERFORMANCE.md).
+    """
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    fn = _train_step_fn(setup)
+
+    def step(leaves, batch):
+        state, metrics = fn(jax.tree.unflatten(treedef, leaves), batch)
+        return jax.tree.leaves(state), metrics
+
+    shardings = treedef.flatten_up_to(setup.shardings)  # one per leaf
+    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated))
+
+
+def _train_step_fn(setup: TrainSetup):
+    """`train_step(state, batch) -> (state, metrics)`, not yet compiled.
+
     A step whose loss or gradients are not finite leaves params and optimizer
     state unchanged (step and RNG streams still advance) and reports
     `metrics["nonfinite"] = 1`.
@@ -288,8 +319,7 @@ def make_train_step(
         new_state = TrainState(state.step + 1, params, opt_state, rngs)
         return new_state, metrics
 
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(train_step, donate_argnums=0, out_shardings=(setup.shardings, replicated))
+    return train_step
 
 
 def make_eval_step(
