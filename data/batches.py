@@ -54,35 +54,52 @@ def assemble_bucketed(
     }
 
 
+def _spans(lengths: np.ndarray, rows: np.ndarray, num_rows: int):
+    """Where each pair's tokens go in its row: (row, column, pair, position) per token.
+
+    lengths [P] tokens of each pair, rows [P] its row (pairs of a row consecutive, in
+    order) -> four [N] arrays, N = lengths.sum(): a pair's tokens follow the earlier
+    pairs of its row, position = index within the pair.
+    """
+    ends = np.cumsum(lengths)  # [P]
+    row_first = np.searchsorted(rows, np.arange(num_rows))  # [R] first pair of each row
+    before = np.concatenate([[0], ends])[row_first]  # [R] tokens of earlier rows
+    pair = np.repeat(np.arange(len(lengths)), lengths)  # [N]
+    position = np.arange(int(ends[-1]) if len(ends) else 0) - (ends - lengths)[pair]
+    column = (ends - lengths)[pair] - before[rows[pair]] + position
+    return rows[pair], column, pair, position
+
+
 def assemble_packed(tc: TokenizedCorpus, rows: list[list[int]], num_rows: int, length: int):
-    """A packed batch: several pairs per row with segment ids and positions."""
-    out = {
-        k: np.zeros((num_rows, length), np.int32)
-        for k in (
-            "src",
-            "tgt_in",
-            "tgt_out",
-            "src_segments",
-            "tgt_segments",
-            "src_positions",
-            "tgt_positions",
-        )
-    }
-    for r, members in enumerate(rows):
-        ps = pt = 0
-        for seg, i in enumerate(members, start=1):
-            s = tc.src_flat[tc.src_start[i] : tc.src_start[i] + min(tc.src_len[i], length - 1)]
-            t = tc.tgt_flat[tc.tgt_start[i] : tc.tgt_start[i] + min(tc.tgt_len[i], length - 1)]
-            ls, lt = len(s) + 1, len(t) + 1
-            out["src"][r, ps : ps + ls - 1] = s
-            out["src"][r, ps + ls - 1] = EOS_ID
-            out["tgt_in"][r, pt] = BOS_ID
-            out["tgt_in"][r, pt + 1 : pt + lt] = t
-            out["tgt_out"][r, pt : pt + lt - 1] = t
-            out["tgt_out"][r, pt + lt - 1] = EOS_ID
-            out["src_segments"][r, ps : ps + ls] = seg
-            out["tgt_segments"][r, pt : pt + lt] = seg
-            out["src_positions"][r, ps : ps + ls] = np.arange(ls)
-            out["tgt_positions"][r, pt : pt + lt] = np.arange(lt)
-            ps, pt = ps + ls, pt + lt
+    """A packed batch: several pairs per row with segment ids and positions.
+
+    rows: per row, the local indices of its pairs (fitting in `length` tokens each
+    side, EOS and BOS included) -> [num_rows, length] int32 per key. Gathered with
+    index arithmetic (one read of the cache per array), not a loop over pairs: a
+    packed base batch of 8,192 tokens took ~7 ms of the host's time per step.
+    """
+    keys = ("src", "tgt_in", "tgt_out", "src_segments", "tgt_segments", "src_positions",
+            "tgt_positions")  # fmt: skip
+    out = {k: np.zeros((num_rows, length), np.int32) for k in keys}
+    sizes = [len(m) for m in rows]
+    idx = np.fromiter((i for m in rows for i in m), np.int64, sum(sizes))  # [P] pairs
+    row_of = np.repeat(np.arange(len(rows)), sizes)  # [P]
+    segment = np.arange(len(idx)) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1  # [P]
+    for side, flat, start, n in (
+        ("src", tc.src_flat, tc.src_start, tc.src_len),
+        ("tgt", tc.tgt_flat, tc.tgt_start, tc.tgt_len),
+    ):
+        ids_len = np.minimum(np.asarray(n[idx], np.int64), length - 1)  # [P] ids kept
+        r, c, pair, pos = _spans(ids_len + 1, row_of, num_rows)  # +1: EOS or BOS
+        first = np.asarray(start[idx], np.int64)[pair]  # [N] the pair's first id
+        last = pos == ids_len[pair]  # [N] the extra slot: EOS after src / tgt_out
+        body = flat[np.where(last, first, first + pos)] if len(first) else np.zeros(0)
+        out[f"{side}_segments"][r, c] = segment[pair]
+        out[f"{side}_positions"][r, c] = pos
+        if side == "src":
+            out["src"][r, c] = np.where(last, EOS_ID, body)
+            continue
+        out["tgt_out"][r, c] = np.where(last, EOS_ID, body)
+        shifted = flat[np.where(pos == 0, first, first + pos - 1)] if len(first) else body
+        out["tgt_in"][r, c] = np.where(pos == 0, BOS_ID, shifted)
     return out

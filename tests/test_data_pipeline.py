@@ -522,3 +522,60 @@ def test_the_iterator_unmaps_the_shards_pages_over_the_limit(
     for _ in range(7):
         next(it)
     assert len(released) == releases and all(tc is it._tc for tc in released)
+
+
+def _packed_reference(tc, rows, num_rows, length):
+    """One pair at a time: ids (cut to length - 1), EOS / BOS, segments 1.., positions."""
+    keys = ["src", "tgt_in", "tgt_out", "src_segments", "tgt_segments"]
+    out = {k: np.zeros((num_rows, length), np.int32) for k in [*keys, "src_positions",
+                                                               "tgt_positions"]}  # fmt: skip
+    for r, members in enumerate(rows):
+        ps = pt = 0
+        for seg, i in enumerate(members, start=1):
+            s = list(tc.src_flat[tc.src_start[i] :][: min(tc.src_len[i], length - 1)])
+            t = list(tc.tgt_flat[tc.tgt_start[i] :][: min(tc.tgt_len[i], length - 1)])
+            for k, v in (("src", [*s, EOS_ID]), ("tgt_in", [BOS_ID, *t])):
+                out[k][r, (ps if k == "src" else pt) :][: len(v)] = v
+            out["tgt_out"][r, pt : pt + len(t) + 1] = [*t, EOS_ID]
+            for side, at, n in (("src", ps, len(s) + 1), ("tgt", pt, len(t) + 1)):
+                out[f"{side}_segments"][r, at : at + n] = seg
+                out[f"{side}_positions"][r, at : at + n] = range(n)
+            ps, pt = ps + len(s) + 1, pt + len(t) + 1
+    return out
+
+
+@pytest.mark.parametrize("length", [4, 16, 64])
+def test_packed_batch_equals_one_pair_at_a_time(length):
+    """assemble_packed's index arithmetic against a loop over pairs: long pairs cut to
+    length - 1 ids, empty sides, empty rows (at the start, middle and end)."""
+    from types import SimpleNamespace
+
+    from data.batches import assemble_packed
+
+    rng = np.random.default_rng(length)
+    n = 300
+    src_len, tgt_len = rng.integers(0, length // 3 + 1, (2, n))
+    src_len[::7], tgt_len[3::7] = 2 * length, 2 * length  # cut to length - 1 ids
+    starts = lambda x: np.concatenate([[0], np.cumsum(x)[:-1]])
+    tc = SimpleNamespace(
+        src_flat=rng.integers(4, 99, src_len.sum()).astype(np.int32),
+        tgt_flat=rng.integers(4, 99, tgt_len.sum()).astype(np.int32),
+        src_start=starts(src_len), tgt_start=starts(tgt_len), src_len=src_len, tgt_len=tgt_len,
+    )  # fmt: skip
+    order, rows, k = rng.permutation(n), [[]], 0
+    for _ in range(9):
+        row, ps, pt = [], 0, 0
+        while k < n:
+            i = int(order[k])
+            ls, lt = min(src_len[i], length - 1) + 1, min(tgt_len[i], length - 1) + 1
+            if ps + ls > length or pt + lt > length:
+                break
+            row, ps, pt, k = [*row, i], ps + ls, pt + lt, k + 1
+        rows.append(row)
+    rows.insert(5, [])
+    got = assemble_packed(tc, rows, len(rows) + 1, length)  # and a last, empty row
+    want = _packed_reference(tc, rows, len(rows) + 1, length)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert sum(map(len, rows)) > 9  # pairs were packed together
