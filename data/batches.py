@@ -54,6 +54,14 @@ def assemble_bucketed(
     }
 
 
+def _take(flat: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """flat[at], positions clipped into flat (zeros if it is empty): the slots that read
+    past a pair's ids (its EOS or BOS) are overwritten by the caller."""
+    if not len(flat):
+        return np.zeros(len(at), np.int32)
+    return flat[np.clip(at, 0, len(flat) - 1)]
+
+
 def _spans(lengths: np.ndarray, rows: np.ndarray, num_rows: int):
     """Where each pair's tokens go in its row: (row, column, pair, position) per token.
 
@@ -65,7 +73,7 @@ def _spans(lengths: np.ndarray, rows: np.ndarray, num_rows: int):
     row_first = np.searchsorted(rows, np.arange(num_rows))  # [R] first pair of each row
     before = np.concatenate([[0], ends])[row_first]  # [R] tokens of earlier rows
     pair = np.repeat(np.arange(len(lengths)), lengths)  # [N]
-    position = np.arange(int(ends[-1]) if len(ends) else 0) - (ends - lengths)[pair]
+    position = np.arange(lengths.sum()) - (ends - lengths)[pair]
     column = (ends - lengths)[pair] - before[rows[pair]] + position
     return rows[pair], column, pair, position
 
@@ -94,13 +102,13 @@ def assemble_packed(tc: TokenizedCorpus, rows: list[list[int]], num_rows: int, l
         r, c, pair, pos = _spans(ids_len + 1, row_of, num_rows)  # +1: EOS or BOS
         first = np.asarray(start[idx], np.int64)[pair]  # [N] the pair's first id
         last = pos == ids_len[pair]  # [N] the extra slot: EOS after src / tgt_out
-        body = flat[np.where(last, first, first + pos)] if len(first) else np.zeros(0)
+        body = _take(flat, first + pos)  # the EOS slot reads a neighbour, replaced below
         out[f"{side}_segments"][r, c] = segment[pair]
         out[f"{side}_positions"][r, c] = pos
         if side == "src":
             out["src"][r, c] = np.where(last, EOS_ID, body)
             continue
         out["tgt_out"][r, c] = np.where(last, EOS_ID, body)
-        shifted = flat[np.where(pos == 0, first, first + pos - 1)] if len(first) else body
+        shifted = _take(flat, first + pos - 1)  # the BOS slot likewise
         out["tgt_in"][r, c] = np.where(pos == 0, BOS_ID, shifted)
     return out

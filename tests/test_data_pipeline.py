@@ -579,3 +579,24 @@ def test_packed_batch_equals_one_pair_at_a_time(length):
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
     assert sum(map(len, rows)) > 9  # pairs were packed together
+
+
+def test_packed_batch_of_empty_sides_at_the_ends_of_the_cache():
+    """Pairs whose side has no ids, first and last in the cache (start 0 and start =
+    the flat array's length), and a cache whose target side holds no ids at all."""
+    from types import SimpleNamespace
+
+    from data.batches import assemble_packed
+
+    src_len, tgt_len = np.array([0, 3, 2, 0]), np.array([0, 0, 0, 0])
+    tc = SimpleNamespace(
+        src_flat=np.arange(10, 15, dtype=np.int32), tgt_flat=np.zeros(0, np.int32),
+        src_start=np.array([0, 0, 3, 5]), tgt_start=np.zeros(4, np.int64),
+        src_len=src_len, tgt_len=tgt_len,
+    )  # fmt: skip
+    rows = [[0, 3], [1, 2], []]
+    got = assemble_packed(tc, rows, 3, 8)
+    want = _packed_reference(tc, rows, 3, 8)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    np.testing.assert_array_equal(got["src"][1, :7], [10, 11, 12, EOS_ID, 13, 14, EOS_ID])
