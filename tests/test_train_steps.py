@@ -242,8 +242,9 @@ def test_the_step_on_leaves_is_the_step_on_the_state_bit_for_bit():
     batches = [reverse_batch(rng, 8, 10, 40) for _ in range(3)]
     cfg = small_train_config()
     mesh, train_step, state = _setup(cfg)
-    leaves, treedef = jax.tree.flatten(steps.init_train_state(steps.train_setup(cfg, mesh)))
-    leaf_step = steps.make_leaf_train_step(steps.train_setup(cfg, mesh), treedef)
+    setup = steps.train_setup(cfg, mesh)
+    leaves, treedef = jax.tree.flatten(steps.init_train_state(setup))
+    leaf_step = steps.make_leaf_train_step(setup, treedef)
     for b in batches:
         batch = shard_batch(b, mesh)
         state, want = train_step(state, batch)
