@@ -18,7 +18,7 @@ def set_gpu_flags() -> None:
 
 
 def build_train_step(config):
-    """(mesh, graphdef, state, train_step) of `training.steps` for `config`, state born sharded.
+    """(mesh, setup, state, train_step) of `training.steps` for `config`, state born sharded.
 
     The same set-up as `training.train_and_evaluate` (`steps.train_setup`), checks included.
     """
@@ -29,7 +29,7 @@ def build_train_step(config):
     config_lib.validate(config)
     mesh = mesh_lib.make_mesh(config)
     setup = steps.train_setup(config, mesh)
-    return mesh, setup.graphdef, steps.init_train_state(setup), steps.make_train_step(setup)
+    return mesh, setup, steps.init_train_state(setup), steps.make_train_step(setup)
 
 
 def device_info() -> dict[str, Any]:

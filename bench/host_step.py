@@ -57,8 +57,7 @@ def main(argv=None) -> None:
     config.batch_tokens = args.batch_tokens
     if jax.default_backend() == "cpu":
         config.model.dtype = "float32"
-    mesh, _, state, tree_step = common.build_train_step(config)
-    setup = steps.train_setup(config, mesh)
+    mesh, setup, state, tree_step = common.build_train_step(config)
     per, div = args.batch_tokens // args.length, mesh_lib.batch_divisor(mesh)
     rows = max(div, per - per % div)
     rng = np.random.default_rng(0)

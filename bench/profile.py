@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     config.model.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     config.mesh_data, config.mesh_fsdp, config.mesh_tensor = -1, 1, 1
     cfg = config_lib.model_config(config)
-    mesh, graphdef, state, train_step = common.build_train_step(config)
+    mesh, setup, state, train_step = common.build_train_step(config)
 
     rows_per = config.batch_tokens // args.length
     b = max(mesh_lib.batch_divisor(mesh), rows_per - rows_per % mesh_lib.batch_divisor(mesh))
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     host = {"src": ids(), "tgt_in": ids(), "tgt_out": ids()}
     host["tgt_in"][:, 0] = 2
     batch = mesh_lib.shard_batch(host, mesh)
-    model = nnx.merge(graphdef, state.params, state.rngs)
+    model = nnx.merge(setup.graphdef, state.params, state.rngs)
 
     def head_loss(model, y, batch):  # the train step's loss (training.steps._forward_sums)
         tgt, eps = batch["tgt_out"], config.label_smoothing
