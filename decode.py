@@ -29,10 +29,14 @@ This file only parses flags into `inference.options.DecodeOptions`; the work is
 
 from __future__ import annotations
 
-import os
-import sys
+import time
 
-from absl import app, flags, logging
+_STARTED = time.perf_counter()  # --stats counts start-up from here
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -65,7 +69,11 @@ flags.DEFINE_enum(
 )  # fmt: skip
 flags.DEFINE_string("plot_attention", None, "Write cross-attention heatmaps (PNG) into this dir.")
 flags.DEFINE_integer("num_plots", 4, "How many sentences --plot_attention draws.")
-flags.DEFINE_integer("batch_tokens", 4096, "Padded source tokens per batch (x beam in memory).")
+flags.DEFINE_integer(
+    "batch_tokens", None,
+    "Padded source tokens per batch (x beam in memory; default: 4096 on a CPU, 32768 on a "
+    "GPU or TPU).",
+)  # fmt: skip
 flags.DEFINE_integer("max_length", None, "Longest source in tokens incl. EOS (default: max_len).")
 flags.DEFINE_enum("long_lines", "truncate", ["truncate", "split"], "What to do with long lines.")
 flags.DEFINE_integer("n_best", 1, "Hypotheses per line, best first (<= beam_size; jsonl).")
@@ -110,6 +118,16 @@ flags.DEFINE_boolean("restart", False, "Discard a partial --output of an earlier
 flags.DEFINE_boolean(
     "dry_run", False, "Read, tokenize, batch and write without the model (lines are copied)."
 )
+flags.DEFINE_integer(
+    "steps_per_check", None,
+    "Search steps between tests of whether every source is done (default: the platform's, "
+    "8 on a GPU, 1 elsewhere). The output is the same for any value.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "stats", None,
+    "Write where the wall time went (start-up, programs, host work, device busy and idle) "
+    "into this file as JSON, and a table to stderr.",
+)  # fmt: skip
 
 # Settings an exported translator fixes (a CTranslate2 model has defaults for them):
 # None in the options when not given here.
@@ -118,7 +136,7 @@ _OPTIONS = (
     "workdir", "exported", "input", "output", "reference", "split", "checkpoint_step",
     "average_last", "batch_tokens", "max_length", "long_lines", "output_format", "alignment",
     "plot_attention", "num_plots", "export", "read_lines", "restart", "dry_run", "export_ct2",
-    "quantization", "ct2", "device", "threads",
+    "quantization", "ct2", "device", "threads", "steps_per_check", "stats",
 )  # fmt: skip
 
 
@@ -148,6 +166,10 @@ def main(argv: list[str]) -> None:
     try:
         options = options_from_flags()
         options.check()
+        if options.stats:
+            from inference import timing
+
+            timing.enable(origin=_STARTED)
         cache = FLAGS.compilation_cache
         cache = xla.enable_compilation_cache(xla.default_cache_dir() if cache is None else cache)
         from inference import programs

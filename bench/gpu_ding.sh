@@ -2,20 +2,22 @@
 # Issue 23, point 5: configs/base.py trained on Ding for a fixed time on one GPU,
 # then dev and test BLEU/chrF (beam 4). Run on the device machine with .whl/
 # (bench/fetch_wheels.sh) and .data/de-en (the Ding file) carried along:
-#   bash bench/gpu_ding.sh <seconds of training> <output dir> [--config.X=Y ...]
-# (the flags after the output dir go to train.py after the ones below, so they win)
+#   [CONFIG=configs/ding.py] bash bench/gpu_ding.sh <seconds of training> <output dir> \
+#     [--config.X=Y ...]
+# (CONFIG: the config file, default configs/base.py; the flags after the output dir go
+# to train.py after the ones below, so they win)
 # Here, first: bash bench/fetch_wheels.sh; mkdir -p .data; cp /usr/share/trans/de-en .data/
 # Then run(carry=[".whl", ".data"]) with `bash bench/gpu_ding.sh 390 $OUT` (one H100,
 # 2026-11-26: 8.1 min of the call; results in README "Results"). Draw the curve here:
 #   python bench/learning_curve.py --metrics=OUT/metrics.jsonl --output=curve.png
 set -u
-[[ $# -ge 2 ]] || { sed -n 5,6p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $# -ge 2 ]] || { sed -n 5,7p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 secs=$1; out=$2; shift 2; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site ATTENTION_JAX_DING=$PWD/.data/de-en PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'; } >"$out/env.txt" 2>&1
 # Packed rows: one compiled step (bucketed rows would compile one per length bucket).
-timeout -s TERM "$secs" python3 train.py --config=configs/base.py --workdir=/tmp/w \
+timeout -s TERM "$secs" python3 train.py --config="${CONFIG:-configs/base.py}" --workdir=/tmp/w \
   --config.dataset=ding --config.packing=True --config.batch_tokens=8192 \
   --config.eval_every_steps=1000 --config.eval_max_examples=500 \
   --config.checkpoint_every_steps=5000 --config.checkpoint_every_minutes=0 "$@" \

@@ -160,7 +160,10 @@ def _write_programs(
     """Serialize each width's programs into `directory`: the whole search, and its stages
     (start, then a resume per larger room). Returns (bytes per program, rooms per width)."""
     max_len = model_config.max_len
-    keys = ("beam_size", "n_best", "vocab_limit", "length_penalty", "stop")
+    # One program serves every platform: the most steps per check any of them wants.
+    per = max(beam.steps_per_check(p) for p in platforms or [jax.default_backend()])
+    search = {**search, "steps_per_check": per}
+    keys = ("beam_size", "n_best", "vocab_limit", "length_penalty", "stop", "steps_per_check")
     rule = search_rule(*(search[k] for k in keys))
     searcher = lambda flat: LiveSearch(live(flat), rule, search["alpha"])
     state_def = beam.state_treedef(model_config.num_decoder_layers)

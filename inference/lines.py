@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from data.files import atomic_write
+from inference import timing
 from inference.hypothesis import Hypothesis
 from inference.translate import Progress, Translator
 from model import EOS_ID
@@ -203,8 +204,10 @@ def translate_segments(
     progress: Progress | None = None,
 ) -> Translated:
     """Translate the segments of `encode_lines`; `progress(sentences, tokens)` per batch."""
-    search = translator.translate([s.ids for s in segments], progress)
-    hypotheses = line_hypotheses(tokenizer, segments, search, len(line_tokens))
+    with timing.phase("search"):
+        search = translator.translate([s.ids for s in segments], progress)
+    with timing.phase("detokenize"):
+        hypotheses = line_hypotheses(tokenizer, segments, search, len(line_tokens))
     return Translated(hypotheses, list(segments), search, line_tokens)
 
 

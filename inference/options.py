@@ -31,6 +31,11 @@ SPLITS = ("train", "dev", "test")
 # (docs/decoding.md, bench/decode_stream.py --plans).
 READ_LINES_PER_BATCH_TOKEN = 2.5
 MIN_READ_LINES = 10_000
+# Padded source tokens per batch when --batch_tokens is not given, by platform: a
+# CPU's batches stay small (a search step's time grows with its rows), an
+# accelerator's are made big enough to keep it busy (beam search holds K x as many
+# tokens, each with a key and a value per layer in its cache).
+BATCH_TOKENS = {"cpu": 4096, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
 
 
 class UsageError(Exception):
@@ -52,7 +57,7 @@ class DecodeOptions:
     n_best: int | None = None  # None: 1, or the export's
     checkpoint_step: int | None = None  # None: the newest checkpoint
     average_last: int = 1  # average the parameters of the last N checkpoints
-    batch_tokens: int = 4096  # padded source tokens per batch
+    batch_tokens: int | None = None  # padded source tokens per batch (None: BATCH_TOKENS)
     max_length: int | None = None  # longest source in tokens with EOS (None: the model's)
     long_lines: str = "truncate"  # or "split" into segments of max_length
     output_format: str = "text"  # or "jsonl": n-best texts, scores, tokens
@@ -71,6 +76,8 @@ class DecodeOptions:
     read_lines: int | None = None  # lines per chunk (None: see `chunk_lines`)
     restart: bool = False  # ignore a partial output of an earlier run and start over
     dry_run: bool = False  # read, tokenize, plan and write without running the model
+    steps_per_check: int | None = None  # search steps per stopping test (None: the platform's)
+    stats: str | None = None  # write where the wall time went (JSON) into this file
 
     @property
     def search(self) -> tuple[int, float, int]:
@@ -91,7 +98,19 @@ class DecodeOptions:
         """Lines per chunk: --read_lines, or max(10000, 2.5 x --batch_tokens)."""
         if self.read_lines is not None:
             return self.read_lines
-        return max(MIN_READ_LINES, round(READ_LINES_PER_BATCH_TOKEN * self.batch_tokens))
+        return max(MIN_READ_LINES, round(READ_LINES_PER_BATCH_TOKEN * self.tokens_per_batch))
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """--batch_tokens, or the default of the platform the search runs on (BATCH_TOKENS;
+        CTranslate2's: --device)."""
+        if self.batch_tokens is not None:
+            return self.batch_tokens
+        if self.ct2:
+            return BATCH_TOKENS[self.device or "cpu"]
+        import jax
+
+        return BATCH_TOKENS.get(jax.default_backend(), BATCH_TOKENS["cpu"])
 
     def check(self) -> None:
         """Combinations that cannot work, before anything slow happens (UsageError)."""
@@ -103,8 +122,14 @@ class DecodeOptions:
                 "--workdir is required (the directory train.py wrote), or --exported, or --ct2"
             )
         beam_size, alpha, n_best = self.search
-        if beam_size < 1 or alpha < 0 or self.batch_tokens < 1:
+        if beam_size < 1 or alpha < 0 or (self.batch_tokens is not None and self.batch_tokens < 1):
             raise UsageError("need --beam_size >= 1, --alpha >= 0 and --batch_tokens >= 1")
+        if self.steps_per_check is not None and self.steps_per_check < 1:
+            raise UsageError(
+                f"--steps_per_check must be >= 1 (or 0: the platform's), got {self.steps_per_check}"
+            )
+        if self.steps_per_check is not None and (self.ct2 or self.exported):
+            raise UsageError("--steps_per_check is for --workdir (an export fixes its own)")
         if not 1 <= n_best <= beam_size:
             raise UsageError(f"--n_best must be in [1, --beam_size={beam_size}]")
         if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):

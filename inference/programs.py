@@ -37,6 +37,8 @@ from typing import Any
 
 import jax
 
+from inference import timing
+
 _directory: str | None = None
 # key -> a loaded or compiled executable (jax.stages.Compiled), or the jitted function
 _loaded: dict[str, Any] = {}
@@ -179,7 +181,8 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
         if os.path.exists(os.path.join(_directory, key + UNKEPT)):
             compiled = functools.partial(fn, graphdef, **static)  # as before: jax.jit
         else:
-            compiled = _load(path) if os.path.exists(path) else None
+            with timing.phase("programs"):
+                compiled = _load(path) if os.path.exists(path) else None
         if compiled is None:
             compiled = _compile(fn, graphdef, args, static)
             _save(path, compiled)

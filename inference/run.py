@@ -17,6 +17,7 @@ chunks done for the next run.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from typing import Any
 import jax
 
 from data import DataError, Tokenizer, load_split
+from inference import timing
 from inference.export import ExportedTranslator, export_translator
 from inference.lines import CorpusScores, LineReader, count_lines
 from inference.options import DecodeOptions, UsageError
@@ -48,7 +50,7 @@ from model import Transformer
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
-    "quantization",
+    "quantization", "steps_per_check", "stats",
 )  # fmt: skip
 
 
@@ -104,10 +106,11 @@ def open_translator(options: DecodeOptions) -> Loaded:
         beam_size=beam_size,
         alpha=alpha,
         n_best=n_best,
-        batch_tokens=options.batch_tokens,
+        batch_tokens=options.tokens_per_batch,
         vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
         length_penalty=options.penalty,
         stop=options.stop or "bound",
+        steps_per_check=options.steps_per_check,
     )
     identity = workdir_identity(options.workdir, step, options.average_last)
     return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
@@ -115,7 +118,7 @@ def open_translator(options: DecodeOptions) -> Loaded:
 
 def _open_exported(options: DecodeOptions) -> Loaded:
     try:
-        translator = ExportedTranslator.load(options.exported, options.batch_tokens)
+        translator = ExportedTranslator.load(options.exported, options.tokens_per_batch)
         tokenizer = Tokenizer.load(translator.tokenizer_path)
     except (OSError, ValueError, DataError) as e:
         raise UsageError(str(e)) from e
@@ -135,7 +138,9 @@ def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
     """--dry_run: `loaded` with a translator that plans and fills its batches but runs no
     model (each line comes out as its own tokens, detokenized)."""
     t = loaded.translator
-    stand_in = PlanOnlyTranslator(t.max_len, t.beam_size, t.alpha, t.n_best, options.batch_tokens)
+    stand_in = PlanOnlyTranslator(
+        t.max_len, t.beam_size, t.alpha, t.n_best, options.tokens_per_batch
+    )
     return dataclasses.replace(
         loaded, translator=stand_in, description=f"{loaded.description} (dry run: no model)"
     )
@@ -153,7 +158,7 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
             n_best=options.search[2],
             device=options.device or "cpu",
             threads=options.threads,
-            batch_tokens=options.batch_tokens,
+            batch_tokens=options.tokens_per_batch,
         )
         tokenizer = Tokenizer.load(translator.tokenizer_path)
     except (ImportError, OSError, ValueError, DataError) as e:
@@ -268,6 +273,7 @@ def describe_job(
     settings.update(
         beam_size=t.beam_size, alpha=t.alpha, n_best=t.n_best, max_length=max_length,
         plot_attention=plots, read_lines=options.chunk_lines,
+        batch_tokens=options.tokens_per_batch,
         length_penalty=getattr(t, "length_penalty", None), stop=getattr(t, "stop", None),
     )  # fmt: skip
     model = loaded.identity or {"translator": loaded.description}
@@ -327,8 +333,31 @@ def run(options: DecodeOptions) -> None:
         )
     if split is not None:
         total = len(split[0])
+    earlier = Totals.from_record(out.done)  # what an earlier run of the job did
+    timing.mark("started")
     totals = _translate(options, loaded, out, max_length, split, total)
     report(totals, loaded, options, max_length)
+    if options.stats:
+        write_stats(options, totals, earlier)
+
+
+def write_stats(options: DecodeOptions, totals: Totals, earlier: Totals) -> None:
+    """--stats: where this run's wall time went (inference/timing.py), as one JSON object in
+    the file and a table on stderr."""
+    lines, tokens = totals.lines - earlier.lines, totals.tokens - earlier.tokens
+    b = timing.breakdown(lines=lines, tokens=tokens)
+    b.update(
+        backend=jax.default_backend(),
+        device_kind=jax.devices()[0].device_kind,
+        devices=jax.device_count(),
+        batch_tokens=options.tokens_per_batch,
+    )
+    try:
+        with open(options.stats, "w") as f:
+            f.write(json.dumps(b) + "\n")
+    except OSError as e:
+        raise UsageError(f"--stats {options.stats}: {e.strerror}") from e
+    print(timing.table(b), file=sys.stderr)
 
 
 def _translate(

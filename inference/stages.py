@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from data.plans import MIN_ROWS, plan_translation
+from inference import timing
 from inference.hypothesis import hypotheses
 from model import EOS_ID
 from model.beam import BeamState, join_sources, take_sources
@@ -185,6 +186,7 @@ class _Stages:
         _SHAPES_RUN.add((self.key, rows, width, room))
         early = self.early(rows, width, room)
         out = self.search.resume(place(state, self.sharding), room, *early)
+        timing.dispatched(out)
         return out, chunk, width, room, rows
 
     def finish(self, job: _Job) -> _Job | None:
@@ -192,10 +194,11 @@ class _Stages:
         fewer rows (returned) if it stopped early, or wait in a pool for the next room."""
         (state, done), chunk, width, room, rows = job
         n = self.search.n_best
-        done, step = fetch((done, state.step))
-        # Sliced on the host: a slice on the device is a small program per shape, each
-        # traced, lowered and loaded in every process (~0.1 s).
-        tokens, scores = (x[:, :n] for x in fetch((state.fin_seqs, state.fin_scores)))
+        with timing.phase("fetch"):
+            done, step = fetch((done, state.step))
+            # Sliced on the host: a slice on the device is a small program per shape, each
+            # traced, lowered and loaded in every process (~0.1 s).
+            tokens, scores = (x[:, :n] for x in fetch((state.fin_seqs, state.fin_scores)))
         count = 0
         for r, j in enumerate(chunk):
             if done[r]:
@@ -301,6 +304,7 @@ def run_stages(
         src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)
         room = stage_rooms(width, max_len)[0]
         out = search.start(place(src, sharding), room, *stages.early(rows, width, room))
+        timing.dispatched(out)
         return out, chunk, width, room, rows
 
     stages.drain(lambda c=c, w=w, r=r: fresh(c, w, r) for c, w, r in plan)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from inference import timing
 from inference.alignment import add_alignments
 from inference.lines import (
     CorpusScores,
@@ -116,15 +117,17 @@ class Output(Protocol):
 
 def translate_chunk(job: StreamJob, lines: list[str], meter: Meter) -> tuple[Translated, int]:
     """One chunk of lines translated (with alignments if asked); and how many were long."""
-    segments, line_tokens, num_long = encode_lines(
-        job.tokenizer, lines, job.max_length, job.long_lines == "split"
-    )
+    with timing.phase("tokenize"):
+        segments, line_tokens, num_long = encode_lines(
+            job.tokenizer, lines, job.max_length, job.long_lines == "split"
+        )
     meter.start_chunk(len(lines), len(segments))
     translated = translate_segments(
         job.translator, job.tokenizer, segments, line_tokens, meter.batch
     )
     if job.alignment:
-        add_alignments(job.model, job.tokenizer, translated)
+        with timing.phase("alignment"):
+            add_alignments(job.model, job.tokenizer, translated)
     return translated, num_long
 
 
@@ -143,7 +146,8 @@ def _chunk(
     A function of its own so that the chunk's lines and translations are freed when it
     returns, before the next chunk is read (never two chunks in memory).
     """
-    lines, bad_utf8 = job.source.read(job.read_lines)
+    with timing.phase("read"):
+        lines, bad_utf8 = job.source.read(job.read_lines)
     if not lines:
         return None
     start = time.perf_counter()
@@ -157,7 +161,8 @@ def _chunk(
         plots += len(
             plot_lines(job.model, job.tokenizer, translated, job.plot_attention, count, plots)
         )
-    text = output_text(format_lines(translated.hypotheses, job.output_format))
+    with timing.phase("format"):
+        text = output_text(format_lines(translated.hypotheses, job.output_format))
     totals = dataclasses.replace(
         totals,
         lines=totals.lines + len(lines),
@@ -181,7 +186,8 @@ def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
     scores = CorpusScores(totals.scores) if job.references is not None else None
     while (chunk := _chunk(job, totals, scores, meter)) is not None:
         data, totals = chunk
-        out.append(data, dataclasses.asdict(totals))
+        with timing.phase("write"):
+            out.append(data, dataclasses.asdict(totals))
         del chunk, data
         meter.end_chunk()
     if job.references is not None and job.references.read(1)[0]:

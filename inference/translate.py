@@ -75,16 +75,18 @@ def search_rule(
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     stop: str = "bound",
+    steps_per_check: int | None = None,
 ) -> beam.Rule:
     """model/beam.py's settings for what decode.py asks: beam search that stops a source
     once its n_best best are final ("bound") or no live beam would beat them if it
     ended next ("heuristic"), or for beam_size 1 greedy search (the first hypothesis
-    that ends), scored the same way."""
+    that ends), scored the same way; testing whether to stop every `steps_per_check`
+    steps (None: the platform's, model/beam.py `steps_per_check`)."""
     if stop not in beam.BEAM_STOPS:
         raise ValueError(f"stop must be one of {beam.BEAM_STOPS}, got {stop!r}")
-    return beam.Rule(
-        beam_size, n_best, "first" if beam_size == 1 else stop, length_penalty, vocab_limit
-    )
+    per = beam.steps_per_check() if steps_per_check is None else steps_per_check
+    stop = "first" if beam_size == 1 else stop
+    return beam.Rule(beam_size, n_best, stop, length_penalty, vocab_limit, per)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +151,14 @@ def search_fn(
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     stop: str = "bound",
+    steps_per_check: int | None = None,
 ) -> WholeSearch:
     """One batch's whole search as one program: src [B, S] -> tokens [B, n_best, L],
     scores [B, n_best] (L = S + 50; what inference/export.py exports for plain JAX).
 
     The same search as `LiveSearch`, its stages in one program (model/beam.py `search`).
     """
-    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty, stop)
+    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty, stop, steps_per_check)
 
     def search(src: jax.Array) -> tuple[jax.Array, jax.Array]:
         length, extra = decode_shape(model, src, None)
@@ -183,6 +186,7 @@ def translate_ids(
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     min_rows: int = MIN_ROWS,
     stop: str = "bound",
+    steps_per_check: int | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -202,13 +206,15 @@ def translate_ids(
       min_rows: the fewest rows of a batch (data.plans.plan_translation): 1 for a
         dev set translated again and again, where 8 rows of filler cost 8x the search.
       stop: "bound" (exact) or "heuristic" (about half the steps; model/beam.py `Rule`).
+      steps_per_check: steps between tests of the stopping condition (the same results
+        for any value); None = the platform's (model/beam.py `steps_per_check`).
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).
     """
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
-    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty, stop)
+    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty, stop, steps_per_check)
     return run_stages(
         LiveSearch(model, rule, alpha),
         sources,
@@ -232,6 +238,7 @@ class LiveTranslator:
     vocab_limit: int | None = None
     length_penalty: str = DEFAULT_LENGTH_PENALTY
     stop: str = "bound"
+    steps_per_check: int | None = None
 
     @property
     def max_len(self) -> int:
@@ -251,6 +258,7 @@ class LiveTranslator:
             progress=progress,
             length_penalty=self.length_penalty,
             stop=self.stop,
+            steps_per_check=self.steps_per_check,
         )
 
 

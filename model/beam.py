@@ -65,6 +65,9 @@ class Rule:
       "bound"); "first": at the first finished hypothesis (greedy, with K = 1).
     penalty: the length penalty, "gnmt" or "average".
     vocab_limit: never emit ids >= this (None = the whole vocabulary).
+    steps_per_check: how many steps the search takes between tests of its stopping
+      condition (`run`; `steps_per_check(platform)` picks one). The results are the
+      same for every value: a finished source gains nothing from more steps.
     """
 
     beam_size: int
@@ -72,6 +75,7 @@ class Rule:
     stop: str = "bound"
     penalty: str = DEFAULT_LENGTH_PENALTY
     vocab_limit: int | None = None
+    steps_per_check: int = 1
 
     def __post_init__(self) -> None:
         if self.n_best is None:
@@ -80,6 +84,22 @@ class Rule:
             raise ValueError(f"n_best must be in [1, {self.beam_size}], got {self.n_best}")
         if self.stop not in STOPS:
             raise ValueError(f"stop must be one of {STOPS}, got {self.stop!r}")
+        if self.steps_per_check < 1:
+            raise ValueError(f"steps_per_check must be >= 1, got {self.steps_per_check}")
+
+
+# Steps between tests of a search's stopping condition, by platform. XLA:GPU runs a
+# `while_loop` by copying its condition to the host at every iteration and launching
+# the body's kernels again, so the device waits for a round trip per iteration; XLA
+# on CPUs and TPUs tests the condition where it computes it. A wider body also
+# compiles longer.
+STEPS_PER_CHECK = {"cpu": 1, "tpu": 1, "gpu": 8, "cuda": 8, "rocm": 8}
+
+
+def steps_per_check(platform: str | None = None) -> int:
+    """The steps per test of the stopping condition for `platform` (default: JAX's
+    default backend); 1 for a platform not listed."""
+    return STEPS_PER_CHECK.get(platform or jax.default_backend(), 1)
 
 
 class BeamState(NamedTuple):
@@ -237,11 +257,14 @@ def run(
     step `until`: the caller then goes on with those few in a smaller batch instead
     of computing every row until the batch's slowest source ends.
 
-    A large search (`LARGE_SEARCH_BYTES`) takes two steps per iteration (a last single
-    step fills an odd room): a step's cache reorder is a gather, which cannot write the
-    buffer it reads, so a one-step loop copies it back every step; with two, the first
-    writes a fresh buffer and the second the loop's own. It may run one step more than
-    needed: a done source gains nothing, and it never passes the room.
+    Each iteration takes `rule.steps_per_check` steps in a loop of that fixed trip
+    count, which XLA:GPU runs without reading a condition back. A large search
+    (`LARGE_SEARCH_BYTES`) takes its steps two at a time: a step's cache reorder is
+    a gather, which cannot write the buffer it reads, so a one-step loop copies it
+    back every step; with two, the first writes a fresh buffer and the second the
+    loop's own. Single steps then fill what is left of the room. The loop may run a
+    few steps more than needed: a done source gains nothing, and it never passes the
+    room.
     """
     b, k, capacity = s.live_seqs.shape
 
@@ -250,12 +273,20 @@ def run(
         few = (unfinished <= keep) & (s.step < until)
         return (s.step < capacity) & (unfinished > 0) & ~few
 
-    one = lambda s: step(model, s, alpha, rule)
-    if _large(model, b * k, capacity):
-        s = jax.lax.while_loop(
-            lambda s: cond(s) & (s.step + 2 <= capacity), lambda s: one(one(s)), s
-        )
-    return jax.lax.while_loop(cond, one, s)
+    def steps(n: int) -> Callable[[BeamState], BeamState]:
+        def body(s: BeamState) -> BeamState:
+            for _ in range(n):
+                s = step(model, s, alpha, rule)
+            return s
+
+        return body
+
+    unroll = 2 if _large(model, b * k, capacity) else 1
+    per = -(-max(rule.steps_per_check, unroll) // unroll) * unroll  # a multiple of unroll
+    if per > 1:
+        trips = lambda s: jax.lax.fori_loop(0, per // unroll, lambda _, s: steps(unroll)(s), s)
+        s = jax.lax.while_loop(lambda s: cond(s) & (s.step + per <= capacity), trips, s)
+    return jax.lax.while_loop(cond, steps(1), s)
 
 
 def grow(s: BeamState, capacity: int) -> BeamState:

@@ -225,6 +225,7 @@ def beam_search(
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     stop: str = "bound",
+    steps_per_check: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's).
 
@@ -242,6 +243,8 @@ def beam_search(
       stop: "bound" (exact: however long a live beam grows, it cannot win) or
         "heuristic" (it would not win if it ended at the next step: about half the
         steps; model/beam.py `Rule`).
+      steps_per_check: steps between tests of the stopping condition (the same
+        results for any value); None = the platform's (model/beam.py `steps_per_check`).
     Returns:
       tokens [B, K, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores
       [B, K] float32 = log P / lp(len) (gnmt: ((5 + len) / 6)^alpha, len counting
@@ -262,7 +265,10 @@ def beam_search(
         raise ValueError(f"stop must be one of {beam.BEAM_STOPS}, got {stop!r}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
-    rule = beam.Rule(beam_size, stop=stop, penalty=length_penalty, vocab_limit=vocab_limit)
+    per = beam.steps_per_check() if steps_per_check is None else steps_per_check
+    rule = beam.Rule(
+        beam_size, stop=stop, penalty=length_penalty, vocab_limit=vocab_limit, steps_per_check=per
+    )
     s = beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
     return beam.results(s)
 
@@ -277,6 +283,7 @@ def translate(
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     stop: str = "bound",
+    steps_per_check: int | None = None,
 ) -> jax.Array:
     """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy).
 
@@ -293,5 +300,6 @@ def translate(
         vocab_limit=vocab_limit,
         length_penalty=length_penalty,
         stop=stop,
+        steps_per_check=steps_per_check,
     )
     return tokens[:, 0]  # [B, K, L] -> [B, L]

@@ -76,6 +76,7 @@ def train_flops(cfg: TransformerConfig, src_tokens: int, tgt_tokens: int, s: int
 # host to prepare the next batches while the device works, few enough that a SIGTERM
 # is answered within about a second of steps instead of after every step JAX queued.
 RUN_AHEAD_SECONDS = 1.0
+HOST_PARTS = ("input", "put", "dispatch", "wait")
 MIN_RUN_AHEAD_STEPS = 2
 
 
@@ -91,6 +92,9 @@ class TrainWindow:
         self.model_cfg, self.peak_flops, self.num_devices = model_cfg, peak_flops, num_devices
         self.steps: list[Any] = []  # per step: metrics dict (device arrays, then fetched)
         self.lengths: list[tuple[int, int]] = []  # per step: padded (S, T)
+        # host seconds by part over the window's steps: input (the next batch), put (onto
+        # the devices), dispatch (the step's call), wait (for the steps in flight)
+        self.host: dict[str, float] = dict.fromkeys(HOST_PARTS, 0.0)
         self.start = time.time()
         # Steps allowed in flight: about RUN_AHEAD_SECONDS of them at the last window's
         # pace (fast steps keep a queue that absorbs the host's hiccups), at least 2.
@@ -99,6 +103,10 @@ class TrainWindow:
     def add(self, step_metrics: Mapping[str, Any], src_len: int, tgt_len: int) -> None:
         self.steps.append(step_metrics)
         self.lengths.append((src_len, tgt_len))
+
+    def time(self, part: str, seconds: float) -> None:
+        """Count `seconds` of host time to `part` (one of HOST_PARTS)."""
+        self.host[part] += seconds
 
     def wait(self) -> None:
         """Wait until at most `self.in_flight` of the window's steps are still running.
@@ -110,7 +118,9 @@ class TrainWindow:
         the train state, so waiting for one waits for every step before it.
         """
         if len(self.steps) > self.in_flight:
+            t0 = time.perf_counter()
             jax.block_until_ready(self.steps[-1 - self.in_flight])
+            self.host["wait"] += time.perf_counter() - t0
 
     def fetch(self) -> list[dict[str, Any]]:
         """The window's step metrics on the host (waits for the steps in flight)."""
@@ -148,8 +158,12 @@ class TrainWindow:
             "mfu": flops / elapsed / (self.peak_flops * self.num_devices)
             if self.peak_flops
             else None,
+            # the host's milliseconds per step by part; the rest of a step's wall time
+            # (1000 / steps_per_sec) is the loop's other work
+            **{f"host_{k}_ms": 1e3 * v / len(fetched) for k, v in self.host.items()},
         }
         self.steps, self.lengths = [], []
+        self.host = dict.fromkeys(HOST_PARTS, 0.0)
         self.in_flight = max(MIN_RUN_AHEAD_STEPS, int(RUN_AHEAD_SECONDS * row["steps_per_sec"]))
         self.restart_clock()
         return fetched, row
