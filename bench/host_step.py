@@ -4,9 +4,10 @@ device, and calling the compiled step until it returns (dispatch).
     python bench/host_step.py --config=base [--batch_tokens=8192] [--length=256] [--iters=20]
 
 Each call waits for the step before the next one, so the device is idle while the
-host works and the two are measured apart. The step is called two ways: on the
-`TrainState` pytree (`steps.make_train_step`) and on its leaves in a list
-(`steps.make_leaf_train_step`, what train.py's loop calls). When the host's time per
+host works and the two are measured apart. The step is called three ways: on the
+`TrainState` pytree (`steps.make_train_step`), on its leaves in a list, and on
+the state packed into a few buffers (`steps.make_packed_train_step`, what
+train.py's loop calls; training/packed.py). When the host's time per
 step (this, plus the input pipeline's next batch) exceeds the device's, the device
 waits: small batches on a GPU. The call's time does not grow with the batch: on a
 CPU, where a base step of 8,192 tokens computes for ~30 s, use
@@ -52,6 +53,7 @@ def main(argv=None) -> None:
 
     from training import mesh as mesh_lib
     from training import steps
+    from training.packed import Packing
 
     config = importlib.import_module(f"configs.{args.config}").get_config()
     config.batch_tokens = args.batch_tokens
@@ -71,25 +73,34 @@ def main(argv=None) -> None:
         box["state"], m = tree_step(box["state"], batch)
         return m
 
-    leaves, treedef = jax.tree.flatten(steps.init_train_state(setup))
-    leaf_step = steps.make_leaf_train_step(setup, treedef)
-    box["leaves"] = leaves
+    calls = {}
+    for name, pack in (("leaves", False), ("packed", True)):
+        start = steps.init_train_state(setup)
+        leaves, treedef = jax.tree.flatten(start)
+        packing = Packing.of(leaves, pack=pack)
+        box[name] = steps.make_pack(setup, treedef, packing)(start)
+        del start, leaves
+        step_fn = steps.make_packed_train_step(setup, treedef, packing)
 
-    def on_leaves():
-        box["leaves"], m = leaf_step(box["leaves"], batch)
-        return m
+        def call(name=name, step_fn=step_fn):
+            box[name], m = step_fn(box[name], batch)
+            return m
+
+        calls[name] = call, packing.num_buffers
 
     copy = lambda: mesh_lib.shard_batch(host, mesh)
     rows_out = [
         {"part": "batch to device (shard_batch)", "ms": _host_ms(copy, common.block, args.iters)},
         {"part": "step call, TrainState", "ms": _host_ms(on_tree, common.block, args.iters)},
-        {"part": "step call, leaves", "ms": _host_ms(on_leaves, common.block, args.iters)},
     ]
+    for name, (call, buffers) in calls.items():
+        part = f"step call, {name} ({buffers} arrays)"
+        rows_out.append({"part": part, "ms": _host_ms(call, common.block, args.iters)})
     meta = {
         "device": common.device_info(),
         "config": args.config,
         "batch": [rows, args.length],
-        "state_arrays": len(leaves),
+        "state_arrays": len(jax.tree.leaves(state)),
         "iters": args.iters,
     }
     common.report("host_step", meta, rows_out, ["part", "ms"])

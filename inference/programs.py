@@ -183,6 +183,8 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
         else:
             with timing.phase("programs"):
                 compiled = _load(path) if os.path.exists(path) else None
+            if compiled is not None:
+                timing.count("loaded")
         if compiled is None:
             compiled = _compile(fn, graphdef, args, static)
             _save(path, compiled)

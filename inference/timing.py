@@ -39,6 +39,7 @@ class _State:
         self.origin = time.perf_counter()  # the start of the job (enable's `origin`)
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.marks: dict[str, float] = {}
+        self.counts: dict[str, int] = collections.defaultdict(int)
         self.busy = 0.0  # device seconds
         self.intervals: list[tuple[float, float]] = []  # device busy or compiling
         self.searches = 0
@@ -74,6 +75,8 @@ def enable(origin: float | None = None) -> None:
 def _on_event(event: str, seconds: float, **_: Any) -> None:
     if _state.on and event in _COMPILE_EVENTS:
         _state.seconds["programs"] += seconds
+        if event == _COMPILE_EVENTS[-1]:
+            _state.counts["compiled_or_cached"] += 1
         now = time.perf_counter()
         _state.intervals.append((now - seconds, now))
 
@@ -100,9 +103,10 @@ def phase(name: str) -> Iterator[None]:
             _state.intervals.append((t0, end))
 
 
-def add(name: str, seconds: float) -> None:
+def count(name: str) -> None:
+    """Count one more of `name` (e.g. "loaded": programs read from disk)."""
     if _state.on:
-        _state.seconds[name] += seconds
+        _state.counts[name] += 1
 
 
 def dispatched(outputs: Any) -> None:
@@ -164,6 +168,7 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
             max(0.0, work - busy_or_compiling) / max(work - programs, 1e-9), 4
         ),
         "searches": _state.searches,
+        "programs": dict(_state.counts),
         "phases_s": seconds,
         "lines": lines,
         "target_tokens": tokens,

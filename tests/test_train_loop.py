@@ -33,14 +33,14 @@ CHILD = textwrap.dedent(
 
     overrides, workdir, sig = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     at = int(sys.argv[4])
-    make = steps.make_leaf_train_step  # the step the loop calls
+    make = steps.make_packed_train_step  # the step the loop calls
 
-    def make_killing(setup, treedef):
-        train_step = make(setup, treedef)
+    def make_killing(setup, treedef, packing):
+        train_step = make(setup, treedef, packing)
 
-        def step(leaves, batch):
-            leaves, metrics = train_step(leaves, batch)
-            if int(jax.tree.unflatten(treedef, leaves).step) == at:
+        def step(buffers, batch):
+            buffers, metrics = train_step(buffers, batch)
+            if int(jax.tree.unflatten(treedef, packing.unpack(buffers)).step) == at:
                 if sig == "SIGKILL":
                     every = small_train_config(**overrides).checkpoint_every_steps
                     done = os.path.join(workdir, "checkpoints", str(at // every * every))
@@ -48,12 +48,12 @@ CHILD = textwrap.dedent(
                     while not os.path.isdir(done) and time.time() < deadline:
                         time.sleep(0.05)
                 os.kill(os.getpid(), getattr(signal, sig))
-            return leaves, metrics
+            return buffers, metrics
 
         return step
 
     if at > 0:
-        steps.make_leaf_train_step = make_killing
+        steps.make_packed_train_step = make_killing
     summary = loop.train_and_evaluate(small_train_config(**overrides), workdir)
     print("SUMMARY " + json.dumps({"step": summary["step"], "preempted": summary["preempted"]}))
     """

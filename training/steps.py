@@ -31,6 +31,7 @@ from training.config import model_config
 from training.loss import chunked_loss_sums
 from training.mesh import BATCH_AXES, axis_rules, gathered, state_shardings
 from training.optim import make_optimizer, make_schedule
+from training.packed import Packing
 
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
@@ -235,25 +236,44 @@ def make_train_step(
     return jax.jit(fn, donate_argnums=0, out_shardings=(setup.shardings, replicated))
 
 
-def make_leaf_train_step(setup: TrainSetup, treedef: Any) -> Callable[..., Any]:
-    """`make_train_step`'s step on the state's leaves: `step(leaves, batch) -> (leaves,
-    metrics)`, leaves = `jax.tree.leaves(state)` (donated), treedef its structure.
+def make_packed_train_step(setup: TrainSetup, treedef: Any, packing: Packing) -> Callable[..., Any]:
+    """`make_train_step`'s step on the state packed into a few buffers (training/packed.py):
+    `step(buffers, batch) -> (buffers, metrics)`, buffers = `packing.pack(leaves)` of
+    leaves = `jax.tree.leaves(state)` (donated), treedef the state's structure.
 
-    The same program, called with a flat list: a jitted call's host cost grows with
-    the pytree nodes of its arguments, and base's TrainState is 608 arrays under
-    nnx.State nodes. On the 2-core box a call of base's step returned after 7.0-7.3
-    ms on the TrainState, 3.8-4.2 ms on its leaves (bench/host_step.py); on a GPU
+    The same computation, called with a few arrays: a jitted call's host cost grows
+    with the arrays it takes and returns (base's TrainState has 608), and on a GPU
     the host's time per step bounds small-batch training (docs/PERFORMANCE.md).
+    XLA fuses the optimizer's update with the packing, so results agree with
+    `make_train_step`'s to rounding (bit for bit when nothing is packed); a run
+    and its resumption take the same path, so resuming stays exact.
     """
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     fn = _train_step_fn(setup)
 
-    def step(leaves, batch):
-        state, metrics = fn(jax.tree.unflatten(treedef, leaves), batch)
-        return jax.tree.leaves(state), metrics
+    def step(buffers, batch):
+        state = jax.tree.unflatten(treedef, packing.unpack(buffers))
+        state, metrics = fn(state, batch)
+        return packing.pack(jax.tree.leaves(state)), metrics
 
-    shardings = treedef.flatten_up_to(setup.shardings)  # one per leaf
+    shardings = packing.shardings(treedef.flatten_up_to(setup.shardings), replicated)
     return jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated))
+
+
+def make_pack(setup: TrainSetup, treedef: Any, packing: Packing) -> Callable[..., Any]:
+    """`pack(state) -> buffers`, compiled (a copy of the state)."""
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    shardings = packing.shardings(treedef.flatten_up_to(setup.shardings), replicated)
+    pack = jax.jit(packing.pack, out_shardings=shardings)
+    return lambda state: pack(jax.tree.leaves(state))
+
+
+def make_unpack(setup: TrainSetup, treedef: Any, packing: Packing) -> Callable[..., Any]:
+    """`unpack(buffers) -> TrainState`, compiled, each leaf in its sharding (a copy: the
+    buffers stay valid, e.g. for a checkpoint between steps)."""
+    shardings = treedef.flatten_up_to(setup.shardings)
+    unpack = jax.jit(packing.unpack, out_shardings=shardings)
+    return lambda buffers: jax.tree.unflatten(treedef, unpack(buffers))
 
 
 def _train_step_fn(setup: TrainSetup):
