@@ -123,6 +123,24 @@ flags.DEFINE_integer(
     "Search steps between tests of whether every source is done (default: the platform's, "
     "8 on a GPU, 1 elsewhere). The output is the same for any value.",
 )  # fmt: skip
+flags.DEFINE_boolean(
+    "carry_over", None,
+    "Carry a batch's unfinished sentences over to smaller batches with more room (fewer "
+    "rows computed, more programs compiled; the default on a CPU) instead of running each "
+    "batch's whole search in one program (the default on a GPU or TPU). Same output.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "coordinator_address", None,
+    "Several processes (hosts) translating one input into one output: HOST:PORT of process 0 "
+    "(jax.distributed), with --num_processes and --process_id; as train.py's.",
+)  # fmt: skip
+flags.DEFINE_integer("num_processes", None, "Several processes: how many.")
+flags.DEFINE_integer("process_id", None, "Several processes: this one's index (0 writes).")
+flags.DEFINE_enum(
+    "distributed", "auto", ["auto", "on", "off"],
+    "jax.distributed.initialize: 'auto' = when the flags above are given or a cluster is "
+    "detected (TPU VM, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS); 'on' = always; 'off' = never.",
+)  # fmt: skip
 flags.DEFINE_string(
     "stats", None,
     "Write where the wall time went (start-up, programs, host work, device busy and idle) "
@@ -136,7 +154,7 @@ _OPTIONS = (
     "workdir", "exported", "input", "output", "reference", "split", "checkpoint_step",
     "average_last", "batch_tokens", "max_length", "long_lines", "output_format", "alignment",
     "plot_attention", "num_plots", "export", "read_lines", "restart", "dry_run", "export_ct2",
-    "quantization", "ct2", "device", "threads", "steps_per_check", "stats",
+    "quantization", "ct2", "device", "threads", "steps_per_check", "carry_over", "stats",
 )  # fmt: skip
 
 
@@ -150,6 +168,18 @@ def options_from_flags():
         **given,
         export_platforms=tuple(FLAGS.export_platforms),
     )
+
+
+def start_processes() -> None:
+    """jax.distributed for a job of several processes (before JAX starts a backend)."""
+    from inference.options import UsageError
+    from training import TrainingError, distributed
+
+    where = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    try:
+        distributed.initialize(*where, mode=FLAGS.distributed)
+    except TrainingError as e:
+        raise UsageError(str(e)) from e
 
 
 def main(argv: list[str]) -> None:
@@ -166,6 +196,7 @@ def main(argv: list[str]) -> None:
     try:
         options = options_from_flags()
         options.check()
+        start_processes()
         if options.stats:
             from inference import timing
 

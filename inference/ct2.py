@@ -158,12 +158,10 @@ class CT2Translator:
         check_lengths(sources, self.max_len)
         results: list[list[Hypothesis]] = [[] for _ in sources]
         for rows, found in self._translate_groups(sources):
-            count = 0
             for i, hyps in zip(rows, found, strict=True):
                 results[i] = hyps
-                count += len(hyps[0].tokens) + 1 if hyps else 0
             if progress is not None:
-                progress(len(rows), count)
+                progress(rows, found)
         return results
 
     def _translate_groups(

@@ -202,10 +202,21 @@ def translate_segments(
     segments: Sequence[Segment],
     line_tokens: list[list[int]],
     progress: Progress | None = None,
+    known: dict[int, list[Hypothesis]] | None = None,
 ) -> Translated:
-    """Translate the segments of `encode_lines`; `progress(sentences, tokens)` per batch."""
+    """Translate the segments of `encode_lines`; `progress(indices, hypotheses)` per batch
+    (inference/stages.py `Progress`, indices into `segments`). known: segments translated
+    before (a resumed chunk's journal), given their hypotheses instead of translated."""
+    known = known or {}
+    todo = [i for i in range(len(segments)) if i not in known]
+    relay = None
+    if progress is not None:  # the translator's indices are into `todo`
+        relay = lambda indices, found: progress([todo[i] for i in indices], found)
     with timing.phase("search"):
-        search = translator.translate([s.ids for s in segments], progress)
+        found = translator.translate([segments[i].ids for i in todo], relay)
+    search = [known.get(i) for i in range(len(segments))]
+    for i, hyps in zip(todo, found, strict=True):
+        search[i] = hyps
     with timing.phase("detokenize"):
         hypotheses = line_hypotheses(tokenizer, segments, search, len(line_tokens))
     return Translated(hypotheses, list(segments), search, line_tokens)

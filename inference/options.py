@@ -77,6 +77,7 @@ class DecodeOptions:
     restart: bool = False  # ignore a partial output of an earlier run and start over
     dry_run: bool = False  # read, tokenize, plan and write without running the model
     steps_per_check: int | None = None  # search steps per stopping test (None: the platform's)
+    carry_over: bool | None = None  # unfinished sources to smaller batches (None: the platform's)
     stats: str | None = None  # write where the wall time went (JSON) into this file
 
     @property
@@ -130,6 +131,8 @@ class DecodeOptions:
             )
         if self.steps_per_check is not None and (self.ct2 or self.exported):
             raise UsageError("--steps_per_check is for --workdir (an export fixes its own)")
+        if self.carry_over is not None and (self.ct2 or self.exported):
+            raise UsageError("--carry_over is for --workdir (an export carries over)")
         if not 1 <= n_best <= beam_size:
             raise UsageError(f"--n_best must be in [1, --beam_size={beam_size}]")
         if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):

@@ -34,7 +34,11 @@ _log = logging.getLogger(__name__)
 
 
 def restore_model(
-    workdir: str, *, step: int | None = None, average_last: int = 1
+    workdir: str,
+    *,
+    step: int | None = None,
+    average_last: int = 1,
+    sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[Transformer, ml_collections.ConfigDict, int]:
     """The trained model of WORKDIR, its config, and the checkpoint step it was loaded from.
 
@@ -43,6 +47,8 @@ def restore_model(
       step: the checkpoint to load; None = the newest complete one.
       average_last: average the parameters of this many checkpoints ending at
         `step` (paper section 6.1); 1 = no averaging.
+      sharding: where every array of the model goes (e.g. replicated over a mesh of
+        all devices); None = the first local device.
     Raises:
       TrainingError: no workdir, no config.json, no checkpoint, unknown step, or a
         checkpoint that cannot be read (see `Checkpoints.restore_params`).
@@ -56,7 +62,7 @@ def restore_model(
         raise TrainingError(f"{workdir}/{CONFIG_FILE}: {e}") from e
     abstract_model = nnx.eval_shape(lambda: build_model(config, model_cfg))
     graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    device = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
     )
@@ -67,7 +73,9 @@ def restore_model(
         step, chosen = _choose(manager.all_steps(), step, average_last, directory)
         params = manager.mean_params(chosen, abstract_params)
     # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
-    rngs = jax.jit(lambda: nnx.split(build_model(config, model_cfg), nnx.Param, ...)[2])()
+    rngs = jax.jit(
+        lambda: nnx.split(build_model(config, model_cfg), nnx.Param, ...)[2], out_shardings=device
+    )()
     return nnx.merge(graphdef, params, rngs), config, step
 
 
@@ -95,7 +103,11 @@ def _choose(
 
 
 def load_workdir(
-    workdir: str, *, step: int | None = None, average_last: int = 1
+    workdir: str,
+    *,
+    step: int | None = None,
+    average_last: int = 1,
+    sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[Transformer, ml_collections.ConfigDict, int, Tokenizer]:
     """`restore_model` and the workdir's tokenizer, for decode.py: UsageError says what is
     wrong (a missing workdir, tokenizer, config.json or checkpoint)."""
@@ -103,7 +115,9 @@ def load_workdir(
     if os.path.isdir(workdir) and not os.path.isfile(tokenizer_path):
         raise UsageError(f"{tokenizer_path} is missing; was {workdir} made by train.py?")
     try:
-        model, config, step = restore_model(workdir, step=step, average_last=average_last)
+        model, config, step = restore_model(
+            workdir, step=step, average_last=average_last, sharding=sharding
+        )
         tokenizer = Tokenizer.load(tokenizer_path)
     except (TrainingError, DataError) as e:
         raise UsageError(str(e)) from e

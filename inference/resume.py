@@ -18,6 +18,13 @@ exclusive lock on the partial file keeps a second process off the same output.
 `big.en` itself is replaced only by `finish` (fsync, rename), so an old file of
 that name survives until the new one is complete.
 
+Within a chunk, each finished batch's results go to `big.en.partial.journal`
+(`Journal`: one JSON line a batch, tagged with the line the chunk starts at),
+so a run killed mid-chunk loses at most the batches in flight: the same job
+run again reads the chunk again and translates only the sources the journal
+lacks (a source's result does not depend on its batch). The journal is
+emptied once its chunk is in the output and the record.
+
 stdout, a device or a pipe ('-', /dev/null, a FIFO) is written as it comes,
 without a record. A job whose input cannot be read again from an offset
 (stdin) has `job=None`: its partial file is started over by every run.
@@ -35,10 +42,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any, BinaryIO
 
 from data.files import atomic_write
+from inference.hypothesis import Hypothesis
 from inference.options import UsageError
 
 PARTIAL = ".partial"  # the output while it is written
 RECORD = ".partial.json"  # its progress record
+JOURNAL = ".partial.journal"  # the results of the running chunk's finished batches
 _RECORD_VERSION = 1
 _HEAD_BYTES = 1 << 20  # an input's identity hashes its first MiB (size and mtime cover the rest)
 
@@ -110,6 +119,7 @@ class StreamOutput:
 
     resumable = False
     done: dict[str, Any] = {}  # noqa: RUF012 (never written to)
+    journal = None
 
     def __init__(self, path: str):
         self.path = path
@@ -126,6 +136,55 @@ class StreamOutput:
     def close(self) -> None:
         if self.path != "-":
             self._file.close()
+
+
+class Journal:
+    """The results of the running chunk's finished batches, one JSON line a batch:
+    {"at": the chunk's first line, "i": [source indices in the chunk], "h": [[[tokens],
+    score], ...] per source}. Lines of another chunk, and a torn last line, are ignored."""
+
+    def __init__(self, path: str, at: int):
+        self.path, self.at = path, at
+        self._file: Any = None
+
+    def read(self) -> dict[int, list[Hypothesis]]:
+        """{source index: its hypotheses} of the batches this chunk finished before."""
+        found: dict[int, list[Hypothesis]] = {}
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                    except ValueError:  # the line a kill tore
+                        continue
+                    if entry.get("at") != self.at:
+                        continue
+                    for i, hyps in zip(entry["i"], entry["h"], strict=True):
+                        found[int(i)] = [Hypothesis(list(t), float(sc)) for t, sc in hyps]
+        except FileNotFoundError:
+            pass
+        return found
+
+    def write(self, indices: Sequence[int], found: Sequence[list[Hypothesis]]) -> None:
+        """One finished batch's results, flushed to the OS (a killed process loses none)."""
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        hyps = [[[h.tokens, h.score] for h in hs] for hs in found]
+        entry = {"at": self.at, "i": [int(i) for i in indices], "h": hyps}
+        self._file.write(json.dumps(entry) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def clear(self, at: int) -> None:
+        """Empty it for the chunk that starts at line `at`."""
+        self.close()
+        with open(self.path, "w", encoding="utf-8"):
+            pass
+        self.at = at
 
 
 class PartialOutput:
@@ -154,33 +213,41 @@ class PartialOutput:
                 "another --output"
             ) from None
         try:
-            self.done = self._resumed() if existed and self.job and not restart else {}
-            if not self.done:
+            resumed = self._resumed() if existed and self.job and not restart else None
+            self.done = resumed or {}
+            if resumed is None:  # a fresh start: an earlier run's journal is another job's
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.record)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path + JOURNAL)
             self._file.truncate(self.done.get("output_bytes", 0))
             self._file.seek(0, os.SEEK_END)
-            if not self.done:
+            if resumed is None:
                 self._save({})
+            # a job that cannot be resumed (stdin) keeps no journal
+            self.journal = Journal(path + JOURNAL, self.done.get("lines", 0)) if self.job else None
         except BaseException:
             self._file.close()
             raise
 
-    def _resumed(self) -> dict[str, Any]:
-        """The record of an earlier run of this job; {} if there is none to go on from."""
+    def _resumed(self) -> dict[str, Any] | None:
+        """The record of an earlier run of this job ({} in its first chunk: only its
+        journal to go on from); None if there is none to go on from."""
         try:
             with open(self.record, encoding="utf-8") as f:
                 record = json.load(f)
         except FileNotFoundError:
-            return {}  # a first chunk never finished: nothing to keep
+            return None  # a first chunk never finished, or a finished job: nothing to keep
         except (OSError, ValueError) as e:
             raise UsageError(
                 f"cannot read the progress record {self.record} ({e}); add --restart to start over"
             ) from e
         done = record.get("done", {})
+        same = record.get("version") == _RECORD_VERSION and record.get("job") == self.job
         if not done.get("lines"):
-            return {}  # killed in its first chunk: nothing to keep, whatever the job was
-        if record.get("version") != _RECORD_VERSION or record.get("job") != self.job:
+            # killed in its first chunk: its journal is kept for the same job, else dropped
+            return {} if same else None
+        if not same:
             changed = differences(record.get("job"), self.job)
             raise UsageError(
                 f"{self.partial} holds {done.get('lines', 0)} lines of a job with other inputs "
@@ -205,25 +272,33 @@ class PartialOutput:
             os.fsync(f.fileno())
 
     def append(self, data: bytes, done: dict[str, Any]) -> None:
-        """A complete chunk's bytes, on disk, then `done` (its record: counts with it)."""
+        """A complete chunk's bytes, on disk, then `done` (its record: counts with it), then
+        the journal emptied for the next chunk."""
         self._file.write(data)
         self._file.flush()
         os.fsync(self._file.fileno())
         self.done = {**done, "output_bytes": self._file.tell()}
         self._save(self.done)
+        if self.journal is not None:
+            self.journal.clear(self.done.get("lines", 0))
 
     def finish(self) -> None:
-        """The output under its name, complete; the record removed."""
+        """The output under its name, complete; the record and journal removed."""
         os.fsync(self._file.fileno())
         os.replace(self.partial, self.path)  # still locked: no other run takes the name
         _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         self._file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.record)
+        if self.journal is not None:
+            self.journal.close()
+        for leftover in (self.record, self.path + JOURNAL):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(leftover)
 
     def close(self) -> None:
-        """Stop without finishing: the partial file and its record stay for a resume."""
+        """Stop without finishing: the partial file, record and journal stay for a resume."""
         self._file.close()
+        if self.journal is not None:
+            self.journal.close()
 
 
 def _fsync_dir(path: str) -> None:

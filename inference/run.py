@@ -17,6 +17,7 @@ chunks done for the next run.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 import jax
 
 from data import DataError, Tokenizer, load_split
-from inference import timing
+from inference import devices, timing
 from inference.export import ExportedTranslator, export_translator
 from inference.lines import CorpusScores, LineReader, count_lines
 from inference.options import DecodeOptions, UsageError
@@ -38,7 +39,6 @@ from inference.resume import (
     file_identity,
     files_identity,
     lines_identity,
-    open_output,
 )
 from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
 from inference.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
@@ -50,7 +50,7 @@ from model import Transformer
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
-    "quantization", "steps_per_check", "stats",
+    "quantization", "steps_per_check", "carry_over", "stats",
 )  # fmt: skip
 
 
@@ -97,8 +97,12 @@ def open_translator(options: DecodeOptions) -> Loaded:
         return _open_exported(options)
     if options.ct2:
         return _open_ct2(options)
+    rows, replicated = devices.shardings()  # every device of the job, or None for one
     model, config, step, tokenizer = load_workdir(
-        options.workdir, step=options.checkpoint_step, average_last=options.average_last
+        options.workdir,
+        step=options.checkpoint_step,
+        average_last=options.average_last,
+        sharding=replicated,
     )
     beam_size, alpha, n_best = options.search
     translator = LiveTranslator(
@@ -111,6 +115,8 @@ def open_translator(options: DecodeOptions) -> Loaded:
         length_penalty=options.penalty,
         stop=options.stop or "bound",
         steps_per_check=options.steps_per_check,
+        carry=options.carry_over,
+        sharding=rows,
     )
     identity = workdir_identity(options.workdir, step, options.average_last)
     return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
@@ -301,6 +307,19 @@ def _kept(out: Any) -> str:
     return f"; {lines} lines are kept in {out.partial}: run the same command again to go on"
 
 
+def check_processes(options: DecodeOptions) -> None:
+    """What a job of several processes cannot do (UsageError)."""
+    if jax.process_count() == 1:
+        return
+    single = ["export", "export_ct2", "ct2", "exported", "dry_run", "alignment", "plot_attention"]
+    used = [f"--{name}" for name in single if getattr(options, name)]
+    if used:
+        raise UsageError(
+            f"{', '.join(used)} run(s) in one process: drop them, or run without "
+            "--coordinator_address/--num_processes/--process_id"
+        )
+
+
 def run(options: DecodeOptions) -> None:
     """decode.py after its flags were checked; raises UsageError for what the user can fix."""
     if options.ct2 or options.export_ct2:
@@ -311,6 +330,7 @@ def run(options: DecodeOptions) -> None:
         except ImportError as e:
             raise UsageError(str(e)) from e
     total = check_inputs(options)
+    check_processes(options)
     loaded = open_translator(options)
     if options.export:
         return export(loaded, options)
@@ -324,8 +344,8 @@ def run(options: DecodeOptions) -> None:
         raise UsageError(f"--max_length must be >= 2, got {max_length}")
     split = split_lines(loaded.config, options.split) if options.split else None
     job = describe_job(options, loaded, describe_inputs(options, loaded, split), max_length)
-    out = open_output(options.output, job, options.restart)
-    if out.done.get("lines"):
+    out = devices.open_shared_output(options.output, job, options.restart)
+    if out.done.get("lines") and devices.is_main():
         print(
             f"decode.py: going on with {out.partial}: {out.done['lines']} lines were done by "
             "an earlier run of this command",
@@ -336,6 +356,8 @@ def run(options: DecodeOptions) -> None:
     earlier = Totals.from_record(out.done)  # what an earlier run of the job did
     timing.mark("started")
     totals = _translate(options, loaded, out, max_length, split, total)
+    if not devices.is_main():
+        return
     report(totals, loaded, options, max_length)
     if options.stats:
         write_stats(options, totals, earlier)
@@ -369,7 +391,8 @@ def _translate(
     total: int | None,
 ) -> Totals:
     """The stream loop around `out`: finished when complete, kept for a resume otherwise."""
-    meter = Meter(total, out.done.get("lines", 0))
+    quiet = {} if devices.is_main() else {"stream": io.StringIO(), "bar": False}
+    meter = Meter(total, out.done.get("lines", 0), **quiet)
     source = references = None
     try:
         source, references = open_readers(options, split, out.done)

@@ -40,8 +40,14 @@ from model import EOS_ID
 from model.beam import BeamState, join_sources, take_sources
 from model.scoring import EXTRA_DECODE_LEN, rooms
 
-# progress(sentences, output tokens) after each batch
-Progress = Callable[[int, int], None]
+# progress(indices, hypotheses) after each batch: which sources (indices into the list
+# translated) it finished, and their hypotheses
+Progress = Callable[[Sequence[int], Sequence[list[Any]]], None]
+
+
+def output_tokens(found: Sequence[list[Any]]) -> int:
+    """Tokens of the best hypotheses, EOS counted (what the progress meter shows)."""
+    return sum(len(hyps[0].tokens) + 1 for hyps in found if hyps)
 
 
 def stage_rooms(width: int, max_len: int) -> list[int]:
@@ -57,8 +63,10 @@ class Search(Protocol):
     start(src [B, S], room, keep, until) and resume(state, room, keep, until) search
     until every source is finished or the room is full, or at most `keep` are not
     before step `until` (model/beam.py `run`), and return the state and [B] bool,
-    the sources that are finished. A done source's `fin_seqs[b, :n]`, `fin_scores[b, :n]`
-    are its n best hypotheses, best first (-inf: a slot never filled).
+    the sources that are finished. A search may also have `whole(src, rooms)`: the
+    search through each of `rooms` in turn in one program, every source finished.
+    A done source's `fin_seqs[b, :n]`, `fin_scores[b, :n]` are its n best hypotheses,
+    best first (-inf: a slot never filled).
     """
 
     n_best: int
@@ -199,15 +207,16 @@ class _Stages:
             # Sliced on the host: a slice on the device is a small program per shape, each
             # traced, lowered and loaded in every process (~0.1 s).
             tokens, scores = (x[:, :n] for x in fetch((state.fin_seqs, state.fin_scores)))
-        count = 0
+        indices, found = [], []
         for r, j in enumerate(chunk):
             if done[r]:
                 hyps = hypotheses(tokens[r], scores[r])
                 self.results[self.nonempty[j]] = hyps
-                count += len(hyps[0].tokens) + 1 if hyps else 0
+                indices.append(self.nonempty[j])
+                found.append(hyps)
         carried = np.flatnonzero(~done[: len(chunk)])
-        if self.progress is not None:
-            self.progress(len(chunk) - carried.size, count)
+        if self.progress is not None and indices:
+            self.progress(indices, found)
         if not carried.size:
             return None
         kept = take_sources(fetch(state), carried)
@@ -269,6 +278,16 @@ def _pick(parts: list[tuple[np.ndarray, BeamState]], pick: np.ndarray) -> list[B
     return out
 
 
+def carries_over(platform: str | None = None) -> bool:
+    """Whether batches carry their unfinished sources over to smaller batches (the
+    default of `run_stages`'s `carry`): on a CPU, where a step's time grows with its
+    rows and a program compiles in a second or two; not on a GPU or TPU, where a
+    step costs about the same with half the rows and a program of base's size takes
+    ~10-15 s to compile (an H200's in-training evaluation of 500 sentences spent
+    most of 145 s compiling 10-20 staged programs)."""
+    return (platform or jax.default_backend()) == "cpu"
+
+
 def run_stages(
     search: Search,
     sources: Sequence[Sequence[int]],
@@ -278,12 +297,17 @@ def run_stages(
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
     min_rows: int = MIN_ROWS,
+    carry: bool | None = None,
 ) -> list[list[Any]]:
     """Per source, in input order, its hypotheses (inference.hypothesis.Hypothesis).
 
     sources: EOS-terminated id lists of at most max_len tokens; an empty one gets
     no hypotheses without running the model. min_rows: the fewest rows of a batch
     (data.plans.plan_translation): 1 for a dev set translated at every evaluation.
+    carry: carry unfinished sources over to batches of their own with more room (and
+    stop a batch early once half its sources are done); False: each batch runs its
+    whole search, every room, in one program (a search without `whole` always
+    carries). None: `carries_over()` for this platform. The results are the same.
     """
     check_lengths(sources, max_len)
     if batch_tokens < 1:
@@ -299,10 +323,18 @@ def run_stages(
     )
     stages = _Stages(search, sources, nonempty, max_len, progress, sharding, min_rows)
     stages.batches = collections.Counter(width for _, width, _ in plan)
+    if carry is None:
+        carry = carries_over()
+    whole = None if carry else getattr(search, "whole", None)
 
     def fresh(chunk: np.ndarray, width: int, rows: int) -> _Job:
         src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)
-        room = stage_rooms(width, max_len)[0]
+        rooms = stage_rooms(width, max_len)
+        if whole is not None:  # every room in one program: all finished at its end
+            out = whole(place(src, sharding), rooms)
+            timing.dispatched(out)
+            return out, chunk, width, rooms[-1], rows
+        room = rooms[0]
         out = search.start(place(src, sharding), room, *stages.early(rows, width, room))
         timing.dispatched(out)
         return out, chunk, width, room, rows

@@ -22,7 +22,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from inference import timing
+import jax
+
+from inference import devices, timing
 from inference.alignment import add_alignments
 from inference.lines import (
     CorpusScores,
@@ -36,6 +38,8 @@ from inference.lines import (
 from inference.options import UsageError
 from inference.plots import plot_lines
 from inference.progress import Meter
+from inference.resume import Journal
+from inference.stages import output_tokens
 from inference.translate import Translator
 from model import Transformer
 
@@ -108,22 +112,42 @@ class StreamJob:
 
 
 class Output(Protocol):
-    """Where chunks go (inference/resume.py): `done` is the record an earlier run left."""
+    """Where chunks go (inference/resume.py): `done` is the record an earlier run left;
+    `journal` (or None) keeps the running chunk's finished batches."""
 
     done: dict[str, Any]
+    journal: Journal | None
 
     def append(self, data: bytes, done: dict[str, Any]) -> None: ...
 
 
-def translate_chunk(job: StreamJob, lines: list[str], meter: Meter) -> tuple[Translated, int]:
-    """One chunk of lines translated (with alignments if asked); and how many were long."""
+def translate_chunk(
+    job: StreamJob, lines: list[str], meter: Meter, journal: Journal | None = None
+) -> tuple[Translated, int]:
+    """One chunk of lines translated (with alignments if asked); and how many were long.
+
+    journal: where each finished batch's results go, and the results an earlier run
+    of the job left for this chunk, which are not translated again.
+    """
     with timing.phase("tokenize"):
         segments, line_tokens, num_long = encode_lines(
             job.tokenizer, lines, job.max_length, job.long_lines == "split"
         )
     meter.start_chunk(len(lines), len(segments))
+    known = journal.read() if journal is not None else {}
+    if jax.process_count() > 1:  # every process translates what process 0's journal lacks
+        ids = devices.known_sources(known)
+        known = known if devices.is_main() else {i: [] for i in ids}
+    if known:
+        meter.batch(len(known), output_tokens(list(known.values())))
+
+    def progress(indices: Sequence[int], found: Sequence[list[Any]]) -> None:
+        meter.batch(len(indices), output_tokens(found))
+        if journal is not None:
+            journal.write(indices, found)
+
     translated = translate_segments(
-        job.translator, job.tokenizer, segments, line_tokens, meter.batch
+        job.translator, job.tokenizer, segments, line_tokens, progress, known
     )
     if job.alignment:
         with timing.phase("alignment"):
@@ -139,7 +163,11 @@ def _references(job: StreamJob, count: int) -> list[str]:
 
 
 def _chunk(
-    job: StreamJob, totals: Totals, scores: CorpusScores | None, meter: Meter
+    job: StreamJob,
+    totals: Totals,
+    scores: CorpusScores | None,
+    meter: Meter,
+    journal: Journal | None = None,
 ) -> tuple[bytes, Totals] | None:
     """The next chunk translated: (its output bytes, the totals with it), None at the end.
 
@@ -151,7 +179,7 @@ def _chunk(
     if not lines:
         return None
     start = time.perf_counter()
-    translated, num_long = translate_chunk(job, lines, meter)
+    translated, num_long = translate_chunk(job, lines, meter, journal)
     seconds = time.perf_counter() - start
     if scores is not None:
         scores.add(best_texts(translated.hypotheses), _references(job, len(lines)))
@@ -184,7 +212,8 @@ def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
     """Translate `job.source` chunk by chunk into `out`, from where its record says."""
     totals = Totals.from_record(out.done)
     scores = CorpusScores(totals.scores) if job.references is not None else None
-    while (chunk := _chunk(job, totals, scores, meter)) is not None:
+    journal = getattr(out, "journal", None)
+    while (chunk := _chunk(job, totals, scores, meter, journal)) is not None:
         data, totals = chunk
         with timing.phase("write"):
             out.append(data, dataclasses.asdict(totals))

@@ -127,6 +127,21 @@ class LiveSearch:
             call=programs.call,
         )
 
+    def whole(self, src: jax.Array, rooms: list[int]) -> tuple[beam.BeamState, jax.Array]:
+        """The search through each of `rooms` in turn, in one program (every source done)."""
+        length, extra = decode_shape(self.model, src, None)
+        return beam.start(
+            self.model,
+            src,
+            alpha=self.alpha,
+            rule=self.rule,
+            capacity=rooms[0],
+            length=length,
+            extra=extra,
+            more=tuple(rooms[1:]),
+            call=programs.call,
+        )
+
     def resume(
         self, state: beam.BeamState, room: int, keep: int = 0, until: int = 0
     ) -> tuple[beam.BeamState, jax.Array]:
@@ -187,6 +202,7 @@ def translate_ids(
     min_rows: int = MIN_ROWS,
     stop: str = "bound",
     steps_per_check: int | None = None,
+    carry: bool | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -201,13 +217,17 @@ def translate_ids(
       vocab_limit: never emit ids >= this (a tokenizer smaller than the vocabulary).
       sharding: how each batch's [B, S] rows are placed (rows split over devices);
         None = on the default device.
-      progress: called after each batch with (sentences, output tokens) it finished.
+      progress: called after each batch with the indices of the sources it finished
+        and their hypotheses (inference/stages.py `Progress`).
       length_penalty: "gnmt" or "average" (model.decoding.length_penalty).
       min_rows: the fewest rows of a batch (data.plans.plan_translation): 1 for a
         dev set translated again and again, where 8 rows of filler cost 8x the search.
       stop: "bound" (exact) or "heuristic" (about half the steps; model/beam.py `Rule`).
       steps_per_check: steps between tests of the stopping condition (the same results
         for any value); None = the platform's (model/beam.py `steps_per_check`).
+      carry: carry a batch's unfinished sources over to smaller batches (True) or run
+        each batch's whole search in one program (False; fewer programs to compile);
+        None = the platform's (inference/stages.py `carries_over`). The same results.
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).
@@ -223,6 +243,7 @@ def translate_ids(
         sharding=sharding,
         progress=progress,
         min_rows=min_rows,
+        carry=carry,
     )
 
 
@@ -239,6 +260,8 @@ class LiveTranslator:
     length_penalty: str = DEFAULT_LENGTH_PENALTY
     stop: str = "bound"
     steps_per_check: int | None = None
+    carry: bool | None = None
+    sharding: NamedSharding | None = None  # each batch's rows over devices (None: one)
 
     @property
     def max_len(self) -> int:
@@ -259,6 +282,8 @@ class LiveTranslator:
             length_penalty=self.length_penalty,
             stop=self.stop,
             steps_per_check=self.steps_per_check,
+            carry=self.carry,
+            sharding=self.sharding,
         )
 
 
@@ -303,10 +328,8 @@ def echo_batches(
     for chunk, width, rows in plan:
         src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)
         tokens = fetch(place(src, None))[:, None, :]  # [B, S] -> [B, 1, S]
-        count = 0
         for r, j in enumerate(chunk):
             results[nonempty[j]] = hypotheses(tokens[r], np.zeros(1, np.float32))
-            count += len(results[nonempty[j]][0].tokens) + 1
         if progress is not None:
-            progress(len(chunk), count)
+            progress([nonempty[j] for j in chunk], [results[nonempty[j]] for j in chunk])
     return results

@@ -124,10 +124,12 @@ def test_groups_side_by_side_give_what_one_group_at_a_time_gives(ct2_dirs):
     assert len(groups([len(s) for s in sources], three._extra, three.max_len)) > 6
     progress = []
     alone = one.translate(sources)
-    together = three.translate(sources, progress=lambda n, t: progress.append((n, t)))
+    together = three.translate(sources, progress=lambda i, h: progress.append((list(i), h)))
     assert together == alone and together[7] == [] and all(together[:7])
-    assert sum(n for n, _ in progress) == len(sources) - 1
-    assert sum(t for _, t in progress) == sum(len(h[0].tokens) + 1 for h in alone if h)
+    done = [i for indices, _ in progress for i in indices]
+    assert sorted(done) == [i for i in range(len(sources)) if i != 7]  # each source once
+    pairs = [(i, h) for indices, found in progress for i, h in zip(indices, found, strict=True)]
+    assert all(alone[i] == h for i, h in pairs)
 
 
 def test_int8_gives_finite_sensible_translations(ct2_dirs, tmp_path):
