@@ -90,6 +90,19 @@ class Meter:
         self.tokens += tokens
         self._show()
 
+    def skip(self, sentences: int) -> None:
+        """`sentences` segments of the chunk an earlier run translated (not this run's pace)."""
+        lines, segments = self._chunk
+        self._chunk_segments += sentences
+        self.start_done += lines * sentences / max(segments, 1)
+
+    def write(self, text: str) -> None:
+        """A line of news between progress lines (or above the bar)."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream)
+
     def end_chunk(self) -> None:
         self.done += self._chunk[0]
         self._chunk, self._chunk_segments = (0, 1), 0

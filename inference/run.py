@@ -360,18 +360,20 @@ def run(options: DecodeOptions) -> None:
         return
     report(totals, loaded, options, max_length)
     if options.stats:
-        write_stats(options, totals, earlier)
+        write_stats(options, totals, earlier, loaded)
 
 
-def write_stats(options: DecodeOptions, totals: Totals, earlier: Totals) -> None:
+def write_stats(options: DecodeOptions, totals: Totals, earlier: Totals, loaded: Loaded) -> None:
     """--stats: where this run's wall time went (inference/timing.py), as one JSON object in
     the file and a table on stderr."""
     lines, tokens = totals.lines - earlier.lines, totals.tokens - earlier.tokens
     b = timing.breakdown(lines=lines, tokens=tokens)
+    sharding = getattr(loaded.translator, "sharding", None)
     b.update(
         backend=jax.default_backend(),
         device_kind=jax.devices()[0].device_kind,
         devices=jax.device_count(),
+        search_devices=len(getattr(sharding, "device_set", ())) or 1,
         batch_tokens=options.tokens_per_batch,
     )
     try:

@@ -139,7 +139,12 @@ def translate_chunk(
         ids = devices.known_sources(known)
         known = known if devices.is_main() else {i: [] for i in ids}
     if known:
-        meter.batch(len(known), output_tokens(list(known.values())))
+        if devices.is_main():
+            meter.write(
+                f"decode.py: {len(known)} sentences of the running chunk were done by an "
+                "earlier run of this command"
+            )
+        meter.skip(len(known))
 
     def progress(indices: Sequence[int], found: Sequence[list[Any]]) -> None:
         meter.batch(len(indices), output_tokens(found))

@@ -136,9 +136,10 @@ def train_digit_workdir(wd: str) -> None:
     manager.close()
 
 
-def run_decode(*args, stdin=None, pythonpath=""):
-    """decode.py in a child; `pythonpath` goes before the repository (e.g. module stubs)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath + ROOT}
+def run_decode(*args, stdin=None, pythonpath="", env=None):
+    """decode.py in a child; `pythonpath` goes before the repository (e.g. module stubs);
+    `env`: the child's environment, before JAX_PLATFORMS and PYTHONPATH are set."""
+    env = {**(env or os.environ), "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath + ROOT}
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "decode.py"), *args],
         input=stdin,

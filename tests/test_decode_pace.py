@@ -1,0 +1,237 @@
+"""decode.py at the accelerator's pace: the search's steps per stopping test, batches
+searched whole or carried over, every device of the job (8 forced host devices, 2
+processes), a chunk's finished batches kept across a kill, and --stats.
+
+Each way of running must give the output of the plain single-device run, byte for byte.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import EOS_ID, Transformer, TransformerConfig, beam
+from tests.conftest import model_fields
+from tests.test_decode_cli import (
+    ROOT,
+    digit_pairs,
+    run_decode,
+    workdir,  # noqa: F401 (a fixture)
+)
+
+
+def _sources(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 20, size=n)
+    return [[*rng.integers(4, 40, size=k - 1).tolist(), EOS_ID] for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = TransformerConfig(**model_fields(num_decoder_layers=2, max_len=48))
+    return Transformer(cfg, rngs=nnx.Rngs(3))
+
+
+def test_every_steps_per_check_and_both_batch_plans_give_the_same_hypotheses(model):
+    """k steps between tests of the stopping condition (k = 1..8), batches carried over
+    or searched whole: the same hypotheses and scores, for beam 4 (n-best 2) and greedy."""
+    from inference.translate import translate_ids
+
+    sources = _sources(40)
+    for beam_size, n_best in ((4, 2), (1, 1)):
+        args = dict(beam_size=beam_size, n_best=n_best, batch_tokens=96, min_rows=1)
+        want = translate_ids(model, sources, steps_per_check=1, carry=True, **args)
+        assert all(want)
+        for k in range(1, 9):
+            for carry in (True, False):
+                got = translate_ids(model, sources, steps_per_check=k, carry=carry, **args)
+                assert got == want, (beam_size, k, carry)
+
+
+def test_a_large_search_takes_its_steps_in_pairs_and_ends_the_same(model, monkeypatch):
+    """Large searches step two at a time (model/beam.py `run`); k = 1..5 around that,
+    odd rooms included: the same tokens and scores as the small search's one step."""
+    from model.decoding import beam_search
+
+    src = np.zeros((6, 11), np.int32)
+    for i, s in enumerate(_sources(6, seed=4)):
+        src[i, : min(len(s), 11)] = s[:11]
+        src[i, min(len(s), 11) - 1] = EOS_ID
+    want = beam_search(model, src, beam_size=3, steps_per_check=1, max_decode_len=23)
+    monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
+    for k in range(1, 6):
+        got = beam_search(model, src, beam_size=3, steps_per_check=k, max_decode_len=23)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_steps_per_check_is_checked():
+    with pytest.raises(ValueError, match="steps_per_check must be >= 1"):
+        beam.Rule(4, steps_per_check=0)
+    assert beam.steps_per_check("cpu") >= 1 and beam.steps_per_check("cuda") >= 1
+
+
+# --- decode.py: devices, processes, kills, --stats ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lines(tmp_path_factory):
+    """120 digit lines and the plain single-device run's output of them."""
+    d = tmp_path_factory.mktemp("pace")
+    path = d / "in.de"
+    path.write_text("".join(s + "\n" for s, _ in digit_pairs(np.random.default_rng(21), 120)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(workdir, lines, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("plain") / "out.en"
+    r = run_decode(f"--workdir={workdir}", f"--input={lines}", f"--output={out}", *SMALL)
+    assert r.returncode == 0, r.stderr.decode()
+    return out.read_bytes()
+
+
+SMALL = ("--batch_tokens=64", "--compilation_cache=off")  # many batches of a few shapes
+
+
+def test_eight_devices_write_the_single_devices_output_and_report_where_time_went(
+    workdir,  # noqa: F811
+    lines,
+    plain,
+    tmp_path,
+):
+    out, stats = tmp_path / "out.en", tmp_path / "stats.json"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    args = [f"--workdir={workdir}", f"--input={lines}", f"--output={out}", f"--stats={stats}"]
+    r = run_decode(*args, *SMALL, env=env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert out.read_bytes() == plain
+    b = json.loads(stats.read_text())
+    assert b["devices"] == 8 and b["search_devices"] == 8 and b["lines"] == 120
+    assert b["searches"] > 0 and b["target_tokens"] > 120
+    parts = b["startup_s"] + b["device_busy_s"] + b["device_idle_s"]
+    assert parts == pytest.approx(b["wall_s"], abs=0.01)  # busy + idle = the time after start-up
+    assert 0 <= b["host_bound_s"] <= b["device_idle_s"] + 1e-6
+    assert sum(b["phases_s"].values()) <= b["wall_s"]
+    assert "device busy" in r.stderr.decode()  # the table
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _processes(n: int, args_of) -> list[subprocess.CompletedProcess]:
+    """n decode.py processes of one job (args_of(i): process i's arguments)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    port = _free_port()
+    where = [f"--coordinator_address=localhost:{port}", f"--num_processes={n}"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "decode.py", *args_of(i), *where, f"--process_id={i}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(n)
+    ]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def test_two_processes_write_one_output_identical_to_one_process(
+    workdir,  # noqa: F811
+    lines,
+    plain,
+    tmp_path,
+):
+    out = tmp_path / "out.en"
+    args = [f"--workdir={workdir}", f"--input={lines}", f"--output={out}", *SMALL]
+    for r in _processes(2, lambda i: args):
+        assert r.returncode == 0, r.stderr.decode()
+    assert out.read_bytes() == plain
+    assert sorted(os.listdir(tmp_path)) == ["out.en"]  # no partial file, record or journal
+
+
+def test_processes_that_disagree_on_the_input_stop_with_one_line(
+    workdir,  # noqa: F811
+    lines,
+    tmp_path,
+):
+    other = tmp_path / "other.de"
+    other.write_text("eins zwei\n")
+    out = tmp_path / "out.en"
+
+    def args(i):
+        source = lines if i == 0 else other
+        return [f"--workdir={workdir}", f"--input={source}", f"--output={out}", *SMALL]
+
+    for r in _processes(2, args):
+        assert r.returncode == 1
+        err = r.stderr.decode().strip().splitlines()[-1]
+        assert "process 1 has another job than process 0" in err, err
+        assert "Traceback" not in r.stderr.decode()
+    assert not out.exists()
+
+
+# Runs decode.py in a child that SIGKILLs itself once its journal holds `batches` batches.
+KILLER = """
+import os, runpy, signal, sys
+from inference import resume
+batches = int(sys.argv[1])
+write = resume.Journal.write
+def killing_write(self, indices, found):
+    write(self, indices, found)
+    self.written = getattr(self, "written", 0) + 1
+    if self.written >= batches:
+        os.kill(os.getpid(), signal.SIGKILL)
+resume.Journal.write = killing_write
+sys.argv = ["decode.py", *sys.argv[2:]]
+runpy.run_path("decode.py", run_name="__main__")
+"""
+
+
+def test_a_job_killed_mid_chunk_goes_on_from_its_finished_batches(
+    workdir,  # noqa: F811
+    lines,
+    plain,
+    tmp_path,
+):
+    """One chunk of many batches, killed after 6 of them: the re-run translates only the
+    sources the journal lacks, and the output is the uninterrupted run's."""
+    out = tmp_path / "out.en"
+    args = [f"--workdir={workdir}", f"--input={lines}", f"--output={out}", *SMALL]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLER, "6", *args], cwd=ROOT, env=env, capture_output=True
+    )
+    assert killed.returncode == -9, killed.stderr.decode()
+    assert not out.exists() and os.path.getsize(f"{out}.partial.journal") > 0
+    r = run_decode(*args)
+    assert r.returncode == 0, r.stderr.decode()
+    err = r.stderr.decode()
+    assert "sentences of the running chunk were done by an earlier run" in err, err
+    assert out.read_bytes() == plain
+    assert sorted(os.listdir(tmp_path)) == ["out.en"]
+
+
+def test_bad_pace_settings_are_one_line_errors(workdir, tmp_path):  # noqa: F811
+    for flags, message in (
+        (["--steps_per_check=0"], "--steps_per_check must be >= 1"),
+        (["--batch_tokens=0"], "--batch_tokens >= 1"),
+        (["--ct2=x", "--carry_over"], "--carry_over is for --workdir"),
+    ):
+        workdir_flag = [] if any(f.startswith("--ct2") for f in flags) else [f"--workdir={workdir}"]
+        r = run_decode(*workdir_flag, *flags, stdin=b"eins\n")
+        assert r.returncode == 1, (flags, r.stderr.decode())
+        assert message in r.stderr.decode() and "Traceback" not in r.stderr.decode()
