@@ -22,10 +22,19 @@ Executables are compiled here with JAX's own cache off: one that JAX's cache
 handed back cannot be serialized again on XLA:CPU (it runs, but its copy fails
 to find its kernels). The files are pickles (as `serialize_executable`'s payloads
 are): keep the directory as private as the code you run.
+
+`prepare` starts loading or compiling a program in a background thread before it
+is first called, so that the programs a job will need (its batches' shapes are
+known once it is planned) compile side by side, on as many cores as the host
+has, while the first ones already run; a call of a program being prepared waits
+for it. On a GPU, where each search program of base's size takes ~10-15 s to
+compile, this is most of a first run's start.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import os
@@ -33,6 +42,8 @@ import pickle
 import re
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -42,6 +53,11 @@ from inference import timing
 _directory: str | None = None
 # key -> a loaded or compiled executable (jax.stages.Compiled), or the jitted function
 _loaded: dict[str, Any] = {}
+# key -> the future of a program `prepare` is loading or compiling
+_pending: dict[str, concurrent.futures.Future] = {}
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+_cache_off_count = 0  # compiles under way with JAX's cache off (see `_jax_cache_off`)
 SUFFIX = ".jaxexe"
 # Part of every key. 2: files of format 1 may hold programs XLA's cache handed back,
 # which load but fail at run time ("Function ... not found"): never read them.
@@ -148,21 +164,53 @@ def _save(path: str, compiled: Any) -> None:
             os.unlink(tmp)
 
 
-def _compile(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
-    """Compiled afresh, never handed back by XLA's cache (see the module docstring)."""
+@contextlib.contextmanager
+def _jax_cache_off() -> Iterator[None]:
+    """JAX's compilation cache off while any compile of ours runs (threads share it)."""
+    global _cache_off_count
     from jax.experimental.compilation_cache import compilation_cache
 
-    lowered = fn.trace(graphdef, *args, **static).lower()
-    before = jax.config.jax_enable_compilation_cache
-    # JAX decides once per process whether its cache is used; reset_cache() makes it
-    # look at the setting again, here and after.
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
+    with _lock:
+        if _cache_off_count == 0:
+            _cache_off_count_before[0] = jax.config.jax_enable_compilation_cache
+            # JAX decides once per process whether its cache is used; reset_cache() makes
+            # it look at the setting again, here and after.
+            jax.config.update("jax_enable_compilation_cache", False)
+            compilation_cache.reset_cache()
+        _cache_off_count += 1
     try:
-        return lowered.compile()
+        yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", before)
-        compilation_cache.reset_cache()
+        with _lock:
+            _cache_off_count -= 1
+            if _cache_off_count == 0:
+                jax.config.update("jax_enable_compilation_cache", _cache_off_count_before[0])
+                compilation_cache.reset_cache()
+
+
+_cache_off_count_before = [False]
+
+
+def _compile(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
+    """Compiled afresh, never handed back by XLA's cache (see the module docstring)."""
+    lowered = fn.trace(graphdef, *args, **static).lower()
+    with _jax_cache_off():
+        return lowered.compile()
+
+
+def _obtain(key: str, fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
+    """The executable of `key`: kept on disk, or compiled now (and kept)."""
+    path = os.path.join(_directory, key + SUFFIX)
+    if os.path.exists(os.path.join(_directory, key + UNKEPT)):
+        return functools.partial(fn, graphdef, **static)  # as before: jax.jit
+    with timing.phase("programs"):
+        compiled = _load(path) if os.path.exists(path) else None
+    if compiled is not None:
+        timing.count("loaded")
+        return compiled
+    compiled = _compile(fn, graphdef, args, static)
+    _save(path, compiled)
+    return compiled
 
 
 def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
@@ -177,16 +225,32 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     key = _key(fn, graphdef, leaves, treedef, static)
     compiled = _loaded.get(key)
     if compiled is None:
-        path = os.path.join(_directory, key + SUFFIX)
-        if os.path.exists(os.path.join(_directory, key + UNKEPT)):
-            compiled = functools.partial(fn, graphdef, **static)  # as before: jax.jit
+        future = _pending.pop(key, None)
+        if future is not None:
+            with timing.phase("programs_wait"):
+                compiled = future.result()
         else:
-            with timing.phase("programs"):
-                compiled = _load(path) if os.path.exists(path) else None
-            if compiled is not None:
-                timing.count("loaded")
-        if compiled is None:
-            compiled = _compile(fn, graphdef, args, static)
-            _save(path, compiled)
+            compiled = _obtain(key, fn, graphdef, args, static)
         _loaded[key] = compiled
     return compiled(*args)
+
+
+def prepare(fn: Any, graphdef: Any, args: tuple, static: dict) -> None:
+    """Start loading or compiling the program `call(fn, graphdef, args, static)` will run,
+    in a background thread; args may hold `jax.ShapeDtypeStruct`s for the arrays.
+    Nothing is done when programs are not kept, or for arrays on several devices."""
+    global _pool
+    if _directory is None:
+        return
+    leaves, treedef = jax.tree.flatten(args)
+    concrete = [x for x in leaves if not isinstance(x, jax.ShapeDtypeStruct)]
+    if not _single_device(concrete):
+        return
+    key = _key(fn, graphdef, leaves, treedef, static)
+    with _lock:
+        if key in _loaded or key in _pending:
+            return
+        if _pool is None:
+            workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+            _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
+        _pending[key] = _pool.submit(_obtain, key, fn, graphdef, args, static)

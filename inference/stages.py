@@ -326,6 +326,10 @@ def run_stages(
     if carry is None:
         carry = carries_over()
     whole = None if carry else getattr(search, "whole", None)
+    prepare = getattr(search, "prepare", None)
+    if prepare is not None and sharding is None:  # every fresh batch's program, side by side
+        for width, rows in dict.fromkeys((width, rows) for _, width, rows in plan):
+            prepare(rows, width, stage_rooms(width, max_len) if whole is not None else None)
 
     def fresh(chunk: np.ndarray, width: int, rows: int) -> _Job:
         src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)

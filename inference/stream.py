@@ -7,9 +7,12 @@ Each chunk: `read_lines` lines are read, encoded (inference/lines.py), handed to
 the `Translator` as one list (which sorts them by length into batches of a few
 static shapes, data/plans.py), joined back into lines, given alignments and
 plots if asked, formatted and appended to the output in input order, with the
-record of everything counted so far (`Totals`): the next chunk is read only
-then. Memory holds one chunk's lines and translations; BLEU and chrF keep only
-their summed statistics (`CorpusScores`). An output that was started by an
+record of everything counted so far (`Totals`). The next chunk is read and
+encoded in a thread of its own while one is translated, so memory holds at
+most two chunks' lines and one chunk's translations; BLEU and chrF keep only
+their summed statistics (`CorpusScores`). Each finished batch's results also
+go to the output's journal (inference/resume.py), so that a run killed
+mid-chunk loses only the batches in flight. An output that was started by an
 earlier run of the same job goes on from its record (inference/resume.py):
 the readers start at the recorded offsets and the counters at the recorded
 values, so the finished file and summary are those of one uninterrupted run.
@@ -17,6 +20,7 @@ values, so the finished file and summary are those of one uninterrupted run.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -121,19 +125,42 @@ class Output(Protocol):
     def append(self, data: bytes, done: dict[str, Any]) -> None: ...
 
 
-def translate_chunk(
-    job: StreamJob, lines: list[str], meter: Meter, journal: Journal | None = None
-) -> tuple[Translated, int]:
-    """One chunk of lines translated (with alignments if asked); and how many were long.
+@dataclasses.dataclass
+class _Read:
+    """A chunk read and encoded: its lines, where the input goes on after it, its segments."""
 
-    journal: where each finished batch's results go, and the results an earlier run
-    of the job left for this chunk, which are not translated again.
-    """
+    lines: list[str]
+    bad_utf8: int
+    offset: int
+    segments: list[Any]
+    line_tokens: list[list[int]]
+    num_long: int
+
+
+def _read(job: StreamJob) -> _Read | None:
+    """The next chunk, read and encoded (in a thread of its own while the previous one is
+    translated); None at the end of the input."""
+    with timing.phase("read"):
+        lines, bad_utf8 = job.source.read(job.read_lines)
+    if not lines:
+        return None
+    offset = job.source.offset
     with timing.phase("tokenize"):
         segments, line_tokens, num_long = encode_lines(
             job.tokenizer, lines, job.max_length, job.long_lines == "split"
         )
-    meter.start_chunk(len(lines), len(segments))
+    return _Read(lines, bad_utf8, offset, segments, line_tokens, num_long)
+
+
+def translate_chunk(
+    job: StreamJob, chunk: _Read, meter: Meter, journal: Journal | None = None
+) -> Translated:
+    """One chunk's segments translated (with alignments if asked).
+
+    journal: where each finished batch's results go, and the results an earlier run
+    of the job left for this chunk, which are not translated again.
+    """
+    meter.start_chunk(len(chunk.lines), len(chunk.segments))
     known = journal.read() if journal is not None else {}
     if jax.process_count() > 1:  # every process translates what process 0's journal lacks
         ids = devices.known_sources(known)
@@ -152,12 +179,12 @@ def translate_chunk(
             journal.write(indices, found)
 
     translated = translate_segments(
-        job.translator, job.tokenizer, segments, line_tokens, progress, known
+        job.translator, job.tokenizer, chunk.segments, chunk.line_tokens, progress, known
     )
     if job.alignment:
         with timing.phase("alignment"):
             add_alignments(job.model, job.tokenizer, translated)
-    return translated, num_long
+    return translated
 
 
 def _references(job: StreamJob, count: int) -> list[str]:
@@ -169,22 +196,19 @@ def _references(job: StreamJob, count: int) -> list[str]:
 
 def _chunk(
     job: StreamJob,
+    chunk: _Read,
     totals: Totals,
     scores: CorpusScores | None,
     meter: Meter,
     journal: Journal | None = None,
-) -> tuple[bytes, Totals] | None:
-    """The next chunk translated: (its output bytes, the totals with it), None at the end.
+) -> tuple[bytes, Totals]:
+    """A chunk translated: its output bytes, and the totals with it.
 
-    A function of its own so that the chunk's lines and translations are freed when it
-    returns, before the next chunk is read (never two chunks in memory).
+    A function of its own so that the chunk's translations are freed when it returns.
     """
-    with timing.phase("read"):
-        lines, bad_utf8 = job.source.read(job.read_lines)
-    if not lines:
-        return None
+    lines = chunk.lines
     start = time.perf_counter()
-    translated, num_long = translate_chunk(job, lines, meter, journal)
+    translated = translate_chunk(job, chunk, meter, journal)
     seconds = time.perf_counter() - start
     if scores is not None:
         scores.add(best_texts(translated.hypotheses), _references(job, len(lines)))
@@ -199,10 +223,10 @@ def _chunk(
     totals = dataclasses.replace(
         totals,
         lines=totals.lines + len(lines),
-        input_offset=job.source.offset,
+        input_offset=chunk.offset,
         reference_offset=job.references.offset if job.references else 0,
-        bad_utf8=totals.bad_utf8 + bad_utf8,
-        long=totals.long + num_long,
+        bad_utf8=totals.bad_utf8 + chunk.bad_utf8,
+        long=totals.long + chunk.num_long,
         empty=totals.empty + sum(1 for h in translated.hypotheses if not h),
         segments=totals.segments + len(translated.segments),
         tokens=totals.tokens + sum(len(h[0].tokens) + 1 for h in translated.search if h),
@@ -218,12 +242,20 @@ def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
     totals = Totals.from_record(out.done)
     scores = CorpusScores(totals.scores) if job.references is not None else None
     journal = getattr(out, "journal", None)
-    while (chunk := _chunk(job, totals, scores, meter, journal)) is not None:
-        data, totals = chunk
-        with timing.phase("write"):
-            out.append(data, dataclasses.asdict(totals))
-        del chunk, data
-        meter.end_chunk()
+    # The next chunk is read and encoded while this one is translated: at most two
+    # chunks of lines in memory, and the device does not wait for the tokenizer.
+    reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read")
+    try:
+        upcoming = reader.submit(_read, job)
+        while (chunk := upcoming.result()) is not None:
+            upcoming = reader.submit(_read, job)
+            data, totals = _chunk(job, chunk, totals, scores, meter, journal)
+            with timing.phase("write"):
+                out.append(data, dataclasses.asdict(totals))
+            del chunk, data
+            meter.end_chunk()
+    finally:
+        reader.shutdown(wait=True, cancel_futures=True)
     if job.references is not None and job.references.read(1)[0]:
         raise UsageError("--reference has more lines than the input")
     return totals

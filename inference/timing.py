@@ -75,6 +75,8 @@ def enable(origin: float | None = None) -> None:
 def _on_event(event: str, seconds: float, **_: Any) -> None:
     if _state.on and event in _COMPILE_EVENTS:
         _state.seconds["programs"] += seconds
+        if threading.current_thread() is threading.main_thread():
+            _state.seconds["programs_main"] += seconds
         if event == _COMPILE_EVENTS[-1]:
             _state.counts["compiled_or_cached"] += 1
         now = time.perf_counter()
@@ -101,6 +103,8 @@ def phase(name: str) -> Iterator[None]:
         _state.seconds[name] += end - t0
         if name == "programs":
             _state.intervals.append((t0, end))
+            if threading.current_thread() is threading.main_thread():
+                _state.seconds["programs_main"] += end - t0
 
 
 def count(name: str) -> None:
@@ -135,7 +139,8 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
     """Seconds by part since the process started, and rates (call at the end of a job).
 
     startup_s: until the first chunk was read (imports, restore, the output opened);
-    programs_s: compiling or loading programs; device_busy_s / device_idle_s: after
+    programs_s: compiling or loading programs (summed over the threads that compile
+    side by side, so it may exceed the wall time); device_busy_s / device_idle_s: after
     start-up; host_bound_s: the device idle while no program was compiling (waiting
     for the host); host phases by name (read, tokenize, search_host: planning, filling
     and placing batches; fetch: waiting for results; detokenize, format, write);
@@ -147,10 +152,13 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
     startup = _state.marks.get("started", 0.0)
     work = max(wall - startup, 1e-9)
     raw = dict(_state.seconds)
-    programs = raw.pop("programs", 0.0)
-    # "search" holds the waits for results ("fetch") and the programs compiled in it
+    programs = raw.pop("programs", 0.0)  # summed over threads: compiles may run side by side
+    on_main = raw.pop("programs_main", 0.0)
+    # "search" holds the waits for results ("fetch"), for programs compiled ahead
+    # ("programs_wait") and the programs compiled in it
     if "search" in raw:
-        raw["search_host"] = max(0.0, raw.pop("search") - raw.get("fetch", 0.0) - programs)
+        waits = raw.get("fetch", 0.0) + raw.get("programs_wait", 0.0) + on_main
+        raw["search_host"] = max(0.0, raw.pop("search") - waits)
     seconds = {k: round(v, 4) for k, v in sorted(raw.items())}
     idle = max(0.0, work - _state.busy)
     # compiling may overlap a search on the device (the next batch's program)
@@ -191,7 +199,7 @@ def _union(intervals: list[tuple[float, float]], after: float) -> float:
 def table(b: dict[str, Any]) -> str:
     """The breakdown as a small table, one part a row, with its share of the wall time."""
     wall = max(b["wall_s"], 1e-9)
-    rows = [("start-up", b["startup_s"]), ("programs (compile/load)", b["programs_s"])]
+    rows = [("start-up", b["startup_s"]), ("programs (all threads)", b["programs_s"])]
     rows += [(f"  host: {k}", v) for k, v in b["phases_s"].items()]
     rows += [("device busy", b["device_busy_s"]), ("device idle", b["device_idle_s"])]
     rows += [("  idle, waiting for the host", b["host_bound_s"])]

@@ -34,7 +34,15 @@ from jax.sharding import NamedSharding
 from data.plans import MIN_ROWS, plan_translation
 from inference import programs
 from inference.hypothesis import Hypothesis, hypotheses
-from inference.stages import Progress, batch_of, check_lengths, fetch, place, run_stages
+from inference.stages import (
+    Progress,
+    batch_of,
+    check_lengths,
+    fetch,
+    place,
+    run_stages,
+    stage_rooms,
+)
 from model import Transformer, beam
 from model.scoring import DEFAULT_LENGTH_PENALTY, decode_shape
 
@@ -96,6 +104,7 @@ class LiveSearch:
     model: Transformer
     rule: beam.Rule
     alpha: float
+    call: beam.Call = programs.call  # how its programs run (`prepare`: compiled ahead)
 
     @property
     def n_best(self) -> int:
@@ -124,7 +133,7 @@ class LiveSearch:
             extra=extra,
             keep=keep,
             until=until,
-            call=programs.call,
+            call=self.call,
         )
 
     def whole(self, src: jax.Array, rooms: list[int]) -> tuple[beam.BeamState, jax.Array]:
@@ -139,8 +148,19 @@ class LiveSearch:
             length=length,
             extra=extra,
             more=tuple(rooms[1:]),
-            call=programs.call,
+            call=self.call,
         )
+
+    def prepare(self, rows: int, width: int, rooms: list[int] | None = None) -> None:
+        """Start compiling, in the background, the program that starts a batch of `rows`
+        sources of width `width`: with room for rooms[0] tokens (`start`), or with
+        `rooms`, through each of them (`whole`)."""
+        ahead = dataclasses.replace(self, call=programs.prepare)
+        src = jax.ShapeDtypeStruct((rows, width), np.int32)
+        if rooms is None:
+            ahead.start(src, stage_rooms(width, self.model.config.max_len)[0])
+        else:
+            ahead.whole(src, rooms)
 
     def resume(
         self, state: beam.BeamState, room: int, keep: int = 0, until: int = 0
@@ -153,7 +173,7 @@ class LiveSearch:
             capacity=room,
             keep=keep,
             until=until,
-            call=programs.call,
+            call=self.call,
         )
 
 

@@ -359,12 +359,15 @@ def start(
       `length`), in the same program: what `resume` would do, for a caller that does
       not look at the state in between (`search`).
     call: runs the compiled program, call(fn, graphdef, args, static); the default
-      calls it (inference/programs.py keeps executables on disk instead).
+      calls it (inference/programs.py keeps executables on disk instead, and its
+      `prepare` compiles one ahead for src given as a `jax.ShapeDtypeStruct`).
     Returns the state and [B] bool, the sources that are finished (whose results
     are final); the others are not because the room is full, or they are few.
     """
     graphdef, state = nnx.split(model)
-    args = state, jnp.asarray(src, jnp.int32), jnp.float32(alpha), jnp.int32(keep), jnp.int32(until)
+    if not isinstance(src, jax.ShapeDtypeStruct):  # a shape alone: the program is only prepared
+        src = jnp.asarray(src, jnp.int32)
+    args = state, src, jnp.float32(alpha), jnp.int32(keep), jnp.int32(until)
     static = dict(rule=rule, capacity=min(capacity, length), length=length, extra=extra)
     return call(_start, graphdef, args, {**static, "more": tuple(more)})
 
