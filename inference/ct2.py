@@ -34,7 +34,7 @@ import collections
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -152,12 +152,19 @@ class CT2Translator:
         return os.path.join(self.directory, TOKENIZER)
 
     def translate(
-        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+        self,
+        sources: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
     ) -> list[list[Hypothesis]]:
-        """EOS-terminated id lists -> per source its hypotheses, best first (input order)."""
+        """EOS-terminated id lists -> per source its hypotheses, best first (input order);
+        the sources `skip` get none."""
         check_lengths(sources, self.max_len)
         results: list[list[Hypothesis]] = [[] for _ in sources]
-        for rows, found in self._translate_groups(sources):
+        skip = set(skip)
+        todo = [i for i in range(len(sources)) if i not in skip]
+        for rows, found in self._translate_groups([sources[i] for i in todo]):
+            rows = [todo[r] for r in rows]
             for i, hyps in zip(rows, found, strict=True):
                 results[i] = hyps
             if progress is not None:

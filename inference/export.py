@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -292,7 +292,10 @@ class ExportedTranslator:
         return self._call(_resume_name(width, room), jax.tree.leaves(state), *early)
 
     def translate(
-        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+        self,
+        sources: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
     ) -> list[list[Hypothesis]]:
         """As `inference.translate.translate_ids` with the exported beam, alpha and n_best."""
         return run_stages(
@@ -301,4 +304,5 @@ class ExportedTranslator:
             max_len=self.max_len,
             batch_tokens=self.batch_tokens,
             progress=progress,
+            skip=skip,
         )

@@ -208,14 +208,9 @@ def translate_segments(
     (inference/stages.py `Progress`, indices into `segments`). known: segments translated
     before (a resumed chunk's journal), given their hypotheses instead of translated."""
     known = known or {}
-    todo = [i for i in range(len(segments)) if i not in known]
-    relay = None
-    if progress is not None:  # the translator's indices are into `todo`
-        relay = lambda indices, found: progress([todo[i] for i in indices], found)
     with timing.phase("search"):
-        found = translator.translate([segments[i].ids for i in todo], relay)
-    search = [known.get(i) for i in range(len(segments))]
-    for i, hyps in zip(todo, found, strict=True):
+        search = translator.translate([s.ids for s in segments], progress, skip=known.keys())
+    for i, hyps in known.items():
         search[i] = hyps
     with timing.phase("detokenize"):
         hypotheses = line_hypotheses(tokenizer, segments, search, len(line_tokens))

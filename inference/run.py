@@ -367,7 +367,8 @@ def write_stats(options: DecodeOptions, totals: Totals, earlier: Totals, loaded:
     """--stats: where this run's wall time went (inference/timing.py), as one JSON object in
     the file and a table on stderr."""
     lines, tokens = totals.lines - earlier.lines, totals.tokens - earlier.tokens
-    b = timing.breakdown(lines=lines, tokens=tokens)
+    # a resumed chunk's sources that its journal held were not translated by this run
+    b = timing.breakdown(lines=lines, tokens=tokens - timing.counted("journal_tokens"))
     sharding = getattr(loaded.translator, "sharding", None)
     b.update(
         backend=jax.default_backend(),

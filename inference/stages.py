@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -267,6 +267,14 @@ def _round_rows(n: int, limit: int, multiple: int, min_rows: int = MIN_ROWS) -> 
     return -(-rows // multiple) * multiple
 
 
+def _without(plan: list, skip: set[int]) -> list:
+    """The plan without the sources `skip` (indices into the planned lengths): every batch
+    keeps its shape, skipped rows are filler. A source's last bits may depend on the
+    width and rows of the batch it starts in, and a new shape is a new program."""
+    plan = [(np.array([j for j in c if j not in skip], int), w, r) for c, w, r in plan]
+    return [(c, w, r) for c, w, r in plan if c.size]
+
+
 def _pick(parts: list[tuple[np.ndarray, BeamState]], pick: np.ndarray) -> list[BeamState]:
     """The states of positions `pick` of the concatenated parts."""
     out, base = [], 0
@@ -298,6 +306,7 @@ def run_stages(
     progress: Progress | None = None,
     min_rows: int = MIN_ROWS,
     carry: bool | None = None,
+    skip: Collection[int] = (),
 ) -> list[list[Any]]:
     """Per source, in input order, its hypotheses (inference.hypothesis.Hypothesis).
 
@@ -308,10 +317,14 @@ def run_stages(
     stop a batch early once half its sources are done); False: each batch runs its
     whole search, every room, in one program (a search without `whole` always
     carries). None: `carries_over()` for this platform. The results are the same.
+    skip: sources not to translate (they get no hypotheses), e.g. those a killed run's
+    journal holds; the batches keep the shapes they have with them (`_without`).
     """
     check_lengths(sources, max_len)
     if batch_tokens < 1:
         raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    if carry is None:
+        carry = carries_over()
     nonempty = [i for i, s in enumerate(sources) if len(s)]
     multiple = rows_multiple(sharding)
     plan = plan_translation(
@@ -323,8 +336,9 @@ def run_stages(
     )
     stages = _Stages(search, sources, nonempty, max_len, progress, sharding, min_rows)
     stages.batches = collections.Counter(width for _, width, _ in plan)
-    if carry is None:
-        carry = carries_over()
+    if skip:
+        skipped = {j for j, i in enumerate(nonempty) if i in set(skip)}
+        plan = _without(plan, skipped)
     whole = None if carry else getattr(search, "whole", None)
     prepare = getattr(search, "prepare", None)
     if prepare is not None and sharding is None:  # every fresh batch's program, side by side

@@ -172,6 +172,8 @@ def translate_chunk(
                 "earlier run of this command"
             )
         meter.skip(len(known))
+        timing.count("journal_sources", len(known))
+        timing.count("journal_tokens", output_tokens(list(known.values())))
 
     def progress(indices: Sequence[int], found: Sequence[list[Any]]) -> None:
         meter.batch(len(indices), output_tokens(found))

@@ -107,10 +107,14 @@ def phase(name: str) -> Iterator[None]:
                 _state.seconds["programs_main"] += end - t0
 
 
-def count(name: str) -> None:
-    """Count one more of `name` (e.g. "loaded": programs read from disk)."""
+def count(name: str, n: int = 1) -> None:
+    """Count n more of `name` (e.g. "loaded": programs read from disk)."""
     if _state.on:
-        _state.counts[name] += 1
+        _state.counts[name] += n
+
+
+def counted(name: str) -> int:
+    return _state.counts.get(name, 0)
 
 
 def dispatched(outputs: Any) -> None:

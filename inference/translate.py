@@ -24,7 +24,7 @@ evaluates its dev set with every device and no host differs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -55,7 +55,8 @@ class Translator(Protocol):
 
     sources are id lists as the model was trained on (EOS-terminated, at most
     `max_len` long); an empty one gets no hypotheses. Each source gets at most
-    `n_best` hypotheses, best first.
+    `n_best` hypotheses, best first. The sources `skip` (indices) are not translated
+    (they get none): a resumed job's journal holds them.
     """
 
     max_len: int  # the longest source, in tokens with EOS
@@ -64,7 +65,10 @@ class Translator(Protocol):
     n_best: int
 
     def translate(
-        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+        self,
+        sources: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
     ) -> list[list[Hypothesis]]: ...
 
 
@@ -223,6 +227,7 @@ def translate_ids(
     stop: str = "bound",
     steps_per_check: int | None = None,
     carry: bool | None = None,
+    skip: Collection[int] = (),
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -248,6 +253,8 @@ def translate_ids(
       carry: carry a batch's unfinished sources over to smaller batches (True) or run
         each batch's whole search in one program (False; fewer programs to compile);
         None = the platform's (inference/stages.py `carries_over`). The same results.
+      skip: indices of sources not to translate (they get no hypotheses); the batches
+        keep the shapes they would have had (inference/stages.py `run_stages`).
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).
@@ -264,6 +271,7 @@ def translate_ids(
         progress=progress,
         min_rows=min_rows,
         carry=carry,
+        skip=skip,
     )
 
 
@@ -288,7 +296,10 @@ class LiveTranslator:
         return self.model.config.max_len
 
     def translate(
-        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+        self,
+        sources: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
     ) -> list[list[Hypothesis]]:
         return translate_ids(
             self.model,
@@ -304,6 +315,7 @@ class LiveTranslator:
             steps_per_check=self.steps_per_check,
             carry=self.carry,
             sharding=self.sharding,
+            skip=skip,
         )
 
 
@@ -323,7 +335,10 @@ class PlanOnlyTranslator:
     batch_tokens: int = 4096
 
     def translate(
-        self, sources: Sequence[Sequence[int]], progress: Progress | None = None
+        self,
+        sources: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
     ) -> list[list[Hypothesis]]:
         return echo_batches(
             sources, max_len=self.max_len, batch_tokens=self.batch_tokens, progress=progress

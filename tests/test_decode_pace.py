@@ -37,37 +37,46 @@ def model():
     return Transformer(cfg, rngs=nnx.Rngs(3))
 
 
-def test_every_steps_per_check_and_both_batch_plans_give_the_same_hypotheses(model):
-    """k steps between tests of the stopping condition (k = 1..8), batches carried over
-    or searched whole: the same hypotheses and scores, for beam 4 (n-best 2) and greedy."""
-    from inference.translate import translate_ids
-
-    sources = _sources(40)
-    for beam_size, n_best in ((4, 2), (1, 1)):
-        args = dict(beam_size=beam_size, n_best=n_best, batch_tokens=96, min_rows=1)
-        want = translate_ids(model, sources, steps_per_check=1, carry=True, **args)
-        assert all(want)
-        for k in range(1, 9):
-            for carry in (True, False):
-                got = translate_ids(model, sources, steps_per_check=k, carry=carry, **args)
-                assert got == want, (beam_size, k, carry)
+def _batch(n: int, width: int, seed: int) -> np.ndarray:
+    src = np.zeros((n, width), np.int32)  # [B, S]
+    for i, s in enumerate(_sources(n, seed)):
+        s = [*s[: width - 1], EOS_ID] if len(s) > width else s
+        src[i, : len(s)] = s
+    return src
 
 
-def test_a_large_search_takes_its_steps_in_pairs_and_ends_the_same(model, monkeypatch):
-    """Large searches step two at a time (model/beam.py `run`); k = 1..5 around that,
-    odd rooms included: the same tokens and scores as the small search's one step."""
+def test_every_steps_per_check_gives_the_same_tokens_and_scores(model, monkeypatch):
+    """k steps between tests of the stopping condition, k = 1..8, beam 4 and greedy, a
+    small search (one step at a time) and a large one (two at a time; odd rooms):
+    the same tokens and scores."""
     from model.decoding import beam_search
 
-    src = np.zeros((6, 11), np.int32)
-    for i, s in enumerate(_sources(6, seed=4)):
-        src[i, : min(len(s), 11)] = s[:11]
-        src[i, min(len(s), 11) - 1] = EOS_ID
-    want = beam_search(model, src, beam_size=3, steps_per_check=1, max_decode_len=23)
-    monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
-    for k in range(1, 6):
-        got = beam_search(model, src, beam_size=3, steps_per_check=k, max_decode_len=23)
-        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    src = _batch(6, 11, seed=4)
+    for large in (False, True):
+        if large:
+            monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
+        for size in (4, 1):
+            # rooms of 13 and 23 tokens: odd, and k = 8 leaves a remainder
+            run = lambda k, size=size, large=large: beam_search(
+                model, src, beam_size=size, steps_per_check=k, max_decode_len=13 + 10 * large
+            )
+            want = [np.asarray(x) for x in run(1)]
+            for k in range(2, 9) if size == 4 and not large else (3, 8):
+                got = run(k)
+                np.testing.assert_array_equal(np.asarray(got[0]), want[0], err_msg=f"{k}")
+                np.testing.assert_array_equal(np.asarray(got[1]), want[1], err_msg=f"{k}")
+
+
+def test_batches_carried_over_or_searched_whole_give_the_same_hypotheses(model):
+    """Staged batches that carry their unfinished sources over (a CPU) and whole searches
+    in one program each (an accelerator), at 8 steps per check: the same results."""
+    from inference.translate import translate_ids
+
+    sources = _sources(24)
+    args = dict(beam_size=4, n_best=2, batch_tokens=96, min_rows=1)
+    want = translate_ids(model, sources, carry=True, steps_per_check=1, **args)
+    assert all(want)
+    assert translate_ids(model, sources, carry=False, steps_per_check=8, **args) == want
 
 
 def test_steps_per_check_is_checked():
@@ -235,3 +244,17 @@ def test_bad_pace_settings_are_one_line_errors(workdir, tmp_path):  # noqa: F811
         r = run_decode(*workdir_flag, *flags, stdin=b"eins\n")
         assert r.returncode == 1, (flags, r.stderr.decode())
         assert message in r.stderr.decode() and "Traceback" not in r.stderr.decode()
+
+
+def test_skipped_sources_get_nothing_and_the_others_what_they_would_get(model):
+    """A resumed chunk skips the sources its journal holds: carried over (planned afresh)
+    or searched whole (the batches keep their shapes), the others get the same results."""
+    from inference.translate import translate_ids
+
+    sources = _sources(30, seed=5)
+    skip = {0, 3, 4, 5, 17, 29}
+    want = translate_ids(model, sources, batch_tokens=64, min_rows=1)
+    for carry in (True, False):
+        got = translate_ids(model, sources, batch_tokens=64, min_rows=1, carry=carry, skip=skip)
+        assert all(got[i] == [] for i in skip)
+        assert all(got[i] == want[i] for i in range(len(sources)) if i not in skip), carry
