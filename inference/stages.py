@@ -36,9 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from data.plans import MIN_ROWS, plan_translation
 from inference import timing
 from inference.hypothesis import hypotheses
-from model import EOS_ID
 from model.beam import BeamState, join_sources, take_sources
-from model.scoring import EXTRA_DECODE_LEN, rooms
+from model.scoring import EXTRA_DECODE_LEN, FILLER, rooms
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
@@ -96,10 +95,12 @@ def check_lengths(sources: Sequence[Sequence[int]], max_len: int) -> None:
 def batch_of(
     sources: Sequence[Sequence[int]], picked: Sequence[int], rows: int, width: int
 ) -> np.ndarray:
-    """sources[picked] as one [rows, width] int32 batch (0-padded). Filler rows hold a lone
-    EOS: a valid, cheap source whose output is dropped."""
+    """sources[picked] as one [rows, width] int32 batch (0-padded). Filler rows hold
+    model/scoring.py `FILLER` (a lone EOS where the width is 1): they encode as a short
+    source and are finished before the first step; their output is dropped."""
     src = np.zeros((rows, width), np.int32)  # [B, S]
-    src[len(picked) :, 0] = EOS_ID
+    filler = FILLER[:width]
+    src[len(picked) :, : len(filler)] = filler
     for r, i in enumerate(picked):
         src[r, : len(sources[i])] = sources[i]
     return src

@@ -71,12 +71,24 @@ def decode_shape(model: Transformer, src: jax.Array, max_decode_len: int | None)
     return max_decode_len, None
 
 
+# A row that only fills a batch up to its static shape: two EOS, which no real source
+# starts with (a source is its tokens then one EOS). It encodes like a one-token
+# source, and its search is finished at once, so it never keeps a batch stepping.
+FILLER = (EOS_ID, EOS_ID)
+
+
 def row_limits(src: jax.Array, length: int, extra: int | None) -> jax.Array:
-    """[B] int32: the most output tokens (EOS included) each row may produce."""
+    """[B] int32: the most output tokens (EOS included) each row may produce; 0 for a
+    filler row (`FILLER`: it is finished before the first step)."""
     if extra is None:
-        return jnp.full((src.shape[0],), length, jnp.int32)
-    n = jnp.sum(src != PAD_ID, axis=1, dtype=jnp.int32)  # [B]
-    return jnp.minimum(n + extra, length)
+        limits = jnp.full((src.shape[0],), length, jnp.int32)
+    else:
+        n = jnp.sum(src != PAD_ID, axis=1, dtype=jnp.int32)  # [B]
+        limits = jnp.minimum(n + extra, length)
+    if src.shape[1] < len(FILLER):
+        return limits
+    filler = jnp.all(src[:, : len(FILLER)] == jnp.array(FILLER, src.dtype), axis=1)  # [B]
+    return jnp.where(filler, 0, limits)
 
 
 def restrict(logp: jax.Array, force_eos: jax.Array, vocab_limit: int | None) -> jax.Array:
