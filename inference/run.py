@@ -425,6 +425,13 @@ def _translate(
         raise UsageError(f"{e.filename or options.output}: {e.strerror}{_kept(out)}") from e
     except UsageError as e:
         raise UsageError(f"{e}{_kept(out)}") from e
+    except Exception as e:  # e.g. XlaRuntimeError: RESOURCE_EXHAUSTED
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        raise UsageError(
+            f"the device ran out of memory for batches of {options.tokens_per_batch} source "
+            f"tokens (x beam {loaded.translator.beam_size}): lower --batch_tokens{_kept(out)}"
+        ) from e
     finally:
         meter.close()
         out.close()

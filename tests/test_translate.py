@@ -79,9 +79,13 @@ def test_translate_ids_keeps_input_order(model):
     sources.insert(4, [])  # empty: no model call, no hypotheses
     seen = []
     outs = translate_ids(
-        model, sources, beam_size=2, batch_tokens=32, progress=lambda s, t: seen.append(s)
+        model, sources, beam_size=2, batch_tokens=32, progress=lambda i, h: seen.append((i, h))
     )
-    assert len(outs) == len(sources) and outs[4] == [] and sum(seen) == len(sources) - 1
+    assert len(outs) == len(sources) and outs[4] == []
+    # progress: each non-empty source once, with the hypotheses it ends with
+    done = sorted(i for indices, _ in seen for i in indices)
+    assert done == [i for i in range(len(sources)) if i != 4]
+    assert all(outs[i] == h for ix, hs in seen for i, h in zip(ix, hs, strict=True))
     # One padded batch in input order (per-row length limits make widths irrelevant).
     nonempty = [s for s in sources if s]
     batch = np.zeros((len(nonempty), 16), np.int32)
