@@ -124,36 +124,25 @@ class LiveSearch:
         return id(self.model), self.rule
 
     def start(
-        self, src: jax.Array, room: int, keep: int = 0, until: int = 0
+        self, src: jax.Array, room: int, keep: int = 0, until: int = 0, more: tuple = ()
     ) -> tuple[beam.BeamState, jax.Array]:
+        """model/beam.py `start` with this search's model, rule and alpha."""
         length, extra = decode_shape(self.model, src, None)
+        args = dict(alpha=self.alpha, rule=self.rule, length=length, extra=extra)
         return beam.start(
             self.model,
             src,
-            alpha=self.alpha,
-            rule=self.rule,
             capacity=room,
-            length=length,
-            extra=extra,
             keep=keep,
             until=until,
+            more=more,
             call=self.call,
+            **args,
         )
 
     def whole(self, src: jax.Array, rooms: list[int]) -> tuple[beam.BeamState, jax.Array]:
         """The search through each of `rooms` in turn, in one program (every source done)."""
-        length, extra = decode_shape(self.model, src, None)
-        return beam.start(
-            self.model,
-            src,
-            alpha=self.alpha,
-            rule=self.rule,
-            capacity=rooms[0],
-            length=length,
-            extra=extra,
-            more=tuple(rooms[1:]),
-            call=self.call,
-        )
+        return self.start(src, rooms[0], more=tuple(rooms[1:]))
 
     def prepare(self, rows: int, width: int, rooms: list[int] | None = None) -> None:
         """Start compiling, in the background, the program that starts a batch of `rows`
