@@ -35,6 +35,19 @@ def shardings() -> tuple[NamedSharding | None, NamedSharding | None]:
     return NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
 
 
+def check_single_process_flags(options: Any) -> None:
+    """UsageError for what a job of several processes cannot do (decode.py's options)."""
+    if jax.process_count() == 1:
+        return
+    single = ["export", "export_ct2", "ct2", "exported", "dry_run", "alignment", "plot_attention"]
+    used = [f"--{name}" for name in single if getattr(options, name)]
+    if used:
+        raise UsageError(
+            f"{', '.join(used)} run(s) in one process: drop them, or run without "
+            "--coordinator_address/--num_processes/--process_id"
+        )
+
+
 def is_main() -> bool:
     """Whether this process writes the output (process 0)."""
     return jax.process_index() == 0

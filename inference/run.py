@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import sys
 import time
@@ -307,19 +306,6 @@ def _kept(out: Any) -> str:
     return f"; {lines} lines are kept in {out.partial}: run the same command again to go on"
 
 
-def check_processes(options: DecodeOptions) -> None:
-    """What a job of several processes cannot do (UsageError)."""
-    if jax.process_count() == 1:
-        return
-    single = ["export", "export_ct2", "ct2", "exported", "dry_run", "alignment", "plot_attention"]
-    used = [f"--{name}" for name in single if getattr(options, name)]
-    if used:
-        raise UsageError(
-            f"{', '.join(used)} run(s) in one process: drop them, or run without "
-            "--coordinator_address/--num_processes/--process_id"
-        )
-
-
 def run(options: DecodeOptions) -> None:
     """decode.py after its flags were checked; raises UsageError for what the user can fix."""
     if options.ct2 or options.export_ct2:
@@ -330,7 +316,7 @@ def run(options: DecodeOptions) -> None:
         except ImportError as e:
             raise UsageError(str(e)) from e
     total = check_inputs(options)
-    check_processes(options)
+    devices.check_single_process_flags(options)
     loaded = open_translator(options)
     if options.export:
         return export(loaded, options)
@@ -364,25 +350,20 @@ def run(options: DecodeOptions) -> None:
 
 
 def write_stats(options: DecodeOptions, totals: Totals, earlier: Totals, loaded: Loaded) -> None:
-    """--stats: where this run's wall time went (inference/timing.py), as one JSON object in
-    the file and a table on stderr."""
+    """--stats: where this run's wall time went (inference/timing.py)."""
     lines, tokens = totals.lines - earlier.lines, totals.tokens - earlier.tokens
-    # a resumed chunk's sources that its journal held were not translated by this run
-    b = timing.breakdown(lines=lines, tokens=tokens - timing.counted("journal_tokens"))
     sharding = getattr(loaded.translator, "sharding", None)
-    b.update(
-        backend=jax.default_backend(),
-        device_kind=jax.devices()[0].device_kind,
-        devices=jax.device_count(),
-        search_devices=len(getattr(sharding, "device_set", ())) or 1,
-        batch_tokens=options.tokens_per_batch,
-    )
     try:
-        with open(options.stats, "w") as f:
-            f.write(json.dumps(b) + "\n")
+        timing.report(
+            options.stats,
+            lines=lines,
+            # a resumed chunk's sources that its journal held: not this run's work
+            tokens=tokens - timing.counted("journal_tokens"),
+            search_devices=len(getattr(sharding, "device_set", ())) or 1,
+            batch_tokens=options.tokens_per_batch,
+        )
     except OSError as e:
         raise UsageError(f"--stats {options.stats}: {e.strerror}") from e
-    print(timing.table(b), file=sys.stderr)
 
 
 def _translate(

@@ -7,7 +7,7 @@ Sources are cut into batches of a few static shapes (data/plans.py
 its width (`stage_rooms`), which most of its sources need; a source that is
 not done when the room is full waits in a pool with the others of its width
 and room, and those go on together, from any batches, with twice the room
-(model/beam.py `take_sources`, `join_sources`). So attention and the cache
+(model/carry.py `take_sources`, `join_sources`). So attention and the cache
 reorder read caches about as long as what was decoded, and one slow source no
 longer keeps a whole batch computing. Within a stage, once half of a batch's
 sources are finished, the others go on at once in half the rows (when that
@@ -36,7 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from data.plans import MIN_ROWS, plan_translation
 from inference import timing
 from inference.hypothesis import hypotheses
-from model.beam import BeamState, join_sources, take_sources
+from model.beam import BeamState
+from model.carry import join_sources, take_sources
 from model.scoring import EXTRA_DECODE_LEN, FILLER, rooms
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list

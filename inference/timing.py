@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -198,6 +200,24 @@ def _union(intervals: list[tuple[float, float]], after: float) -> float:
             total += end - start
             reach = end
     return total
+
+
+def report(path: str, lines: int, tokens: int, **facts: Any) -> dict[str, Any]:
+    """The breakdown with the devices and `facts`, as one JSON object into `path` and a
+    table on stderr (OSError if the file cannot be written); returns it."""
+    import jax
+
+    b = breakdown(lines=lines, tokens=tokens)
+    b.update(
+        backend=jax.default_backend(),
+        device_kind=jax.devices()[0].device_kind,
+        devices=jax.device_count(),
+        **facts,
+    )
+    with open(path, "w") as f:
+        f.write(json.dumps(b) + "\n")
+    print(table(b), file=sys.stderr)
+    return b
 
 
 def table(b: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 import json
 import os
 import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -47,6 +48,39 @@ def _log_to_caplog():
 
     for name in log.TAGS:
         logging.getLogger(name).propagate = True
+
+
+_COUNTS = {"compiles": 0, "subprocesses": 0}
+
+
+def _count_compiles(event: str, seconds: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":  # a compile or a cache load
+        _COUNTS["compiles"] += 1
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _compile_listener():
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+@pytest.fixture(autouse=True)
+def _costs(record_property, monkeypatch):
+    """Each test's XLA compiles in this process and the subprocesses it starts, as test
+    properties (`pytest -p bench.pytest_jsonl --jsonl=F`; bench/suite_profile.py sums
+    them per module)."""
+    start = dict(_COUNTS)
+    init = subprocess.Popen.__init__
+
+    def counting_init(self, *args, **kwargs):
+        _COUNTS["subprocesses"] += 1
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", counting_init)
+    yield
+    for name, value in _COUNTS.items():
+        record_property(name, value - start[name])
 
 
 @pytest.fixture(autouse=True)

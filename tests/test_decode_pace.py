@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -159,21 +160,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _processes(n: int, args_of) -> list[subprocess.CompletedProcess]:
-    """n decode.py processes of one job (args_of(i): process i's arguments)."""
+def _start(n: int, args_of, **popen) -> list[subprocess.Popen]:
+    """n decode.py processes of one job (args_of(i): process i's arguments), started."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    port = _free_port()
-    where = [f"--coordinator_address=localhost:{port}", f"--num_processes={n}"]
-    procs = [
+    where = [f"--coordinator_address=localhost:{_free_port()}", f"--num_processes={n}"]
+    return [
         subprocess.Popen(
             [sys.executable, "decode.py", *args_of(i), *where, f"--process_id={i}"],
             cwd=ROOT,
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            **popen,
         )
         for i in range(n)
     ]
+
+
+def _processes(n: int, args_of) -> list[subprocess.CompletedProcess]:
+    """n decode.py processes of one job, run to their end."""
+    procs = _start(n, args_of, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=300)
@@ -267,3 +271,34 @@ def test_bad_pace_settings_are_one_line_errors(workdir, tmp_path):  # noqa: F811
         r = run_decode(*workdir_flag, *flags, stdin=b"eins\n")
         assert r.returncode == 1, (flags, r.stderr.decode())
         assert message in r.stderr.decode() and "Traceback" not in r.stderr.decode()
+
+
+def test_two_processes_killed_mid_chunk_go_on_and_write_one_output(
+    workdir,  # noqa: F811
+    lines,
+    plain,
+    tmp_path,
+):
+    """Both processes of a job SIGKILLed once process 0's journal holds a few batches:
+    the same command run again goes on from that journal (every process translates
+    what it lacks) and writes the uninterrupted run's output, never a mixed file."""
+    out = tmp_path / "out.en"
+    args = [f"--workdir={workdir}", f"--input={lines}", f"--output={out}", *SMALL]
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = _start(2, lambda i: args, **quiet)
+    journal = tmp_path / "out.en.partial.journal"
+    deadline = time.time() + 240
+    while time.time() < deadline and procs[0].poll() is None:
+        if journal.exists() and len(journal.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.02)
+    for p in procs:
+        p.kill()
+        p.wait()
+    assert not out.exists() and journal.exists(), "the job ended before it was killed"
+    done = _processes(2, lambda i: args)
+    for r in done:
+        assert r.returncode == 0, r.stderr.decode()
+    assert "were done by an earlier run" in done[0].stderr.decode()
+    same_translations(out.read_bytes(), plain)
+    assert sorted(os.listdir(tmp_path)) == ["out.en"]

@@ -11,7 +11,7 @@ import pytest
 
 from inference import stages
 from inference.translate import search_fn, search_rule, translate_ids
-from model import EOS_ID, beam, decoding
+from model import EOS_ID, beam, carry, decoding
 from tests.test_decoding import make, ragged_src
 
 
@@ -173,9 +173,9 @@ def test_sources_taken_and_joined_keep_their_state(model):
     rule = beam.Rule(2)
     state, _ = beam.start(model, src, alpha=0.6, rule=rule, capacity=3, length=57, extra=50)
     host = jax.tree.map(np.asarray, state)
-    a = beam.take_sources(host, np.array([2, 0]))
-    b = beam.take_sources(host, np.array([3]))
-    joined = beam.join_sources([a, b], width=12, rows=8)
+    a = carry.take_sources(host, np.array([2, 0]))
+    b = carry.take_sources(host, np.array([3]))
+    joined = carry.join_sources([a, b], width=12, rows=8)
     assert joined.live_seqs.shape == (8, 2, 3) and joined.cache.src_valid.shape == (8, 12)
     for new, old in enumerate([2, 0, 3]):
         np.testing.assert_array_equal(joined.live_seqs[new], host.live_seqs[old])
@@ -190,7 +190,7 @@ def test_sources_taken_and_joined_keep_their_state(model):
     assert np.all(np.isneginf(joined.live_logp[3:])) and not joined.cache.src_valid[3:].any()
     assert bool(jnp.all(beam.done(jax.tree.map(jnp.asarray, joined), jnp.float32(0.6), rule)[3:]))
     with pytest.raises(ValueError, match="different steps"):
-        beam.join_sources([a, a._replace(step=np.int32(9))], width=12, rows=8)
+        carry.join_sources([a, a._replace(step=np.int32(9))], width=12, rows=8)
 
 
 def test_search_rule_is_greedy_for_beam_one():
