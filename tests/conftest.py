@@ -10,6 +10,26 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One compilation cache for the tests, kept between runs (most of a run is compiling:
+# a second run of test_model.py takes 15 s instead of 45), shared by the xdist workers
+# and the train.py / decode.py subprocesses. Capped, least recently used first out;
+# the cap also makes JAX lock the directory (filelock), so that no process reads a
+# file another one is writing. ATTENTION_JAX_TEST_CACHE=DIR moves it, =off turns it
+# off (then each run compiles everything, as CI on a fresh clone does).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_CACHE = os.environ.get("ATTENTION_JAX_TEST_CACHE", os.path.join(ROOT, ".cache", "test-xla"))
+TEST_CACHE_BYTES = 2 << 30
+if TEST_CACHE != "off":
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(TEST_CACHE_BYTES)  # subprocesses too
+    from training import xla
+
+    xla.enable_compilation_cache(TEST_CACHE)
+    import jax
+
+    jax.config.update("jax_compilation_cache_max_size", TEST_CACHE_BYTES)
+    # Programs that compile in less are not worth a locked write and a file each.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
 
 def session_dir(tmp_path_factory, name: str) -> str:
     """A directory of this test session, shared by its xdist workers (the parent of a
@@ -21,11 +41,11 @@ def session_dir(tmp_path_factory, name: str) -> str:
 
 @pytest.fixture(autouse=True, scope="session")
 def _compilation_cache(tmp_path_factory):
-    """train.py and decode.py in subprocesses share a compilation cache of this test
-    session, never the user's (~/.cache/attention-jax/xla). One per xdist worker: JAX
-    writes a cache file in place, so a process of another worker could read one half
-    written."""
-    os.environ["ATTENTION_JAX_COMPILATION_CACHE"] = str(tmp_path_factory.mktemp("xla_cache"))
+    """train.py and decode.py in subprocesses use the tests' compilation cache, never the
+    user's (~/.cache/attention-jax/xla); with the tests' cache off, one of this session
+    per xdist worker (a file written in place must not be read half written)."""
+    cache = TEST_CACHE if TEST_CACHE != "off" else str(tmp_path_factory.mktemp("xla_cache"))
+    os.environ["ATTENTION_JAX_COMPILATION_CACHE"] = cache
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -49,25 +49,27 @@ def _batch(n: int, width: int, seed: int) -> np.ndarray:
 
 
 def test_every_steps_per_check_gives_the_same_tokens_and_scores(model, monkeypatch):
-    """k steps between tests of the stopping condition, k = 1..8, beam 4 and greedy, a
-    small search (one step at a time) and a large one (two at a time; odd rooms):
-    the same tokens and scores."""
+    """k steps between tests of the stopping condition: k = 1..8 for beam 4 (a room of
+    13 tokens: odd, and k = 8 leaves a remainder), and a few k for greedy search and for
+    a large search (two steps at a time): the same tokens and scores."""
     from model.decoding import beam_search
 
     src = _batch(6, 11, seed=4)
-    for large in (False, True):
-        if large:
-            monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
-        for size in (4, 1):
-            # rooms of 13 and 23 tokens: odd, and k = 8 leaves a remainder
-            run = lambda k, size=size, large=large: beam_search(
-                model, src, beam_size=size, steps_per_check=k, max_decode_len=13 + 10 * large
-            )
-            want = [np.asarray(x) for x in run(1)]
-            for k in range(2, 9) if size == 4 and not large else (3, 8):
-                got = run(k)
-                np.testing.assert_array_equal(np.asarray(got[0]), want[0], err_msg=f"{k}")
-                np.testing.assert_array_equal(np.asarray(got[1]), want[1], err_msg=f"{k}")
+
+    def check(size: int, ks, room: int) -> None:
+        run = lambda k: beam_search(
+            model, src, beam_size=size, steps_per_check=k, max_decode_len=room
+        )
+        want = [np.asarray(x) for x in run(1)]
+        for k in ks:
+            got = run(k)
+            np.testing.assert_array_equal(np.asarray(got[0]), want[0], err_msg=f"{size} {k}")
+            np.testing.assert_array_equal(np.asarray(got[1]), want[1], err_msg=f"{size} {k}")
+
+    check(4, range(2, 9), 13)
+    check(1, (5,), 13)
+    monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
+    check(4, (3,), 23)
 
 
 def test_both_batch_plans_and_skipped_sources_give_the_same_hypotheses(model):

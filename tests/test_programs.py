@@ -44,7 +44,12 @@ def search(model):
 
 def test_kept_programs_search_as_jit_does(model, kept, monkeypatch):
     programs.enable(None)
-    want = search(model)  # plain jax.jit
+    # Plain jax.jit, compiled afresh: a program the tests' compilation cache handed back
+    # would leave XLA:CPU unable to serialize the same program compiled again in this
+    # process (decode.py never runs one program both ways: a single device's searches
+    # all go through the kept programs, a mesh's all through jax.jit).
+    with programs._jax_cache_off():
+        want = search(model)
     programs.enable(kept)
     assert search(model) == want  # compiled here and written
     files = os.listdir(kept)

@@ -238,43 +238,46 @@ def test_grad_accumulation_equals_one_big_batch():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_the_packed_step_is_the_step_on_the_state_bit_for_bit(pack):
+def test_the_packed_step_is_the_step_on_the_state():
     """The loop's step (on the state packed into a few buffers, or on its leaves; dropout
     on) against make_train_step's: on the leaves the same program, bit for bit; packed,
-    XLA fuses the Adam update into the packing, so the same to float32 rounding."""
-    same = np.testing.assert_array_equal
-    if pack:
-        same = functools.partial(np.testing.assert_allclose, rtol=2e-6, atol=1e-7)
+    XLA fuses the Adam update into the packing, so the same to float32 rounding; and
+    unpacking gives the state back."""
     rng = np.random.default_rng(2)
     batches = [reverse_batch(rng, 8, 10, 40) for _ in range(3)]
     cfg = small_train_config()
-    mesh, train_step, state = _setup(cfg)
+    mesh, train_step, start = _setup(cfg)
     setup = steps.train_setup(cfg, mesh)
-    start = steps.init_train_state(setup)
-    leaves, treedef = jax.tree.flatten(start)
-    packing = Packing.of(leaves, pack=pack)
-    # params and both Adam moments in one float32 buffer; typed PRNG keys stay apart
-    assert (packing.num_buffers < 10) == pack
-    buffers = steps.make_pack(setup, treedef, packing)(start)
-    packed_step = steps.make_packed_train_step(setup, treedef, packing)
+    wants, state = [], start
     for b in batches:
-        batch = shard_batch(b, mesh)
-        state, want = train_step(state, batch)
-        buffers, got = packed_step(buffers, batch)
-        assert got.keys() == want.keys()
-        for k in want:
-            tolerance = dict(rtol=1e-4) if pack and k == "perplexity" else {}  # exp(loss)
-            same(np.asarray(got[k]), np.asarray(want[k]), **tolerance)
-    assert len(buffers) == packing.num_buffers
-    unpacked = steps.make_unpack(setup, treedef, packing)(buffers)
-    for a, b in zip(jax.tree.leaves(unpacked), jax.tree.leaves(state), strict=True):
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        assert a.shape == b.shape and a.dtype == b.dtype
-        same(np.asarray(a), np.asarray(b))
-    assert int(unpacked.step) == 3
-    buffers, _ = packed_step(buffers, shard_batch(batches[0], mesh))  # still valid
+        state, metrics = train_step(state, shard_batch(b, mesh))
+        wants.append(jax.device_get(metrics))
+    for pack in (True, False):
+        same = np.testing.assert_array_equal
+        if pack:
+            same = functools.partial(np.testing.assert_allclose, rtol=2e-6, atol=1e-7)
+        fresh = steps.init_train_state(setup)
+        leaves, treedef = jax.tree.flatten(fresh)
+        packing = Packing.of(leaves, pack=pack)
+        # params and both Adam moments in one float32 buffer; typed PRNG keys stay apart
+        assert (packing.num_buffers < 10) == pack
+        buffers = steps.make_pack(setup, treedef, packing)(fresh)
+        packed_step = steps.make_packed_train_step(setup, treedef, packing)
+        for b, want in zip(batches, wants, strict=True):
+            buffers, got = packed_step(buffers, shard_batch(b, mesh))
+            assert got.keys() == want.keys()
+            for k in want:
+                tolerance = dict(rtol=1e-4) if pack and k == "perplexity" else {}  # exp(loss)
+                same(np.asarray(got[k]), np.asarray(want[k]), **tolerance)
+        assert len(buffers) == packing.num_buffers
+        unpacked = steps.make_unpack(setup, treedef, packing)(buffers)
+        for a, b in zip(jax.tree.leaves(unpacked), jax.tree.leaves(state), strict=True):
+            if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+                a, b = jax.random.key_data(a), jax.random.key_data(b)
+            assert a.shape == b.shape and a.dtype == b.dtype
+            same(np.asarray(a), np.asarray(b))
+        assert int(unpacked.step) == 3
+        buffers, _ = packed_step(buffers, shard_batch(batches[0], mesh))  # still valid
 
 
 # ~60 s of training; in make test, test_decode_cli's fixture trains a model that must
