@@ -66,7 +66,8 @@ class _Training:
         # host time it costs on the state's hundreds of arrays (training/packed.py).
         leaves, treedef = jax.tree.flatten(state)
         packing = Packing.of(leaves, pack=config.pack_state)
-        self.buffers = steps.make_pack(setup, treedef, packing)(state)
+        pack = steps.make_pack(setup, treedef, packing)
+        self.buffers = pack(state) if packing.groups else leaves  # nothing packed: no copy
         del state, leaves  # the buffers hold the state from here on
         self.train_step = steps.make_packed_train_step(setup, treedef, packing)
         self.unpack, self.totals = steps.make_unpack(setup, treedef, packing), totals
