@@ -155,12 +155,15 @@ class Journal:
                 for line in f:
                     try:
                         entry = json.loads(line)
-                    except ValueError:  # the line a kill tore
+                        if entry.get("at") != self.at:
+                            continue
+                        batch = {
+                            int(i): [Hypothesis(list(t), float(sc)) for t, sc in hyps]
+                            for i, hyps in zip(entry["i"], entry["h"], strict=True)
+                        }
+                    except (ValueError, TypeError, KeyError, AttributeError):  # a torn line
                         continue
-                    if entry.get("at") != self.at:
-                        continue
-                    for i, hyps in zip(entry["i"], entry["h"], strict=True):
-                        found[int(i)] = [Hypothesis(list(t), float(sc)) for t, sc in hyps]
+                    found.update(batch)
         except FileNotFoundError:
             pass
         return found
@@ -168,7 +171,11 @@ class Journal:
     def write(self, indices: Sequence[int], found: Sequence[list[Hypothesis]]) -> None:
         """One finished batch's results, flushed to the OS (a killed process loses none)."""
         if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            self._file = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115
+            if self._file.tell():  # after a torn last line, start a line of its own
+                self._file.seek(self._file.tell() - 1)
+                if self._file.read(1) != "\n":
+                    self._file.write("\n")
         hyps = [[[h.tokens, h.score] for h in hs] for hs in found]
         entry = {"at": self.at, "i": [int(i) for i in indices], "h": hyps}
         self._file.write(json.dumps(entry) + "\n")

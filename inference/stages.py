@@ -339,8 +339,8 @@ def run_stages(
     stages = _Stages(search, sources, nonempty, max_len, progress, sharding, min_rows)
     stages.batches = collections.Counter(width for _, width, _ in plan)
     if skip:
-        skipped = {j for j, i in enumerate(nonempty) if i in set(skip)}
-        plan = _without(plan, skipped)
+        skip = set(skip)
+        plan = _without(plan, {j for j, i in enumerate(nonempty) if i in skip})
     whole = None if carry else getattr(search, "whole", None)
     prepare = getattr(search, "prepare", None)
     if prepare is not None and sharding is None:  # every fresh batch's program, side by side

@@ -235,3 +235,27 @@ def test_chunk_lines_grow_with_the_batch_budget():
     assert DecodeOptions(workdir="w", read_lines=3).chunk_lines == 3
     with pytest.raises(UsageError, match="--read_lines must be >= 1"):
         DecodeOptions(workdir="w", read_lines=0).check()
+
+
+def test_the_journal_keeps_its_chunks_batches_and_skips_a_torn_line(tmp_path):
+    """A journal line a kill tore is skipped, and the next batch starts a line of its own;
+    lines of another chunk are not this chunk's; clearing starts the next chunk."""
+    from inference.hypothesis import Hypothesis
+    from inference.resume import Journal
+
+    path = str(tmp_path / "out.en.partial.journal")
+    with open(path, "w") as f:
+        f.write('{"at": 10, "i": [0], "h": [[[[4, 5], -3.0]]]}\n')  # another chunk
+        f.write('{"at": 0, "i": [1, 2], "h": [[[[5, 6], -1.5]], []]}\n')
+        f.write('{"at": 0, "i": [7], "h": [[[[9')  # torn
+    journal = Journal(path, 0)
+    journal.write([3], [[Hypothesis([8], -2.0), Hypothesis([8, 8], -2.5)]])
+    journal.close()
+    assert Journal(path, 0).read() == {
+        1: [Hypothesis([5, 6], -1.5)],
+        2: [],
+        3: [Hypothesis([8], -2.0), Hypothesis([8, 8], -2.5)],
+    }
+    assert Journal(path, 10).read() == {0: [Hypothesis([4, 5], -3.0)]}
+    journal.clear(25)
+    assert journal.read() == {} and os.path.getsize(path) == 0
