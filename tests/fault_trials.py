@@ -153,7 +153,11 @@ def trial(i: int, config: str, root: str, ref_seconds: float, max_kills: int, rn
             try:
                 full_state(workdir, step)
             except Exception as e:
-                record["problems"].append(f"step {step} unusable after kill: {e}")
+                causes = [e]
+                while causes[-1].__cause__ is not None:
+                    causes.append(causes[-1].__cause__)
+                why = " <- ".join(f"{type(c).__name__}: {str(c)[:300]}" for c in causes)
+                record["problems"].append(f"step {step} unusable after kill: {why}")
         expected_resume = on_disk[-1] if on_disk else None
     if not record["problems"]:
         final = complete_steps(workdir)[-1]

@@ -298,6 +298,51 @@ def test_nonfinite_skip_policy_counts_and_gives_up_on_divergence(corpus, tmp_pat
     assert counted and counted[-1] >= 3
 
 
+def test_old_steps_leave_by_rename_so_a_kill_while_removing_one_leaves_complete_steps(
+    base, corpus, tmp_path, monkeypatch
+):
+    """Removing a step is many file deletions; were they done under the step's name, a
+    SIGKILL among them would leave a step directory that lists as complete and does not
+    restore (seen in the SIGKILL trials). Steps leave checkpoints/ by one rename."""
+    w = copy(base, tmp_path)
+    config = cfg(corpus)
+    setup = steps.train_setup(config, make_mesh(config))
+    removed = []
+    real_rmtree = shutil.rmtree
+
+    def spy(path, *args, **kwargs):
+        removed.append(os.path.relpath(str(path), w / "checkpoints"))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", spy)
+    manager = checkpoints.Checkpoints(str(w), max_to_keep=2)
+    state, data = manager.restore(20, setup.abstract)
+    manager.save(state.replace(step=state.step + 10), data)  # step 30: step 10 goes
+    manager.wait()
+    assert manager.all_steps() == [20, 30]
+    assert not [p for p in removed if p.split(os.sep)[0].isdigit()], removed  # none in place
+
+    def killed(path, *args, **kwargs):  # removes one file of the step, then the process dies
+        victim = next(f for f in glob.glob(f"{path}/**", recursive=True) if os.path.isfile(f))
+        os.remove(victim)
+        raise SystemExit("SIGKILL")
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(SystemExit):
+        manager.save(state.replace(step=state.step + 20), data)
+    monkeypatch.setattr(shutil, "rmtree", spy)
+    manager._orbax.close()
+    after = checkpoints.Checkpoints(str(w), max_to_keep=2)
+    assert after.all_steps() == [20, 30]
+    for step in after.all_steps():
+        after.restore(step, setup.abstract)
+    after.save(state.replace(step=state.step + 20), data)  # step 40 empties the trash
+    after.wait()
+    assert after.all_steps() == [30, 40]
+    after.close()
+    assert os.listdir(w / "checkpoints" / checkpoints.TRASH_DIR) == []
+
+
 # --- Disk full / unwritable -----------------------------------------------------------
 
 

@@ -11,7 +11,10 @@ shards of the arrays cooperatively (process 0 writes the JSON item and
 finalizes the step).
 
 Orbax writes each step to a temporary directory and renames it only once
-complete, so a save cut short (SIGKILL, power loss) is never picked up.
+complete, so a save cut short (SIGKILL, power loss) is never picked up. Old
+steps leave the same way: renamed into checkpoints/deleted/ (one atomic step),
+then removed there, so a kill while an old step is removed file by file never
+leaves a half-deleted step under a step number.
 A step directory damaged later (a truncated or deleted file) fails to restore;
 `restore_latest` then moves it to `checkpoints_damaged/` with a warning and
 falls back to the previous step. Only evidence of damage does that: a restore
@@ -44,6 +47,7 @@ from training.errors import TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
+TRASH_DIR = "deleted"  # inside checkpoints/: old steps on their way out
 
 _log = logging.getLogger(__name__)
 
@@ -147,6 +151,7 @@ class Checkpoints:
             max_to_keep=max_to_keep,
             create=create,
             enable_async_checkpointing=True,
+            todelete_subdir=TRASH_DIR,
         )
         self._orbax = ocp.CheckpointManager(
             self.directory, options=options, item_names=("params", "train", "data")
@@ -175,7 +180,17 @@ class Checkpoints:
         )
         step = int(jax.device_get(state.step))
         with self._write_errors(step):
+            self._orbax.wait_until_finished()  # what save() starts with: the trash is settled
+            self._empty_trash()
             self._orbax.save(step, args=args, force=True)
+
+    def _empty_trash(self) -> None:
+        """Remove the old steps Orbax moved to checkpoints/deleted/ (process 0; its other
+        processes share the filesystem). The folder itself stays, for Orbax's next rename."""
+        trash = os.path.join(self.directory, TRASH_DIR)
+        if jax.process_index() == 0 and os.path.isdir(trash):
+            for name in os.listdir(trash):
+                shutil.rmtree(os.path.join(trash, name), ignore_errors=True)
 
     def _write_errors(self, step: int) -> WriteErrors:
         return WriteErrors(self.directory, step, self.all_steps)
@@ -375,7 +390,9 @@ class Checkpoints:
         self._orbax.reload()
 
     def close(self) -> None:
+        """Finish the save in flight, then remove the steps it retired."""
         self._orbax.close()
+        self._empty_trash()
 
     def __enter__(self) -> Checkpoints:
         return self
