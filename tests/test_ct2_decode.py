@@ -21,6 +21,7 @@ from inference.ct2 import CT2Translator, groups
 from inference.ct2_export import int8_saturates
 from inference.resume import PARTIAL
 from model.tokens import EOS_ID
+from tests.conftest import users_env
 from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
 from tests.test_decode_stream import hostile_input, run_killed
 
@@ -97,7 +98,8 @@ def test_greedy_is_identical_to_ours(workdir, ct2_dirs, tmp_path):  # noqa: F811
 def test_beam_agrees_on_at_least_95_percent_of_lines(workdir, ct2_dirs, tmp_path):  # noqa: F811
     src = tmp_path / "in.de"
     src.write_bytes(mixed_input(4, 80))
-    ours = run_decode(f"--workdir={workdir}", "--length_penalty=average", f"--input={src}")
+    args = ("--length_penalty=average", f"--input={src}")
+    ours = run_decode(f"--workdir={workdir}", *args, env=users_env())  # as users compile
     theirs = run_decode(f"--ct2={ct2_dirs['float32']}", f"--input={src}")
     assert ours.returncode == 0 and theirs.returncode == 0, theirs.stderr.decode()
     a, b = ours.stdout.decode().split("\n"), theirs.stdout.decode().split("\n")

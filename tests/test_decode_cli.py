@@ -24,7 +24,7 @@ from data import Tokenizer
 from data.tokenizer import train_tokenizer
 from inference.restore import restore_model
 from model import EOS_ID, decoding, shift_right
-from tests.conftest import session_dir
+from tests.conftest import session_dir, users_env
 from training import checkpoints, steps
 from training import config as config_lib
 
@@ -92,7 +92,10 @@ def workdir(tmp_path_factory):
             building = f"{shared}.building"
             shutil.rmtree(building, ignore_errors=True)
             os.makedirs(building)
-            train_digit_workdir(building)
+            # In a child compiled as users compile: test_ct2_decode compares its beams
+            # with CTranslate2's, and near ties follow the rounding of the training.
+            code = f"from tests.test_decode_cli import train_digit_workdir as t; t({building!r})"
+            subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=users_env(), check=True)
             os.rename(building, shared)  # complete, or not there
     wd = str(tmp_path_factory.mktemp("workdir") / "w")
     shutil.copytree(shared, wd)

@@ -141,7 +141,8 @@ def test_eight_devices_write_the_single_devices_output_and_report_where_time_wen
     tmp_path,
 ):
     out, stats = tmp_path / "out.en", tmp_path / "stats.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "XLA_FLAGS": flags}
     args = [f"--workdir={workdir}", f"--input={lines}", f"--output={out}", f"--stats={stats}"]
     r = run_decode(*args, *SMALL, env=env)
     assert r.returncode == 0, r.stderr.decode()

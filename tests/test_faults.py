@@ -452,7 +452,7 @@ CHILD = textwrap.dedent(
 
 def run_on_devices(n, overrides, workdir):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(overrides), str(workdir), str(n)],
         cwd=ROOT,

@@ -51,7 +51,8 @@ def start_job(nproc: int, argv) -> list[subprocess.Popen]:
     """`argv(i, port)` on processes i = 0..nproc-1 of one CPU job (4 // nproc devices
     each, gloo over 127.0.0.1:port), not waited for."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 // nproc}"
+    devices = f"--xla_force_host_platform_device_count={4 // nproc}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {devices}"
     port = str(_free_port())
     return [
         subprocess.Popen(

@@ -161,7 +161,7 @@ print(json.dumps(out))
 @pytest.mark.slow  # ~75 s: a subprocess with 8 virtual devices
 def test_same_translations_on_any_mesh():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     proc = subprocess.run(
         [sys.executable, "-c", _MESH], cwd=ROOT, env=env, capture_output=True, text=True
     )
