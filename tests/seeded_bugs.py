@@ -115,7 +115,7 @@ def plant(bug: Bug, whole: bool, jobs: int) -> dict:
         "bug": bug.name,
         "file": bug.path,
         "tests": "the fast suite" if whole else list(bug.modules),
-        "caught": status == 1 and bool(failed),
+        "caught": status != 0 and bool(failed),
         "failed": failed,
         "summary": summary,
         "seconds": round(time.time() - start, 1),

@@ -15,13 +15,48 @@ import pytest
 
 from inference.restore import restore_model
 from tests import test_faults
-from training import TrainingError, train_and_evaluate
+from training import TrainingError, checkpoint_errors, train_and_evaluate
 
 # tests/test_faults.py's finished 20-step run (checkpoints at 10 and 20), and its helpers.
 corpus, base, cfg, copy = test_faults.corpus, test_faults.base, test_faults.cfg, test_faults.copy
 run_train_py = test_faults.run_train_py
 
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB."
+
+
+def _raised_from(cause: BaseException) -> Exception:
+    """An error as Orbax re-raises one from TensorStore: a wrapper, `cause` beneath it."""
+    try:
+        try:
+            raise cause
+        except BaseException as e:
+            raise Exception("Encountered error while reading array index") from e
+    except Exception as wrapped:
+        return wrapped
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (FileNotFoundError(errno.ENOENT, "No such file"), checkpoint_errors.DAMAGED),
+        (ValueError("DATA_LOSS: Error reading chunk: checksum mismatch"), "damaged"),
+        (ValueError("OUT_OF_RANGE: Truncated read"), "damaged"),
+        (OSError(errno.EIO, "Input/output error"), "damaged"),
+        (EOFError("unexpected end"), "damaged"),
+        (PermissionError(errno.EACCES, "Permission denied"), checkpoint_errors.STORAGE),
+        (OSError(errno.ETIMEDOUT, "Connection timed out"), "storage"),
+        (ValueError("UNAVAILABLE: GCS backend unreachable"), "storage"),
+        (ValueError("DEADLINE_EXCEEDED: read timed out"), "storage"),
+        (jax.errors.JaxRuntimeError(OUT_OF_MEMORY), checkpoint_errors.OUT_OF_MEMORY),
+        (TypeError("an error of the program"), checkpoint_errors.BUG),
+        (RuntimeError("Unable to initialize backend 'cuda'"), checkpoint_errors.OTHER),
+    ],
+)
+def test_only_evidence_of_damage_is_classified_as_damage(error, kind):
+    """The decision to move a checkpoint aside: damage only, also when Orbax wraps it."""
+    assert checkpoint_errors.classify(error) == kind
+    if kind != checkpoint_errors.BUG:  # a bug is judged by the outermost error only
+        assert checkpoint_errors.classify(_raised_from(error)) == kind
 
 
 def fail_restores(monkeypatch, error: BaseException) -> list[int]:
