@@ -234,7 +234,7 @@ RESULTS="$OUT/$DEVICE-$(date -u +%Y%m%d)-$COMMIT.jsonl"
 # --- 2. GPU tests -----------------------------------------------------------------------------
 
 : >"$OUT/pytest.jsonl"
-run_step pytest 150 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -p bench.pytest_jsonl \
+run_step pytest 150 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -p tests.pytest_jsonl \
   --jsonl="$OUT/pytest.jsonl" -m gpu -rfEs ${PYTEST_K:+-k "$PYTEST_K"} tests/test_gpu.py
 
 # --- 3-4. benchmarks: each one's JSON object goes to the results file ---------------------

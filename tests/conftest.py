@@ -108,7 +108,7 @@ def _compile_listener():
 @pytest.fixture(autouse=True)
 def _costs(record_property, monkeypatch):
     """Each test's XLA compiles in this process and the subprocesses it starts, as test
-    properties (`pytest -p bench.pytest_jsonl --jsonl=F`; bench/suite_profile.py sums
+    properties (`pytest -p tests.pytest_jsonl --jsonl=F`; tests/suite_profile.py sums
     them per module)."""
     start = dict(_COUNTS)
     init = subprocess.Popen.__init__

@@ -1,7 +1,7 @@
 """Where the test suite's minutes go: seconds, XLA compiles and subprocesses per module.
 
-    python -m pytest -p bench.suite_profile --suite-profile=suite.jsonl -n 2 --dist loadfile
-    python bench/suite_profile.py suite.jsonl [--tests 20]    # the tables
+    python -m pytest -p tests.suite_profile --suite-profile=suite.jsonl -n 2 --dist loadfile
+    python tests/suite_profile.py suite.jsonl [--tests 20]    # the tables
 
 As a pytest plugin it writes one JSON line per test (setup, call and teardown
 seconds, and the `compiles` and `subprocesses` that tests/conftest.py records

@@ -1,6 +1,6 @@
 """A pytest plugin that writes one JSON line per test outcome (pytest has no JSON reporter).
 
-    python -m pytest -p bench.pytest_jsonl --jsonl=OUT/pytest.jsonl tests/test_gpu.py
+    python -m pytest -p tests.pytest_jsonl --jsonl=OUT/pytest.jsonl tests/test_gpu.py
 
 Lines are written as tests finish, so a run killed by a timeout keeps what
 finished. Each is {"nodeid", "outcome", "when", "duration_s", "message",
