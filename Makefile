@@ -112,11 +112,11 @@ bench: $(STAMP)
 	$(PY) bench/decode.py --configs=tiny
 
 # On a GPU machine (no venv needed: it uses python3, or $(PYTHON)): installs the wheels
-# of bench/fetch_wheels.sh it lacks from .whl/, runs `pytest -m gpu` and the GPU benchmarks.
+# of bench/gpu/fetch_wheels.sh it lacks from .whl/, runs `pytest -m gpu` and the GPU benchmarks.
 OUT ?= workdir/gpu-suite
 .PHONY: gpu-suite
 gpu-suite:
-	PYTHON=$(PYTHON) bench/gpu_suite.sh $(OUT)
+	PYTHON=$(PYTHON) bench/gpu/suite.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) $(FLOORS) $(AOT) .pytest_cache .ruff_cache

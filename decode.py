@@ -173,14 +173,10 @@ def options_from_flags():
 
 def start_processes() -> None:
     """jax.distributed for a job of several processes (before JAX starts a backend)."""
-    from inference.options import UsageError
-    from training import TrainingError, distributed
+    from training import distributed
 
     where = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    try:
-        distributed.initialize(*where, mode=FLAGS.distributed)
-    except TrainingError as e:
-        raise UsageError(str(e)) from e
+    distributed.initialize(*where, mode=FLAGS.distributed)
 
 
 def main(argv: list[str]) -> None:
@@ -189,8 +185,8 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
     logging.set_verbosity(logging.WARNING)  # Orbax logs every checkpoint read at INFO
     # Imported here so that `--help` and flag errors are fast and JAX-free.
-    from inference.options import UsageError
-    from training import log, xla
+    from common import log, xla
+    from common.errors import UserError
 
     xla.set_gpu_flags()  # before JAX initializes a backend
     log.setup()
@@ -199,19 +195,19 @@ def main(argv: list[str]) -> None:
         options.check()
         start_processes()
         if options.stats:
-            from inference import timing
+            from search import timing
 
             timing.enable(origin=_STARTED)
         cache = FLAGS.compilation_cache
         cache = xla.enable_compilation_cache(xla.default_cache_dir() if cache is None else cache)
-        from inference import programs
         from inference.run import run
+        from search import programs
 
         # The search programs whole, beside XLA's cache: a new process skips tracing them.
         programs.enable(None if cache is None else os.path.join(cache, "programs"))
 
         run(options)
-    except UsageError as e:
+    except UserError as e:
         print(f"decode.py: error: {e}", file=sys.stderr)
         sys.exit(1)
 

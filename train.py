@@ -89,16 +89,19 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _compile_for() -> int:
-    """--compile_for: the ahead-of-time report (training/aot.py); no training."""
-    from training import targets
+    """--compile_for: the ahead-of-time report (aot/fit.py); no training."""
+    from aot import targets
 
     try:
         target = targets.parse_target(_COMPILE_FOR.value)
-    except ValueError as e:  # TrainingError
+    except ValueError as e:  # UserError
         print(f"error: {e}", file=sys.stderr)
         return 1
     targets.prepare_environment(target)  # before JAX starts a backend
-    from training import TrainingError, aot, aot_report, log, xla
+    from aot import fit
+    from aot import report as aot_report
+    from common import log, xla
+    from common.errors import UserError
 
     xla.set_gpu_flags()  # what train.py runs with on a GPU
 
@@ -107,13 +110,13 @@ def _compile_for() -> int:
     label = config_flags.get_config_filename(flags.FLAGS["config"])
     target, slices = _COMPILE_FOR.value, _SLICES.value
     try:
-        report = aot.compile_for(
+        report = fit.compile_for(
             config, target, slices=slices, all_buckets=_ALL_BUCKETS.value, label=label,
             dump_dir=_DUMP.value,
         )  # fmt: skip
         if _FIND_BATCH.value:
-            report["find_batch"] = aot.find_batch(config, target, slices=slices)
-    except TrainingError as e:
+            report["find_batch"] = fit.find_batch(config, target, slices=slices)
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     report["advice"] = aot_report.advice(report)
@@ -141,20 +144,21 @@ def main(argv: list[str]) -> None:
     if not _WORKDIR.value:
         print("error: --workdir is required (or --compile_for=TARGET)", file=sys.stderr)
         sys.exit(1)
-    from training import xla
+    from common import xla
 
     xla.set_gpu_flags()  # before JAX initializes a backend
     xla.enable_compilation_cache(xla.default_cache_dir() if _CACHE.value is None else _CACHE.value)
     # Imported here so that `--help` and flag errors are fast and JAX-free.
-    from data import DataError
-    from training import TrainingError, distributed, log, train_and_evaluate
+    from common import log
+    from common.errors import UserError
+    from training import distributed, train_and_evaluate
 
     log.setup()
 
     where = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     try:
         multi = distributed.will_start(*where, mode=_DISTRIBUTED.value)
-    except TrainingError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     if os.environ.get(distributed.SUPERVISED_ENV):
@@ -166,7 +170,7 @@ def main(argv: list[str]) -> None:
     config = _load_config()
     try:
         train_and_evaluate(config, _WORKDIR.value)
-    except (TrainingError, DataError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 
 def set_gpu_flags() -> None:
-    from training.xla import set_gpu_flags as set_flags
+    from common.xla import set_gpu_flags as set_flags
 
     set_flags()
 

@@ -7,7 +7,7 @@ time went, with an empty compilation cache ("cold") and then with the one it fil
 
 The input is --input, or the sources of a split of the workdir's dataset written to a
 file, repeated to --lines lines if given. Each run is `python decode.py ... --stats`
-in a process of its own (inference/timing.py: start-up, programs, host phases,
+in a process of its own (search/timing.py: start-up, programs, host phases,
 device busy and idle); flags after `--` go to decode.py. Prints one JSON object
 per run, each with "benchmark": "decode.py", then a table.
 """

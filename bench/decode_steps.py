@@ -6,7 +6,7 @@
 A beam-row step is one row of one decoder step (a source's K beams are K rows).
 The count is exact, not timed: rows x K x the steps each search program ran (the
 state's step before and after it), filler rows included. `batched` is what
-decode.py runs (inference.translate.translate_ids, its default batch_tokens);
+decode.py runs (search.translate.translate_ids, its default batch_tokens);
 `alone` runs every source in a batch of its own, which leaves the search at the
 step the source is done: the fewest steps any batching could run with that rule.
 Their ratio bounds what continuous batching could save (docs/decoding.md). The
@@ -32,7 +32,7 @@ from bench import common
 
 @dataclasses.dataclass
 class CountingSearch:
-    """An inference.stages.Search that counts the beam-row steps of the one it wraps."""
+    """An search.stages.Search that counts the beam-row steps of the one it wraps."""
 
     search: object
     steps: int = 0
@@ -64,8 +64,8 @@ class CountingSearch:
 def count(model, sources, rule, alpha: float, alone: bool) -> dict:
     """Beam-row steps, search calls, output tokens and seconds of one translation."""
     from inference.options import DecodeOptions
-    from inference.stages import run_stages
-    from inference.translate import LiveSearch
+    from search.stages import run_stages
+    from search.translate import LiveSearch
 
     search = CountingSearch(LiveSearch(model, rule, alpha))
     default = dict(batch_tokens=DecodeOptions.batch_tokens)  # decode.py's --batch_tokens
@@ -88,8 +88,8 @@ def main(argv=None) -> None:
 
     from data.corpora import prepare_ding
     from inference.restore import load_workdir
-    from inference.translate import search_rule, vocab_limit
     from model import EOS_ID
+    from search.translate import search_rule, vocab_limit
 
     model, config, step, tok = load_workdir(args.workdir)
     pairs = prepare_ding()["test"][: args.limit]

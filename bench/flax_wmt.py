@@ -31,7 +31,7 @@ K, alpha, EOS and L, each inside one jax.jit: only the search differs.
 With --workdir, the workload decode.py's goals are stated on instead: a trained
 model (`inference.restore.load_workdir`), the Ding --split sentences, and for
 each --batch_tokens the batches decode.py forms (`data.plans.plan_translation`).
-"ours" is decode.py's own search over them (`inference.stages.run_stages`:
+"ours" is decode.py's own search over them (`search.stages.run_stages`:
 sources leave when done, the cache grows stage by stage); "flax-wmt" runs
 Flax's `beam_search` on each of the same batches, its cache L = width + 50
 columns from the start. Both are compiled by a first pass, then the second is
@@ -245,7 +245,7 @@ def _flax_over_plan(model, sources, plan, flax_search, *, beam_size, alpha, voca
     import numpy as np
     from flax import nnx
 
-    from inference.stages import batch_of, stage_rooms
+    from search.stages import batch_of, stage_rooms
 
     graphdef, state = nnx.split(model)
     out: list[list[int]] = [[] for _ in sources]
@@ -268,8 +268,8 @@ def workload(args, flax_search) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from data.corpora import prepare_ding
     from data.plans import plan_translation
     from inference.restore import load_workdir
-    from inference.stages import run_stages
-    from inference.translate import LiveSearch, search_rule, vocab_limit
+    from search.stages import run_stages
+    from search.translate import LiveSearch, search_rule, vocab_limit
 
     model, config, step, tok = load_workdir(args.workdir)
     pairs = prepare_ding()[args.split][: args.limit]

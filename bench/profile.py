@@ -11,7 +11,7 @@ the train step alone (a quick A/B). XLA's own FLOP count of the compiled step
 is printed beside `training.metrics.train_flops` (on a GPU it leaves out the
 cuBLAS and cuDNN calls, so it is far lower). With --trace_dir, one step is
 also recorded with `jax.profiler.trace` and, on a GPU or TPU, summarized by
-`bench/trace_summary.py` (kernel time by kind; open the trace itself in
+`tools/trace_summary.py` (kernel time by kind; open the trace itself in
 TensorBoard's profile plugin or Perfetto). Prints JSON objects and tables.
 """
 
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     }
     common.report("profile", meta, rows, ["piece", "ms", "share_of_step"])
     if args.trace_dir and jax.default_backend() != "cpu":
-        from bench import trace_summary
+        from tools import trace_summary
 
         trace_summary.main([args.trace_dir, "--top=15"])
 

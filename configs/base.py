@@ -22,7 +22,7 @@ compound-split) BLEU and typically comes out lower on the same output (Post,
 ones. Our measured runtimes and BLEU are in the README.
 
 Ding (`--config.dataset=ding`, 1.2M target tokens) is too small for base: on
-one H100 (bench/gpu_ding.sh, packed 8192-token batches) dev loss is lowest at
+one H100 (bench/gpu/ding.sh, packed 8192-token batches) dev loss is lowest at
 step 2,000 and test BLEU is 4.65 after 5,050 steps (6.5 minutes).
 """
 

@@ -14,12 +14,10 @@ when a plan is made): the cache's worker processes import it.
 """
 
 from data.corpora import ParallelCorpus, TsvCorpus, load_split
-from data.files import DataError
 from data.pipeline import TrainIterator, eval_batches
 from data.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
-    "DataError",
     "ParallelCorpus",
     "Tokenizer",
     "TrainIterator",

@@ -384,5 +384,5 @@ def tokenized_shard(
     )
     tc = open_shard(final, key)
     if tc is None:
-        raise files.DataError(f"the tokenized cache {final} could not be read back")
+        raise files.UserError(f"the tokenized cache {final} could not be read back")
     return tc

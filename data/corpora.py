@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from common.errors import UserError
 from data import tsv
-from data.files import DataError, atomic_write_bytes, cache_dir
+from data.files import atomic_write_bytes, cache_dir
 from data.tsv import TsvCorpus
 
 DING_PATH = "/usr/share/trans/de-en"
@@ -256,7 +257,7 @@ def ding_path(config: Any) -> str:
 def prepare_ding(path: str = DING_PATH) -> dict[str, list[tuple[str, str]]]:
     """Parses and splits the Ding file, cached on disk (keyed on size, mtime, parser)."""
     if not os.path.isfile(path):
-        raise DataError(
+        raise UserError(
             f"The default corpus 'ding' needs the Ding dictionary at {path}, which is "
             "missing. Install it with `sudo apt-get install trans-de-en` (`make train` "
             "does this when it can), or train on other data with "
@@ -292,18 +293,18 @@ def read_tsv(path: str) -> tuple[TsvCorpus, int]:
 
     Malformed lines (no tab or several, an empty side, bytes that are not
     UTF-8) are skipped; if they are the majority, the file is probably not
-    what the user meant and we raise `DataError`. The lines are indexed once
+    what the user meant and we raise `UserError`. The lines are indexed once
     (cached by path, size and mtime) and read from disk on access, so a
     corpus of any size costs no memory (data/tsv.py).
     """
     index = tsv.line_index(path)
     total, bad = index.num_lines, index.num_malformed
     if total == 0:
-        raise DataError(f"TSV file {path} has no lines")
+        raise UserError(f"TSV file {path} has no lines")
     if bad:
         _log.warning(f"{path}: skipped {bad} malformed line(s) of {total}")
     if bad > TSV_MAX_MALFORMED * total:
-        raise DataError(
+        raise UserError(
             f"{path}: {bad} of {total} lines are malformed (expected one "
             "`source<TAB>target` pair per line in UTF-8)"
         )
@@ -324,7 +325,7 @@ def load_tfds(name: str, split: str, config: Any) -> TfdsCorpus:
     try:
         source = tfds.data_source(name, split=tfds_split, data_dir=data_dir)
     except Exception as e:  # TFDS raises many kinds; all mean "not available"
-        raise DataError(
+        raise UserError(
             f"Cannot open TFDS dataset {name!r} split {tfds_split!r}: {e}. TFDS datasets "
             "must be prepared once (needs internet, and `pip install .[tf]` for some), "
             f"e.g. `tfds build {name} --file_format=array_record`."
@@ -333,7 +334,7 @@ def load_tfds(name: str, split: str, config: Any) -> TfdsCorpus:
     if len(source):
         keys = set(source[0])
         if src not in keys or tgt not in keys:
-            raise DataError(
+            raise UserError(
                 f"TFDS dataset {name!r} has languages {sorted(keys)}, not "
                 f"source_lang={src!r} / target_lang={tgt!r}"
             )
@@ -349,7 +350,7 @@ def _load(spec: str, split: str, config: Any, whole_file: bool) -> Any:
     if spec == "ding":
         src, tgt = config.source_lang, config.target_lang
         if {src, tgt} != {"de", "en"}:
-            raise DataError(f"'ding' is German-English; got {src}->{tgt}")
+            raise UserError(f"'ding' is German-English; got {src}->{tgt}")
         pairs = prepare_ding(ding_path(config))[split]
         de = [p[0] for p in pairs]
         en = [p[1] for p in pairs]
@@ -367,7 +368,7 @@ def _load(spec: str, split: str, config: Any, whole_file: bool) -> Any:
         if split == "train":
             return TsvCorpus(corpus.index, skip=np.concatenate(list(held_out.values())), name=name)
         return TsvCorpus(corpus.index, take=held_out[split], name=name)
-    raise DataError(f"Unknown dataset {spec!r}: expected 'ding', 'tfds:NAME' or 'tsv:PATH'")
+    raise UserError(f"Unknown dataset {spec!r}: expected 'ding', 'tfds:NAME' or 'tsv:PATH'")
 
 
 def load_split(config: Any, split: str) -> ParallelCorpus | TfdsCorpus | TsvCorpus:
@@ -379,7 +380,7 @@ def load_split(config: Any, split: str) -> ParallelCorpus | TfdsCorpus | TsvCorp
     from its training split).
     """
     if split not in SPLITS:
-        raise DataError(f"split must be one of {SPLITS}, got {split!r}")
+        raise UserError(f"split must be one of {SPLITS}, got {split!r}")
     eval_spec = config.eval_dataset
     if split != "train" and eval_spec:
         return _load(eval_spec, split, config, whole_file=True)

@@ -179,7 +179,7 @@ class EpochPlans:
             raise
         plan = self._load(final, epoch)
         if plan is None:
-            raise files.DataError(f"the epoch plan {final} could not be read back")
+            raise files.UserError(f"the epoch plan {final} could not be read back")
         return plan
 
     def _load(self, path: str, epoch: int) -> Plan | None:

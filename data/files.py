@@ -32,6 +32,8 @@ import time
 from collections.abc import Iterator
 from typing import IO, Any
 
+from common.errors import UserError
+
 MANIFEST = "manifest.json"
 # Another host's temporary directory untouched for this long belongs to a dead build
 # (we cannot ask another host whether its pid is alive).
@@ -42,10 +44,6 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 _log = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """A user error in the data configuration (missing file, bad format, ...)."""
 
 
 def cache_dir() -> str:
@@ -188,7 +186,7 @@ def publish_dir(tmp: str, final: str) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return
             move_aside(final)
-    raise DataError(f"cannot publish {final}: it keeps being replaced by another process")
+    raise UserError(f"cannot publish {final}: it keeps being replaced by another process")
 
 
 def move_aside(path: str) -> None:

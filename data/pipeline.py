@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from common.errors import UserError
 from data.batches import assemble_bucketed, assemble_packed
 from data.cache import ShardSpec, tokenized_shard
 from data.epoch_plans import EpochPlans, PlanSpec
-from data.files import DataError
 from data.plans import (
     bucket_batches,
     bucket_of,
@@ -167,7 +167,7 @@ class TrainIterator:
             self._tc = apply_long_pairs(tokenized, self.max_length, config.long_pairs)
         self.num_dropped = self._tc.num_dropped
         if len(self._tc) == 0:
-            raise DataError("no training pairs left after dropping pairs longer than max_length")
+            raise UserError("no training pairs left after dropping pairs longer than max_length")
         self.budget = int(config.batch_tokens) // self.num_shards
         # What an epoch's batch counts and padding follow from, in one pass over the lengths
         # (the plans read them again when they are made, not at a restart that maps them).
@@ -317,7 +317,7 @@ class TrainIterator:
     def set_state(self, state: dict[str, int]) -> None:
         """Resumes so that the next batch is the one after the saved position."""
         if state.get("num_examples", self.num_examples) != self.num_examples:
-            raise DataError(
+            raise UserError(
                 f"data state was saved for {state['num_examples']} examples, this corpus "
                 f"shard has {self.num_examples}: the dataset or its config changed"
             )

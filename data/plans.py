@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from data.files import DataError
+from common.errors import UserError
 
 # The narrowest bucket, and the step between bucket widths up to 12 steps wide
 # (48 tokens); from there the step doubles whenever the width doubles.
@@ -76,7 +76,7 @@ def fit_buckets(histogram: np.ndarray, rows: np.ndarray, count: int) -> np.ndarr
     """
     h = np.asarray(histogram, np.int64)
     if not h.any() or count < 1:
-        raise DataError("cannot fit length buckets: no lengths, or count < 1")
+        raise UserError("cannot fit length buckets: no lengths, or count < 1")
     # Candidate widths: every length from the shortest pair to the longest (a width
     # that holds no pair is never chosen: it costs nothing and saves nothing).
     cand = np.arange(np.flatnonzero(h)[0], np.flatnonzero(h)[-1] + 1)
@@ -122,7 +122,7 @@ def rows_per_batch(budget: int, length: int, multiple: int) -> int:
     """Rows of `length` tokens that fit `budget`, rounded down to a multiple of `multiple`."""
     rows = (budget // length) // multiple * multiple
     if rows < multiple:
-        raise DataError(
+        raise UserError(
             f"batch_tokens per process ({budget}) cannot hold {multiple} rows of "
             f"{length} tokens: raise batch_tokens or lower max_length"
         )

@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from data.files import DataError, drop_mapped_pages
+from common.errors import UserError
+from data.files import drop_mapped_pages
 
 # Arrays of a tokenized corpus, in the order of TokenizedCorpus's fields.
 FIELDS = ("src_flat", "src_start", "src_len", "tgt_flat", "tgt_start", "tgt_len", "index")
@@ -66,7 +67,7 @@ def _flat(seqs: Sequence[Sequence[int]], dtype: np.dtype) -> tuple[np.ndarray, n
     try:
         flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype, count=int(lens.sum()))
     except OverflowError as e:  # an id the chosen dtype cannot hold
-        raise DataError(f"token id out of range for {dtype}: {e}") from e
+        raise UserError(f"token id out of range for {dtype}: {e}") from e
     return flat, lens
 
 

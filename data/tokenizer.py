@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
+from common.errors import UserError
 from data.corpora import read_pairs
-from data.files import DataError, atomic_write_bytes
+from data.files import atomic_write_bytes
 from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 TOKENIZER_FILENAME = "tokenizer.model"
@@ -42,7 +43,7 @@ class Tokenizer:
         self.fingerprint = hashlib.sha256(proto).hexdigest()
         ids = (self._sp.pad_id(), self._sp.eos_id(), self._sp.bos_id(), self._sp.unk_id())
         if ids != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
-            raise DataError(f"{path or 'tokenizer'}: special ids {ids} != (0, 1, 2, 3)")
+            raise UserError(f"{path or 'tokenizer'}: special ids {ids} != (0, 1, 2, 3)")
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
@@ -110,7 +111,7 @@ def train_tokenizer(
     """
     min_vocab = _NUM_BYTE_PIECES + 4 + 1
     if vocab_size < min_vocab:
-        raise DataError(f"vocab_size must be at least {min_vocab}, got {vocab_size}")
+        raise UserError(f"vocab_size must be at least {min_vocab}, got {vocab_size}")
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts),
@@ -144,7 +145,7 @@ def get_tokenizer(config: Any, workdir: str, corpus: Any) -> Tokenizer:
     if os.path.isfile(path):
         tok = Tokenizer.load(path)
         if tok.vocab_size > config.vocab_size:  # its ids would not fit the embedding
-            raise DataError(
+            raise UserError(
                 f"{path} has a vocabulary of {tok.vocab_size}, but config.vocab_size is "
                 f"{config.vocab_size}: use a fresh workdir or set "
                 f"--config.vocab_size={tok.vocab_size}"
@@ -170,7 +171,7 @@ def get_tokenizer(config: Any, workdir: str, corpus: Any) -> Tokenizer:
         need = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
         if not need:
             raise
-        raise DataError(
+        raise UserError(
             f"config.vocab_size={config.vocab_size} is too small for this corpus: its "
             f"characters, the {_NUM_BYTE_PIECES} byte pieces and the special ids need at least "
             f"{need.group(1)} pieces; set --config.vocab_size={need.group(1)} or more"

@@ -230,7 +230,7 @@ def _index_from_state(state: dict[str, Any]) -> LineIndex:
 def _open_index(directory: str) -> LineIndex:
     manifest = files.read_manifest(directory)
     if manifest is None:
-        raise files.DataError(f"TSV index {directory} disappeared while in use")
+        raise files.UserError(f"TSV index {directory} disappeared while in use")
     return LineIndex(directory, manifest)
 
 
@@ -259,7 +259,7 @@ def _write_index(path: str, directory: str, fingerprint: dict[str, Any]) -> dict
 def line_index(path: str, root: str | None = None) -> LineIndex:
     """The index of `path`'s valid lines: mapped from the cache, or built once."""
     if not os.path.isfile(path):
-        raise files.DataError(f"TSV file not found: {path}")
+        raise files.UserError(f"TSV file not found: {path}")
     fingerprint = _fingerprint(path)
     if fingerprint["size"] < CACHE_MIN_BYTES:
         with tempfile.TemporaryDirectory() as tmp:
@@ -286,7 +286,7 @@ def line_index(path: str, root: str | None = None) -> LineIndex:
     _log.info(f"indexed {path}: {valid:,} pairs ({total - valid:,} malformed lines) -> {final}")
     index = _valid_index(final, fingerprint)
     if index is None:
-        raise files.DataError(f"the TSV index {final} could not be read back")
+        raise files.UserError(f"the TSV index {final} could not be read back")
     return index
 
 

@@ -1,11 +1,8 @@
-"""Translating with a trained model: decode.py's library, and the in-loop evaluation's.
+"""decode.py's application: translating files with a trained model (token ids to
+hypotheses is search/'s, below this and training/).
 
-    translate.py   token ids -> hypotheses: the Translator interface, the live model's
-                   (`LiveTranslator`, `translate_ids`) and the batching every backend shares
-    hypothesis.py  `Hypothesis` (ids and score), what every translator returns per source
-    stages.py      the JAX backends' batch loop: beam search in stages of growing room
     lines.py       lines of text <-> segments of ids <-> per-line hypotheses; read (whole or
-                   in chunks), write, BLEU (whole or from summed statistics)
+                   in chunks), write, BLEU from summed statistics
     stream.py      the chunk loop of decode.py: read, translate, write in order, count
     resume.py      decode.py's output: FILE.partial, its progress record, resume or refuse
     progress.py    lines, lines/s, tokens/s and ETA on stderr

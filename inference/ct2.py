@@ -3,7 +3,7 @@
     translator = CT2Translator.load("serve/", beam_size=4, alpha=0.6, threads=2)
     hyps = translator.translate(sources)   # a Translator, as LiveTranslator: ids in, ids out
 
-The same contract as the JAX backends (inference/translate.py): sources are
+The same contract as the JAX backends (search/translate.py): sources are
 EOS-terminated id lists, results come back in input order with at most n_best
 hypotheses each, best first, an empty source gets none. What CTranslate2 is told
 so that it decodes as ours does (decoding.json):
@@ -47,10 +47,10 @@ from inference.ct2_export import (
     TOKENIZER,
     import_ctranslate2,
 )
-from inference.hypothesis import Hypothesis
-from inference.stages import check_lengths
-from inference.translate import Progress
 from model.tokens import EOS_ID
+from search.hypothesis import Hypothesis
+from search.stages import check_lengths
+from search.translate import Progress
 
 _log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ processes (hosts) that translate one input into one output.
     out = open_shared_output(path, job, restart)    # process 0's output; others follow it
 
 Every device holds the parameters (replicated) and a share of each batch's rows
-(inference/stages.py places them and gathers the results). With several
+(search/stages.py places them and gathers the results). With several
 processes, each reads the whole input and takes part in every batch; process 0
 alone writes the output, its record and its journal, and tells the others
 where the job resumes and which of a chunk's sources its journal holds, so that
@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from inference.options import UsageError
+from common.errors import UserError
 from inference.resume import PartialOutput, StreamOutput, differences, open_output
 
 
@@ -36,13 +36,13 @@ def shardings() -> tuple[NamedSharding | None, NamedSharding | None]:
 
 
 def check_single_process_flags(options: Any) -> None:
-    """UsageError for what a job of several processes cannot do (decode.py's options)."""
+    """UserError for what a job of several processes cannot do (decode.py's options)."""
     if jax.process_count() == 1:
         return
     single = ["export", "export_ct2", "ct2", "exported", "dry_run", "alignment", "plot_attention"]
     used = [f"--{name}" for name in single if getattr(options, name)]
     if used:
-        raise UsageError(
+        raise UserError(
             f"{', '.join(used)} run(s) in one process: drop them, or run without "
             "--coordinator_address/--num_processes/--process_id"
         )
@@ -63,7 +63,7 @@ def from_main(value: Any) -> Any:
 
 
 def check_same_job(job: dict[str, Any] | None) -> None:
-    """UsageError on every process unless all of them describe the same job."""
+    """UserError on every process unless all of them describe the same job."""
     if jax.process_count() == 1:
         return
     from training.distributed import allgather_json
@@ -72,7 +72,7 @@ def check_same_job(job: dict[str, Any] | None) -> None:
     for index, other in enumerate(jobs[1:], start=1):
         if other != jobs[0]:
             changed = differences(jobs[0], other)
-            raise UsageError(
+            raise UserError(
                 f"process {index} has another job than process 0 ({'; '.join(changed[:3])}): "
                 "give every process the same input, model and flags"
             )
@@ -101,7 +101,7 @@ def open_shared_output(
     path: str, job: dict[str, Any] | None, restart: bool
 ) -> PartialOutput | StreamOutput | FollowerOutput:
     """The job's output on process 0 (inference/resume.py `open_output`); a follower of
-    its record on the others. A UsageError on process 0 stops every process."""
+    its record on the others. A UserError on process 0 stops every process."""
     if jax.process_count() == 1:
         return open_output(path, job, restart)
     check_same_job(job)
@@ -109,11 +109,11 @@ def open_shared_output(
     if is_main():
         try:
             out = open_output(path, job, restart)
-        except UsageError as e:
+        except UserError as e:
             error = str(e)
     shared = from_main({"done": out.done if out else {}, "error": error})
     if shared["error"]:
-        raise UsageError(shared["error"] if is_main() else f"process 0: {shared['error']}")
+        raise UserError(shared["error"] if is_main() else f"process 0: {shared['error']}")
     return out if out is not None else FollowerOutput(shared["done"])
 
 

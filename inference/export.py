@@ -9,7 +9,7 @@ The directory holds
     params.npz           the parameters as arrays p0000, p0001, ... in the order the
                          programs take them (a flat list: no pytree classes needed)
     start_S{W}.jax,      `jax.export` serializations (StableHLO) of the staged search
-    resume_S{W}_C{C}.jax that decode.py runs (inference/stages.py): encode sources
+    resume_S{W}_C{C}.jax that decode.py runs (search/stages.py): encode sources
                          padded to width W and search with room for the first
                          stage's tokens; go on with room for C tokens. Each stops
                          early once at most `keep` sources are unfinished before
@@ -23,7 +23,7 @@ The directory holds
 
 One program per width W of data.plans.inference_widths(max_len) (and room); the
 batch dimension is symbolic, so any number of rows runs the same program. The
-programs are the live model's (inference.translate.LiveSearch, search_fn) with
+programs are the live model's (search.translate.LiveSearch, search_fn) with
 the parameters as an argument, so the exported translator batches, searches and
 prints exactly as decode.py does with the checkpoint.
 """
@@ -45,11 +45,11 @@ from flax import nnx
 
 from data.files import atomic_write, atomic_write_bytes
 from data.plans import inference_widths
-from inference.hypothesis import Hypothesis
-from inference.stages import run_stages, stage_rooms
-from inference.translate import LiveSearch, Progress, search_fn, search_rule
 from model import Transformer, beam
 from model.decoding import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN
+from search.hypothesis import Hypothesis
+from search.stages import run_stages, stage_rooms
+from search.translate import LiveSearch, Progress, search_fn, search_rule
 
 # 2: staged programs (start_S*, resume_S*_C*) beside the one-program search_S*.
 # 3: the staged programs take `keep` and `until` and stop early; a resume for every room.
@@ -280,13 +280,13 @@ class ExportedTranslator:
     def start(
         self, src: jax.Array, room: int, keep: int = 0, until: int = 0
     ) -> tuple[beam.BeamState, jax.Array]:
-        """inference.stages.Search: the exported first stage of sources of src's width."""
+        """search.stages.Search: the exported first stage of sources of src's width."""
         return self._call(_start_name(src.shape[1]), src, np.int32(keep), np.int32(until))
 
     def resume(
         self, state: beam.BeamState, room: int, keep: int = 0, until: int = 0
     ) -> tuple[beam.BeamState, jax.Array]:
-        """inference.stages.Search: the exported search going on with room for `room` tokens."""
+        """search.stages.Search: the exported search going on with room for `room` tokens."""
         width = state.cache.src_valid.shape[1]
         early = np.int32(keep), np.int32(until)
         return self._call(_resume_name(width, room), jax.tree.leaves(state), *early)
@@ -297,7 +297,7 @@ class ExportedTranslator:
         progress: Progress | None = None,
         skip: Collection[int] = (),
     ) -> list[list[Hypothesis]]:
-        """As `inference.translate.translate_ids` with the exported beam, alpha and n_best."""
+        """As `search.translate.translate_ids` with the exported beam, alpha and n_best."""
         return run_stages(
             self,
             sources,

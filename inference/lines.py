@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from data.files import atomic_write
-from inference import timing
-from inference.hypothesis import Hypothesis
-from inference.translate import Progress, Translator
 from model import EOS_ID
+from search import timing
+from search.hypothesis import Hypothesis
+from search.translate import Progress, Translator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +205,7 @@ def translate_segments(
     known: dict[int, list[Hypothesis]] | None = None,
 ) -> Translated:
     """Translate the segments of `encode_lines`; `progress(indices, hypotheses)` per batch
-    (inference/stages.py `Progress`, indices into `segments`). known: segments translated
+    (search/stages.py `Progress`, indices into `segments`). known: segments translated
     before (a resumed chunk's journal), given their hypotheses instead of translated."""
     known = known or {}
     with timing.phase("search"):
@@ -227,21 +227,6 @@ def format_lines(hypotheses: Sequence[list[dict[str, Any]]], output_format: str)
 def best_texts(hypotheses: Sequence[list[dict[str, Any]]]) -> list[str]:
     """Each line's best translation ('' for a line without hypotheses)."""
     return [line[0]["text"] if line else "" for line in hypotheses]
-
-
-def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
-    """Corpus BLEU and chrF from sacreBLEU, with their signatures."""
-    import sacrebleu
-
-    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-    b = bleu.corpus_score(list(hyps), [list(refs)])
-    c = chrf.corpus_score(list(hyps), [list(refs)])
-    return {
-        "bleu": b.score,
-        "chrf": c.score,
-        "bleu_signature": str(bleu.get_signature()),
-        "chrf_signature": str(chrf.get_signature()),
-    }
 
 
 class CorpusScores:

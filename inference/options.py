@@ -2,7 +2,7 @@
 
     options = DecodeOptions(workdir="workdir/tiny", input="test.de", n_best=4,
                             output_format="jsonl")
-    options.check()          # UsageError for combinations that cannot work
+    options.check()          # UserError for combinations that cannot work
     inference.run.run(options)
 
 decode.py fills it from its flags (a setting left at its default is None where
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from common.errors import UserError
 from inference.ct2_export import DEVICES, QUANTIZATIONS
 from model.beam import BEAM_STOPS
 from model.decoding import (
@@ -36,10 +37,6 @@ MIN_READ_LINES = 10_000
 # accelerator's are made big enough to keep it busy (beam search holds K x as many
 # tokens, each with a key and a value per layer in its cache).
 BATCH_TOKENS = {"cpu": 4096, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
-
-
-class UsageError(Exception):
-    """Something the user can fix; decode.py prints it as one line and exits with 1."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,71 +111,71 @@ class DecodeOptions:
         return BATCH_TOKENS.get(jax.default_backend(), BATCH_TOKENS["cpu"])
 
     def check(self) -> None:
-        """Combinations that cannot work, before anything slow happens (UsageError)."""
+        """Combinations that cannot work, before anything slow happens (UserError)."""
         if self.exported and (self.workdir or self.export):
-            raise UsageError("--exported translates on its own: drop --workdir and --export")
+            raise UserError("--exported translates on its own: drop --workdir and --export")
         self._check_ct2()
         if not (self.exported or self.workdir or self.ct2):
-            raise UsageError(
+            raise UserError(
                 "--workdir is required (the directory train.py wrote), or --exported, or --ct2"
             )
         beam_size, alpha, n_best = self.search
         if beam_size < 1 or alpha < 0 or (self.batch_tokens is not None and self.batch_tokens < 1):
-            raise UsageError("need --beam_size >= 1, --alpha >= 0 and --batch_tokens >= 1")
+            raise UserError("need --beam_size >= 1, --alpha >= 0 and --batch_tokens >= 1")
         if self.steps_per_check is not None and self.steps_per_check < 1:
-            raise UsageError(
+            raise UserError(
                 f"--steps_per_check must be >= 1 (or 0: the platform's), got {self.steps_per_check}"
             )
         if self.steps_per_check is not None and (self.ct2 or self.exported):
-            raise UsageError("--steps_per_check is for --workdir (an export fixes its own)")
+            raise UserError("--steps_per_check is for --workdir (an export fixes its own)")
         if self.carry_over is not None and (self.ct2 or self.exported):
-            raise UsageError("--carry_over is for --workdir (an export carries over)")
+            raise UserError("--carry_over is for --workdir (an export carries over)")
         if not 1 <= n_best <= beam_size:
-            raise UsageError(f"--n_best must be in [1, --beam_size={beam_size}]")
+            raise UserError(f"--n_best must be in [1, --beam_size={beam_size}]")
         if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):
-            raise UsageError(
+            raise UserError(
                 "--n_best > 1 needs --output_format=jsonl (text is the best translation)"
             )
         if self.alignment and self.output_format != "jsonl":
-            raise UsageError("--alignment needs --output_format=jsonl")
+            raise UserError("--alignment needs --output_format=jsonl")
         needs_model = ["alignment", "plot_attention", "split", "checkpoint_step"]
         used = [f"--{n}" for n in needs_model if getattr(self, n)]
         used += ["--average_last"] if self.average_last != 1 else []
         if (self.exported or self.ct2) and used:
-            raise UsageError(f"{', '.join(used)} need the trained model: use --workdir")
+            raise UserError(f"{', '.join(used)} need the trained model: use --workdir")
         if self.split and (self.input != "-" or self.reference):
-            raise UsageError("--split replaces --input and --reference; give one or the other")
+            raise UserError("--split replaces --input and --reference; give one or the other")
         if self.read_lines is not None and self.read_lines < 1:
-            raise UsageError(f"--read_lines must be >= 1, got {self.read_lines}")
+            raise UserError(f"--read_lines must be >= 1, got {self.read_lines}")
         if self.dry_run and (self.alignment or self.plot_attention):
-            raise UsageError("--dry_run runs no model: drop --alignment and --plot_attention")
+            raise UserError("--dry_run runs no model: drop --alignment and --plot_attention")
         self._check_choices()
 
     def _check_ct2(self) -> None:
         """The CTranslate2 flags: --export_ct2 from a workdir, --ct2 on its own."""
         if self.ct2 and (self.workdir or self.exported or self.export or self.export_ct2):
-            raise UsageError(
+            raise UserError(
                 "--ct2 translates on its own: drop --workdir, --exported, --export and --export_ct2"
             )
         if self.export_ct2 and not self.workdir:
-            raise UsageError("--export_ct2 converts a trained model: give --workdir")
+            raise UserError("--export_ct2 converts a trained model: give --workdir")
         if self.export_ct2 and self.export:
-            raise UsageError("--export and --export_ct2: one export at a time")
+            raise UserError("--export and --export_ct2: one export at a time")
         if self.quantization != "float32" and not self.export_ct2:
-            raise UsageError("--quantization is for --export_ct2")
+            raise UserError("--quantization is for --export_ct2")
         if (self.device is not None or self.threads) and not self.ct2:
-            raise UsageError("--device and --threads are for --ct2 (CTranslate2)")
+            raise UserError("--device and --threads are for --ct2 (CTranslate2)")
         if self.threads < 0:
-            raise UsageError(
+            raise UserError(
                 f"--threads must be >= 0 (0 = CTranslate2's default), got {self.threads}"
             )
         if self.ct2 and self.stop is not None:
-            raise UsageError(
+            raise UserError(
                 "--stop is for the JAX decoder: CTranslate2 (--ct2) stops a source on its "
                 "own rule, short of the exact bound (like --stop=heuristic)"
             )
         if self.ct2 and self.length_penalty == "gnmt":
-            raise UsageError(
+            raise UserError(
                 "CTranslate2 ranks by log P / len^alpha (--length_penalty=average); "
                 "--length_penalty=gnmt needs the JAX backend (--workdir or --exported)"
             )
@@ -194,4 +191,4 @@ class DecodeOptions:
             ("device", (None, *DEVICES)),
         ):
             if getattr(self, name) not in allowed:
-                raise UsageError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise UserError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -2,7 +2,7 @@
 
     meter = Meter(total=1_000_000, done=30_000)     # 30k lines done by an earlier run
     meter.start_chunk(lines=10_000, segments=10_012)
-    meter.batch(sentences=256, tokens=3_900)        # inference.translate.Progress
+    meter.batch(sentences=256, tokens=3_900)        # search.translate.Progress
     meter.end_chunk()
     meter.close()
 

@@ -1,7 +1,7 @@
 """A trained model back from a training workdir, for inference: the one door into training/.
 
     model, config, step = restore_model("workdir/tiny", average_last=5)
-    model, config, step, tokenizer = load_workdir("workdir/tiny")   # decode.py's: UsageError
+    model, config, step, tokenizer = load_workdir("workdir/tiny")   # decode.py's: UserError
 
 The workdir's config.json says how to build the model (training/config.py,
 training/steps.py: the code that built it for training), and its checkpoints
@@ -20,14 +20,13 @@ import jax
 import ml_collections
 from flax import nnx
 
-from data import DataError, Tokenizer
+from common.errors import UserError
+from data import Tokenizer
 from data.tokenizer import TOKENIZER_FILENAME
-from inference.options import UsageError
 from inference.resume import files_identity
 from model import Transformer
 from training.checkpoints import CHECKPOINT_DIR, Checkpoints
 from training.config import CONFIG_FILE, load_config, model_config
-from training.errors import TrainingError
 from training.steps import build_model
 
 _log = logging.getLogger(__name__)
@@ -50,16 +49,16 @@ def restore_model(
       sharding: where every array of the model goes (e.g. replicated over a mesh of
         all devices); None = the first local device.
     Raises:
-      TrainingError: no workdir, no config.json, no checkpoint, unknown step, or a
+      UserError: no workdir, no config.json, no checkpoint, unknown step, or a
         checkpoint that cannot be read (see `Checkpoints.restore_params`).
     """
     config = load_config(workdir)
     if average_last < 1:
-        raise TrainingError(f"average_last must be >= 1, got {average_last}")
+        raise UserError(f"average_last must be >= 1, got {average_last}")
     try:
         model_cfg = model_config(config)  # attention resolved here, once, before tracing
     except ValueError as e:  # a hand-edited config.json
-        raise TrainingError(f"{workdir}/{CONFIG_FILE}: {e}") from e
+        raise UserError(f"{workdir}/{CONFIG_FILE}: {e}") from e
     abstract_model = nnx.eval_shape(lambda: build_model(config, model_cfg))
     graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
     device = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -68,7 +67,7 @@ def restore_model(
     )
     directory = os.path.join(workdir, CHECKPOINT_DIR)
     if not os.path.isdir(directory):
-        raise TrainingError(f"no complete checkpoint in {directory}; train the model first")
+        raise UserError(f"no complete checkpoint in {directory}; train the model first")
     with Checkpoints(workdir, create=False) as manager:
         step, chosen = _choose(manager.all_steps(), step, average_last, directory)
         params = manager.mean_params(chosen, abstract_params)
@@ -84,11 +83,11 @@ def _choose(
 ) -> tuple[int, list[int]]:
     """(the step asked for, or the newest; the steps whose parameters to average)."""
     if not available:
-        raise TrainingError(f"no complete checkpoint in {directory}; train the model first")
+        raise UserError(f"no complete checkpoint in {directory}; train the model first")
     if step is None:
         step = available[-1]
     if step not in available:
-        raise TrainingError(f"no checkpoint for step {step} in {directory}; have {available}")
+        raise UserError(f"no checkpoint for step {step} in {directory}; have {available}")
     chosen = [s for s in available if s <= step][-average_last:]
     if average_last > 1:
         what = f"averaged the parameters of {len(chosen)} checkpoint(s), steps {chosen}"
@@ -109,19 +108,15 @@ def load_workdir(
     average_last: int = 1,
     sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[Transformer, ml_collections.ConfigDict, int, Tokenizer]:
-    """`restore_model` and the workdir's tokenizer, for decode.py: UsageError says what is
+    """`restore_model` and the workdir's tokenizer, for decode.py: UserError says what is
     wrong (a missing workdir, tokenizer, config.json or checkpoint)."""
     tokenizer_path = os.path.join(workdir, TOKENIZER_FILENAME)
     if os.path.isdir(workdir) and not os.path.isfile(tokenizer_path):
-        raise UsageError(f"{tokenizer_path} is missing; was {workdir} made by train.py?")
-    try:
-        model, config, step = restore_model(
-            workdir, step=step, average_last=average_last, sharding=sharding
-        )
-        tokenizer = Tokenizer.load(tokenizer_path)
-    except (TrainingError, DataError) as e:
-        raise UsageError(str(e)) from e
-    return model, config, step, tokenizer
+        raise UserError(f"{tokenizer_path} is missing; was {workdir} made by train.py?")
+    model, config, step = restore_model(
+        workdir, step=step, average_last=average_last, sharding=sharding
+    )
+    return model, config, step, Tokenizer.load(tokenizer_path)
 
 
 def workdir_identity(workdir: str, step: int, average_last: int = 1) -> dict:

@@ -41,9 +41,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, BinaryIO
 
+from common.errors import UserError
 from data.files import atomic_write
-from inference.hypothesis import Hypothesis
-from inference.options import UsageError
+from search.hypothesis import Hypothesis
 
 PARTIAL = ".partial"  # the output while it is written
 RECORD = ".partial.json"  # its progress record
@@ -215,7 +215,7 @@ class PartialOutput:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._file.close()
-            raise UsageError(
+            raise UserError(
                 f"another decode.py is writing {self.partial}; wait for it, or choose "
                 "another --output"
             ) from None
@@ -246,7 +246,7 @@ class PartialOutput:
         except FileNotFoundError:
             return None  # a first chunk never finished, or a finished job: nothing to keep
         except (OSError, ValueError) as e:
-            raise UsageError(
+            raise UserError(
                 f"cannot read the progress record {self.record} ({e}); add --restart to start over"
             ) from e
         done = record.get("done", {})
@@ -256,7 +256,7 @@ class PartialOutput:
             return {} if same else None
         if not same:
             changed = differences(record.get("job"), self.job)
-            raise UsageError(
+            raise UserError(
                 f"{self.partial} holds {done.get('lines', 0)} lines of a job with other inputs "
                 f"or settings ({'; '.join(changed[:3]) or 'record version'}"
                 f"{'; ...' if len(changed) > 3 else ''}): re-run that command to resume it, or "
@@ -264,7 +264,7 @@ class PartialOutput:
             )
         size = os.fstat(self._file.fileno()).st_size
         if size < done.get("output_bytes", 0):
-            raise UsageError(
+            raise UserError(
                 f"{self.partial} has {size} bytes but its record counts "
                 f"{done['output_bytes']}: it was changed by hand; add --restart to start over"
             )
@@ -320,11 +320,11 @@ def open_output(
     path: str, job: dict[str, Any] | None, restart: bool
 ) -> PartialOutput | StreamOutput:
     """The output of decode.py: a `PartialOutput` for a file, a `StreamOutput` for stdout
-    ('-') or anything that is not a regular file (a device, a FIFO). UsageError for a job
+    ('-') or anything that is not a regular file (a device, a FIFO). UserError for a job
     that cannot be resumed or a file that cannot be written."""
     try:
         if path == "-" or (os.path.exists(path) and not os.path.isfile(path)):
             return StreamOutput(path)
         return PartialOutput(path, job, restart)
     except OSError as e:
-        raise UsageError(f"cannot write {path}: {e.strerror}") from e
+        raise UserError(f"cannot write {path}: {e.strerror}") from e

@@ -10,7 +10,7 @@ the output, which goes on from an earlier run's record of the same job
 progress on stderr (inference/progress.py); then the summary, BLEU/chrF
 against references and the plots' count. Progress, warnings and the summary
 go to stderr; BLEU/chrF go to stdout unless the translations do. Everything
-the user can fix is a UsageError; a failure or Ctrl-C mid-job keeps the
+the user can fix is a UserError; a failure or Ctrl-C mid-job keeps the
 chunks done for the next run.
 """
 
@@ -25,11 +25,12 @@ from typing import Any
 
 import jax
 
-from data import DataError, Tokenizer, load_split
-from inference import devices, timing
+from common.errors import UserError
+from data import Tokenizer, load_split
+from inference import devices
 from inference.export import ExportedTranslator, export_translator
 from inference.lines import CorpusScores, LineReader, count_lines
-from inference.options import DecodeOptions, UsageError
+from inference.options import DecodeOptions
 from inference.progress import Meter
 from inference.restore import load_workdir, workdir_identity
 from inference.resume import (
@@ -40,8 +41,9 @@ from inference.resume import (
     lines_identity,
 )
 from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
-from inference.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
 from model import Transformer
+from search import timing
+from search.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
 
 # Options that are not settings of a job's output: the files and the checkpoint
 # (described by their identity instead: --checkpoint_step=N resumes a job that loaded
@@ -78,15 +80,15 @@ def check_inputs(options: DecodeOptions) -> int | None:
     if options.split or options.input == "-":
         return None
     if not os.path.isfile(options.input):
-        raise UsageError(f"--input {options.input} does not exist")
+        raise UserError(f"--input {options.input} does not exist")
     try:
         total = count_lines(options.input)
         if options.reference:
             refs = count_lines(options.reference)
             if refs != total:
-                raise UsageError(f"--reference has {refs} lines but the input {total}")
+                raise UserError(f"--reference has {refs} lines but the input {total}")
     except OSError as e:
-        raise UsageError(f"cannot read {e.filename}: {e.strerror}") from e
+        raise UserError(f"cannot read {e.filename}: {e.strerror}") from e
     return total
 
 
@@ -125,12 +127,12 @@ def _open_exported(options: DecodeOptions) -> Loaded:
     try:
         translator = ExportedTranslator.load(options.exported, options.tokens_per_batch)
         tokenizer = Tokenizer.load(translator.tokenizer_path)
-    except (OSError, ValueError, DataError) as e:
-        raise UsageError(str(e)) from e
+    except (OSError, ValueError, UserError) as e:
+        raise UserError(str(e)) from e
     for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop"):
         asked, exported = getattr(options, name), getattr(translator, name)
         if asked is not None and asked != exported:
-            raise UsageError(
+            raise UserError(
                 f"{options.exported} was exported with {name}={exported}; export again to change it"
             )
     identity = {"exported": os.path.abspath(options.exported)}
@@ -166,8 +168,8 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
             batch_tokens=options.tokens_per_batch,
         )
         tokenizer = Tokenizer.load(translator.tokenizer_path)
-    except (ImportError, OSError, ValueError, DataError) as e:
-        raise UsageError(str(e)) from e
+    except (ImportError, OSError, ValueError, UserError) as e:
+        raise UserError(str(e)) from e
     int8 = str(translator.settings.get("quantization", "")).startswith("int8")
     if int8 and (options.device or "cpu") == "cpu" and int8_saturates():
         _warn(
@@ -233,7 +235,7 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
             source=source,
         )
     except (ImportError, OSError, ValueError) as e:
-        raise UsageError(str(e)) from e
+        raise UserError(str(e)) from e
     print(
         f"decode.py: wrote the {options.quantization} CTranslate2 model of {loaded.description} "
         f"to {options.export_ct2} in {time.perf_counter() - t0:.1f} s",
@@ -243,10 +245,7 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
 
 def split_lines(config: Any, split: str) -> tuple[list[str], list[str]]:
     """Sources and targets of `split` of the workdir's dataset."""
-    try:
-        corpus = load_split(config, split)
-    except DataError as e:
-        raise UsageError(str(e)) from e
+    corpus = load_split(config, split)
     pairs = [corpus[i] for i in range(len(corpus))]
     return [src for src, _ in pairs], [tgt for _, tgt in pairs]
 
@@ -307,14 +306,14 @@ def _kept(out: Any) -> str:
 
 
 def run(options: DecodeOptions) -> None:
-    """decode.py after its flags were checked; raises UsageError for what the user can fix."""
+    """decode.py after its flags were checked; raises UserError for what the user can fix."""
     if options.ct2 or options.export_ct2:
         from inference.ct2_export import import_ctranslate2
 
         try:
             import_ctranslate2()  # before the slow part: how to install it
         except ImportError as e:
-            raise UsageError(str(e)) from e
+            raise UserError(str(e)) from e
     total = check_inputs(options)
     devices.check_single_process_flags(options)
     loaded = open_translator(options)
@@ -327,7 +326,7 @@ def run(options: DecodeOptions) -> None:
     max_len = loaded.translator.max_len
     max_length = min(options.max_length or max_len, max_len)
     if max_length < 2:
-        raise UsageError(f"--max_length must be >= 2, got {max_length}")
+        raise UserError(f"--max_length must be >= 2, got {max_length}")
     split = split_lines(loaded.config, options.split) if options.split else None
     job = describe_job(options, loaded, describe_inputs(options, loaded, split), max_length)
     out = devices.open_shared_output(options.output, job, options.restart)
@@ -350,7 +349,7 @@ def run(options: DecodeOptions) -> None:
 
 
 def write_stats(options: DecodeOptions, totals: Totals, earlier: Totals, loaded: Loaded) -> None:
-    """--stats: where this run's wall time went (inference/timing.py)."""
+    """--stats: where this run's wall time went (search/timing.py)."""
     lines, tokens = totals.lines - earlier.lines, totals.tokens - earlier.tokens
     sharding = getattr(loaded.translator, "sharding", None)
     try:
@@ -363,7 +362,7 @@ def write_stats(options: DecodeOptions, totals: Totals, earlier: Totals, loaded:
             batch_tokens=options.tokens_per_batch,
         )
     except OSError as e:
-        raise UsageError(f"--stats {options.stats}: {e.strerror}") from e
+        raise UserError(f"--stats {options.stats}: {e.strerror}") from e
 
 
 def _translate(
@@ -403,13 +402,13 @@ def _translate(
         print(f"decode.py: interrupted{_kept(out)}", file=sys.stderr)
         sys.exit(130)
     except OSError as e:
-        raise UsageError(f"{e.filename or options.output}: {e.strerror}{_kept(out)}") from e
-    except UsageError as e:
-        raise UsageError(f"{e}{_kept(out)}") from e
+        raise UserError(f"{e.filename or options.output}: {e.strerror}{_kept(out)}") from e
+    except UserError as e:
+        raise UserError(f"{e}{_kept(out)}") from e
     except Exception as e:  # e.g. XlaRuntimeError: RESOURCE_EXHAUSTED
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise
-        raise UsageError(
+        raise UserError(
             f"the device ran out of memory for batches of {options.tokens_per_batch} source "
             f"tokens (x beam {loaded.translator.beam_size}): lower --batch_tokens{_kept(out)}"
         ) from e

@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import jax
 
-from inference import devices, timing
+from common.errors import UserError
+from inference import devices
 from inference.alignment import add_alignments
 from inference.lines import (
     CorpusScores,
@@ -39,13 +40,13 @@ from inference.lines import (
     output_text,
     translate_segments,
 )
-from inference.options import UsageError
 from inference.plots import plot_lines
 from inference.progress import Meter
 from inference.resume import Journal
-from inference.stages import output_tokens
-from inference.translate import Translator
 from model import Transformer
+from search import timing
+from search.stages import output_tokens
+from search.translate import Translator
 
 
 class Reader(Protocol):
@@ -192,7 +193,7 @@ def translate_chunk(
 def _references(job: StreamJob, count: int) -> list[str]:
     refs, _ = job.references.read(count)
     if len(refs) < count:
-        raise UsageError("--reference has fewer lines than the input")
+        raise UserError("--reference has fewer lines than the input")
     return refs
 
 
@@ -259,5 +260,5 @@ def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
     if job.references is not None and job.references.read(1)[0]:
-        raise UsageError("--reference has more lines than the input")
+        raise UserError("--reference has more lines than the input")
     return totals

@@ -9,7 +9,7 @@ a batch and resume it with room for more tokens (pure, jit-compiled).
 A batch starts with room for a few more tokens than its sources are long
 (model/scoring.py `rooms`), and goes on with twice the room while some of its
 sources are not done, so attention and the cache reorder read caches of about
-the length decoded so far, not of L = S + 50. inference/translate.py runs each
+the length decoded so far, not of L = S + 50. search/translate.py runs each
 stage as its own program and moves the few sources not done into batches of
 their own, so that a batch's last slow source no longer keeps all the others
 computing; `search` (model.decoding.beam_search) runs a large batch's stages in
@@ -360,7 +360,7 @@ def start(
       `length`), in the same program: what `resume` would do, for a caller that does
       not look at the state in between (`search`).
     call: runs the compiled program, call(fn, graphdef, args, static); the default
-      calls it (inference/programs.py keeps executables on disk instead, and its
+      calls it (search/programs.py keeps executables on disk instead, and its
       `prepare` compiles one ahead for src given as a `jax.ShapeDtypeStruct`).
     Returns the state and [B] bool, the sources that are finished (whose results
     are final); the others are not because the room is full, or they are few.

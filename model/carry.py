@@ -1,5 +1,5 @@
 """Sources moved between beam-search batches, on the host (numpy): the carry-over of
-inference/stages.py takes a batch's unfinished sources out of its state and joins
+search/stages.py takes a batch's unfinished sources out of its state and joins
 them with others of the same step into a batch of their own.
 
     kept = take_sources(fetch(state), np.array([3, 7]))     # sources 3 and 7 of a batch

@@ -4,7 +4,7 @@
     tokens, scores = beam_search(model, src, beam_size=4)   # [B, K, L], [B, K], best first
     tokens = greedy_search(model, src)                      # [B, L]
 
-(Many sources of different lengths, batched into static shapes: inference/translate.py.)
+(Many sources of different lengths, batched into static shapes: search/translate.py.)
 
 Every search encodes the source once (`Transformer.init_cache` also projects the
 cross-attention keys/values of every layer once) and then feeds one token per

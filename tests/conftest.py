@@ -41,7 +41,7 @@ TEST_CACHE = os.environ.get("ATTENTION_JAX_TEST_CACHE", os.path.join(ROOT, ".cac
 TEST_CACHE_BYTES = 2 << 30
 if TEST_CACHE != "off":
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(TEST_CACHE_BYTES)  # subprocesses too
-    from training import xla
+    from common import xla
 
     xla.enable_compilation_cache(TEST_CACHE)
     import jax
@@ -71,7 +71,7 @@ def _compilation_cache(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _log_to_stderr():
     """The project's log lines on stderr, as train.py and decode.py print them."""
-    from training import log
+    from common import log
 
     log.setup()
 
@@ -84,7 +84,7 @@ def _log_to_caplog():
     calls log.setup() again, which turns propagation off."""
     import logging
 
-    from training import log
+    from common import log
 
     for name in log.TAGS:
         logging.getLogger(name).propagate = True

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
+from aot import fit, hlo, targets
+from common.errors import UserError
 from data.plans import rows_per_batch
-from training import aot, hlo, targets
-from training.errors import TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +60,7 @@ def test_targets_name_slices_as_cloud_tpu_and_gpu_boxes_do(name, devices, per_ho
     ],
 )
 def test_unknown_targets_say_what_is_valid(name, hint):
-    with pytest.raises(TrainingError, match=hint):
+    with pytest.raises(UserError, match=hint):
         targets.parse_target(name)
 
 
@@ -101,7 +101,7 @@ def test_a_missing_compiler_is_one_message_with_the_pip_command(monkeypatch):
     monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
     for name, extra in (("tpu:v5e-8", "tpu"), ("gpu:h100", "cuda13")):
         pip = rf'pip install "jax\[{extra}\]=={jax.__version__}"'
-        with pytest.raises(TrainingError, match=pip):
+        with pytest.raises(UserError, match=pip):
             targets.check_compiler(targets.parse_target(name))
 
 
@@ -118,20 +118,20 @@ def test_batch_shapes_follow_the_input_pipeline():
     from data.plans import length_buckets
 
     c = base.get_config()  # 25k tokens, max_length 256, 34 fitted widths
-    shapes, others = aot.batch_shapes(c, _mesh(8), num_processes=1, all_buckets=False)
+    shapes, others = fit.batch_shapes(c, _mesh(8), num_processes=1, all_buckets=False)
     assert shapes == [(rows_per_batch(25_000, 256, 8), 256)] and others == 33
     assert shapes[0][0] % 8 == 0 and shapes[0][0] * 256 <= 25_000
-    shapes, _ = aot.batch_shapes(c, _mesh(8), num_processes=1, all_buckets=True)
+    shapes, _ = fit.batch_shapes(c, _mesh(8), num_processes=1, all_buckets=True)
     assert [w for _, w in shapes] == sorted(length_buckets(256).tolist(), reverse=True)
     # 4 processes (hosts): each plans rows for a quarter of the budget.
-    shapes, _ = aot.batch_shapes(c, _mesh(16), num_processes=4, all_buckets=False)
+    shapes, _ = fit.batch_shapes(c, _mesh(16), num_processes=4, all_buckets=False)
     assert shapes[0] == (4 * rows_per_batch(25_000 // 4, 256, 4), 256)
     # Gradient accumulation: rows a multiple of devices x micro-batches.
     c.grad_accum_steps = 3
-    shapes, _ = aot.batch_shapes(c, _mesh(8), num_processes=1, all_buckets=False)
+    shapes, _ = fit.batch_shapes(c, _mesh(8), num_processes=1, all_buckets=False)
     assert shapes[0][0] % 24 == 0
     t = tiny.get_config()  # packed rows of max_length
-    shapes, others = aot.batch_shapes(t, _mesh(4), num_processes=1, all_buckets=True)
+    shapes, others = fit.batch_shapes(t, _mesh(4), num_processes=1, all_buckets=True)
     assert shapes == [(rows_per_batch(1024, 64, 4), 64)] and others == 0
 
 
@@ -139,14 +139,14 @@ def test_eval_rows_are_shared_by_the_processes():
     from configs import base
 
     c = base.get_config()
-    assert aot.eval_rows(c, _mesh(8), 1, 256) == rows_per_batch(25_000, 256, 8)
+    assert fit.eval_rows(c, _mesh(8), 1, 256) == rows_per_batch(25_000, 256, 8)
     # A v5e-256 pod, FSDP over every chip, 64 hosts: each host reads 1024 of the
     # 65536 tokens, 4 rows of 256 (the global 256 rows, one per chip).
     c.batch_tokens = 65536
-    assert aot.eval_rows(c, _mesh(1, 256), 64, 256) == 256
+    assert fit.eval_rows(c, _mesh(1, 256), 64, 256) == 256
     # More hosts than the batch axes hold rows: a host's share may be a single row.
     c.batch_tokens = 16384
-    assert aot.eval_rows(c, _mesh(4, 1, 64), 64, 256) == 64
+    assert fit.eval_rows(c, _mesh(4, 1, 64), 64, 256) == 64
 
 
 def test_per_device_bytes_divides_by_the_sharding():
@@ -155,8 +155,8 @@ def test_per_device_bytes_divides_by_the_sharding():
     spec = jax.sharding.PartitionSpec(("data", "fsdp"), None)
     x = jax.ShapeDtypeStruct((8, 16), np.float32, sharding=jax.NamedSharding(mesh, spec))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    assert aot.per_device_bytes({"x": x}) == 8 * 16 * 4
-    assert aot.per_device_bytes([key]) == 8  # a threefry key: two uint32 words
+    assert fit.per_device_bytes({"x": x}) == 8 * 16 * 4
+    assert fit.per_device_bytes([key]) == 8  # a threefry key: two uint32 words
 
 
 # --- HLO reading -------------------------------------------------------------------------

@@ -4,8 +4,9 @@ import importlib
 
 import pytest
 
+from common.errors import UserError
 from model import TransformerConfig
-from training import TrainingError, validate
+from training import validate
 
 
 def load(name):
@@ -80,5 +81,5 @@ def test_validate_names_the_bad_field(field, value, message):
     for p in path[:-1]:
         node = node[p]
     node[path[-1]] = value
-    with pytest.raises(TrainingError, match=message):
+    with pytest.raises(UserError, match=message):
         validate(c)

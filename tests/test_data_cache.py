@@ -339,7 +339,7 @@ def test_ids_are_uint16_when_they_fit_else_int32(tmp_path):
     assert tc.src_flat.dtype == np.int32 and tc.src_flat.tolist() == [69_999, 7, 69_999, 5]
     BigVocab.vocab_size = 65_536  # claims to fit, but emits 69_999: a clear error
     try:
-        with pytest.raises(files.DataError, match="out of range"):
+        with pytest.raises(files.UserError, match="out of range"):
             tokenized_shard(corpus, BigVocab(), spec, cache_dir=None)
     finally:
         BigVocab.vocab_size = 70_000

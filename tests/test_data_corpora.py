@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
+from common.errors import UserError
 from configs import default
-from data import DataError, corpora, load_split
+from data import corpora, load_split
 
 REAL_DING = corpora.DING_PATH
 
@@ -119,14 +120,14 @@ def test_ding_cache_invalidated_when_file_changes(tmp_path, monkeypatch):
 
 def test_ding_missing_file_message(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTENTION_JAX_DING", str(tmp_path / "nope"))
-    with pytest.raises(DataError, match="apt-get install trans-de-en"):
+    with pytest.raises(UserError, match="apt-get install trans-de-en"):
         load_split(make_config(), "train")
 
 
 def test_unknown_dataset_kind():
-    with pytest.raises(DataError, match="Unknown dataset"):
+    with pytest.raises(UserError, match="Unknown dataset"):
         load_split(make_config(dataset="csv:foo"), "train")
-    with pytest.raises(DataError, match="split"):
+    with pytest.raises(UserError, match="split"):
         load_split(make_config(), "validation")
 
 
@@ -165,9 +166,9 @@ def test_tsv_malformed_lines_skipped_and_counted(tmp_path, capsys):
 def test_tsv_mostly_malformed_is_an_error(tmp_path):
     path = tmp_path / "bad.tsv"
     path.write_text("a\tb\nno tab\nnone\nnada\n", encoding="utf-8")
-    with pytest.raises(DataError, match="3 of 4 lines are malformed"):
+    with pytest.raises(UserError, match="3 of 4 lines are malformed"):
         load_split(make_config(dataset=f"tsv:{path}"), "train")
-    with pytest.raises(DataError, match="not found"):
+    with pytest.raises(UserError, match="not found"):
         load_split(make_config(dataset=f"tsv:{tmp_path}/missing.tsv"), "train")
 
 
@@ -235,7 +236,7 @@ def test_tfds_wmt_path(monkeypatch):
         ("wmt14_translate/de-en", "train", "/data/tfds"),
         ("wmt14_translate/de-en", "validation", "/data/tfds"),
     ]
-    with pytest.raises(DataError, match="languages"):
+    with pytest.raises(UserError, match="languages"):
         load_split(make_config(dataset="tfds:x", source_lang="pt"), "train")
 
 
@@ -246,5 +247,5 @@ def test_tfds_missing_dataset_is_a_clear_error(monkeypatch):
         raise FileNotFoundError("no such dataset")
 
     monkeypatch.setattr(tfds, "data_source", missing)
-    with pytest.raises(DataError, match="tfds build"):
+    with pytest.raises(UserError, match="tfds build"):
         load_split(make_config(dataset="tfds:wmt17_translate/de-en"), "train")

@@ -307,9 +307,9 @@ def test_shard_batch_on_eight_fake_devices():
 
 
 def test_budget_too_small_is_a_clear_error():
-    from data import DataError
+    from common.errors import UserError
 
-    with pytest.raises(DataError, match="batch_tokens"):
+    with pytest.raises(UserError, match="batch_tokens"):
         TrainIterator(config(batch_tokens=64), TOK, make_corpus(), batch_multiple=4)
 
 

@@ -5,8 +5,9 @@ import os
 import pytest
 from ml_collections import ConfigDict
 
+from common.errors import UserError
 from configs import default
-from data import DataError, Tokenizer, get_tokenizer
+from data import Tokenizer, get_tokenizer
 from data.corpora import ParallelCorpus
 from model import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
@@ -91,20 +92,20 @@ def test_training_deterministic_saved_and_reused(tmp_path):
     assert again.encode("Fähre") == a.encode("Fähre")
     # A saved tokenizer larger than the config's vocabulary cannot be used (its ids would
     # not fit the embedding); a smaller one can (ids beyond it are never produced).
-    with pytest.raises(DataError, match=r"vocabulary of 320, but config\.vocab_size is 310"):
+    with pytest.raises(UserError, match=r"vocabulary of 320, but config\.vocab_size is 310"):
         get_tokenizer(config(vocab_size=310), str(tmp_path / "a"), corpus())
     assert get_tokenizer(config(vocab_size=330), str(tmp_path / "a"), corpus()).vocab_size == 320
 
 
 def test_a_vocabulary_below_what_the_corpus_needs_names_the_minimum(tmp_path):
-    with pytest.raises(DataError) as e:
+    with pytest.raises(UserError) as e:
         get_tokenizer(config(vocab_size=262), str(tmp_path / "a"), corpus())
     msg = str(e.value)
     need = int(msg.split("need at least ")[1].split()[0])
     assert f"set --config.vocab_size={need} or more" in msg and "\n" not in msg
     assert 262 < need <= 320
     assert get_tokenizer(config(vocab_size=need), str(tmp_path / "b"), corpus()).vocab_size == need
-    with pytest.raises(DataError):
+    with pytest.raises(UserError):
         get_tokenizer(config(vocab_size=need - 1), str(tmp_path / "c"), corpus())
 
 

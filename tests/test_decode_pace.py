@@ -76,7 +76,7 @@ def test_both_batch_plans_and_skipped_sources_give_the_same_hypotheses(model):
     """Staged batches that carry their unfinished sources over (a CPU) and whole searches
     in one program each (an accelerator) give the same results; so does either one told
     to skip some sources (a resumed chunk's journal holds them), which get none."""
-    from inference.translate import translate_ids
+    from search.translate import translate_ids
 
     sources = _sources(30, seed=5)
     args = dict(beam_size=4, n_best=2, batch_tokens=96, min_rows=1)

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from data import DataError
+from common.errors import UserError
 from inference.restore import restore_model
 from tests.conftest import small_train_config, train_losses, write_reversal_tsv
 from tests.test_train_steps import reverse_batch
-from training import TrainingError, checkpoints, steps, train_and_evaluate
+from training import checkpoints, steps, train_and_evaluate
 from training.mesh import make_mesh, shard_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,12 +82,12 @@ def test_no_usable_checkpoint_is_an_error_unless_a_fresh_start_is_allowed(base, 
     for step in (10, 20):  # delete the JSON data item of every checkpoint
         for f in step_files(w, step, "data/*"):
             os.remove(f)
-    with pytest.raises(TrainingError, match="no usable checkpoint") as e:
+    with pytest.raises(UserError, match="no usable checkpoint") as e:
         train_and_evaluate(cfg(corpus), str(w))
     assert "allow_fresh_start" in str(e.value)
     # The damaged steps were moved aside; a second run must still refuse.
     assert checkpoints.Checkpoints(str(w)).all_steps() == []
-    with pytest.raises(TrainingError, match="had checkpoints but none is usable"):
+    with pytest.raises(UserError, match="had checkpoints but none is usable"):
         train_and_evaluate(cfg(corpus), str(w))
     summary = train_and_evaluate(cfg(corpus, allow_fresh_start=True, num_train_steps=2), str(w))
     assert summary["step"] == 2 and sorted(train_losses(w)) == [2]
@@ -129,7 +129,7 @@ def test_changes_that_keep_the_state_structure_resume_and_are_listed(base, corpu
 def test_an_optimizer_structure_change_stops_and_reset_optimizer_resumes(base, corpus, tmp_path):
     w = copy(base, tmp_path)
     before = sorted(os.listdir(w / "checkpoints"))
-    with pytest.raises(TrainingError) as e:  # no clipping: one optax transform fewer
+    with pytest.raises(UserError) as e:  # no clipping: one optax transform fewer
         train_and_evaluate(cfg(corpus, grad_clip_norm=0.0, num_train_steps=24), str(w))
     msg = str(e.value)
     assert "grad_clip_norm: checkpoint 1.0, config 0.0" in msg
@@ -157,7 +157,7 @@ def test_an_optimizer_structure_change_stops_and_reset_optimizer_resumes(base, c
 
 def test_a_model_structure_change_names_the_fields(base, corpus, tmp_path):
     w = copy(base, tmp_path)
-    with pytest.raises(TrainingError) as e:
+    with pytest.raises(UserError) as e:
         train_and_evaluate(cfg(corpus, vocab_size=280, reset_optimizer=True), str(w))
     assert "vocab_size: checkpoint 300, config 280" in str(e.value)
     assert "fresh --workdir" in str(e.value)
@@ -273,7 +273,7 @@ DIVERGE = dict(learning_rate=1e30, warmup_steps=1, grad_clip_norm=0.0, num_train
 def test_nonfinite_stop_policy_stops_and_keeps_the_last_checkpoint(corpus, tmp_path):
     w = tmp_path / "w"
     config = cfg(corpus, nonfinite_policy="stop", checkpoint_every_steps=1, **DIVERGE)
-    with pytest.raises(TrainingError, match=r"non-finite loss or gradients at step \d+") as e:
+    with pytest.raises(UserError, match=r"non-finite loss or gradients at step \d+") as e:
         train_and_evaluate(config, str(w))
     assert "nonfinite_policy" in str(e.value)
     saved = checkpoints.Checkpoints(str(w)).all_steps()
@@ -290,7 +290,7 @@ def test_nonfinite_stop_policy_stops_and_keeps_the_last_checkpoint(corpus, tmp_p
 def test_nonfinite_skip_policy_counts_and_gives_up_on_divergence(corpus, tmp_path):
     w = tmp_path / "w"
     config = cfg(corpus, nonfinite_policy="skip", max_consecutive_nonfinite=3, **DIVERGE)
-    with pytest.raises(TrainingError, match="non-finite steps in a row"):
+    with pytest.raises(UserError, match="non-finite steps in a row"):
         train_and_evaluate(config, str(w))
     with open(w / "metrics.jsonl") as f:
         rows = [json.loads(x) for x in f]
@@ -357,7 +357,7 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(async_path, "write_text", full)
-    with pytest.raises(TrainingError, match="No space left on device") as e:
+    with pytest.raises(UserError, match="No space left on device") as e:
         train_and_evaluate(cfg(corpus, num_train_steps=25, checkpoint_every_steps=5), str(w))
     msg = str(e.value)
     assert "free disk space" in msg and "re-run the same command" in msg
@@ -370,7 +370,7 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
 def test_unwritable_workdir_fails_before_training(corpus, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(TrainingError, match="not writable"):
+    with pytest.raises(UserError, match="not writable"):
         train_and_evaluate(cfg(corpus), str(blocker / "workdir"))
 
 
@@ -397,7 +397,7 @@ def no_compile(monkeypatch):
     ],
 )
 def test_config_mistakes(corpus, tmp_path, no_compile, overrides, message):
-    with pytest.raises(TrainingError, match=message):
+    with pytest.raises(UserError, match=message):
         train_and_evaluate(cfg(corpus, **overrides), str(tmp_path / "w"))
 
 
@@ -405,7 +405,7 @@ def test_unknown_config_key_names_the_closest_field(corpus, tmp_path, no_compile
     config = cfg(corpus)
     config.num_train_step = 5
     config.model.d_modle = 64
-    with pytest.raises(TrainingError) as e:
+    with pytest.raises(UserError) as e:
         train_and_evaluate(config, str(tmp_path / "w"))
     msg = str(e.value)
     assert "config.num_train_step (did you mean 'num_train_steps'?)" in msg
@@ -416,7 +416,7 @@ def test_resume_with_another_model_config_says_what_differs(base, corpus, tmp_pa
     w = copy(base, tmp_path)
     config = cfg(corpus)
     config.model.d_model, config.model.num_encoder_layers = 64, 2
-    with pytest.raises(TrainingError) as e:
+    with pytest.raises(UserError) as e:
         train_and_evaluate(config, str(w))
     msg = str(e.value)
     assert "model.d_model: checkpoint 32, config 64" in msg
@@ -430,7 +430,7 @@ def test_tokenizer_vocabulary_must_match_the_config(base, corpus, tmp_path, no_c
     w = tmp_path / "w"
     w.mkdir()
     shutil.copy(base / "tokenizer.model", w / "tokenizer.model")
-    with pytest.raises(DataError, match=r"vocabulary of 300, but config\.vocab_size is 280"):
+    with pytest.raises(UserError, match=r"vocabulary of 300, but config\.vocab_size is 280"):
         train_and_evaluate(cfg(corpus, vocab_size=280), str(w))
 
 

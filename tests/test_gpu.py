@@ -5,7 +5,7 @@ GPU. tests/conftest.py pins JAX to the CPU unless JAX_PLATFORMS is set, so run
 
     JAX_PLATFORMS=cuda python -m pytest -p no:xdist -m gpu tests/test_gpu.py
 
-as `bench/gpu_suite.sh` does. With GPU_SUITE_ON_CPU=1 (the suite's --dry-run)
+as `bench/gpu/suite.sh` does. With GPU_SUITE_ON_CPU=1 (the suite's --dry-run)
 the tests that do not need cuDNN itself also run on the CPU, in bf16, which
 checks their plumbing and tolerances; the cuDNN ones stay skipped there. The
 last test (marked slow, CPU only) runs that dry run of the whole suite.
@@ -318,7 +318,7 @@ def test_cached_bf16_decoding_equals_full_forward(record_property):
 @pytest.mark.slow  # 3-5 minutes: the dry run compiles and runs every step on the CPU
 @pytest.mark.skipif(ON_GPU or DRY_RUN, reason="the dry run is the CPU stand-in for the suite")
 def test_gpu_suite_dry_run(tmp_path):
-    """bench/gpu_suite.sh --dry-run: every step runs and lands where the GPU run's would."""
+    """bench/gpu/suite.sh --dry-run: every step runs and lands where the GPU run's would."""
     import json
     import re
     import subprocess
@@ -329,7 +329,7 @@ def test_gpu_suite_dry_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "PYTHONPATH")}
     env |= {"PYTHON": sys.executable, "GPU_SUITE_SITE": str(tmp_path / "site")}
     proc = subprocess.run(
-        ["bash", "bench/gpu_suite.sh", str(out), "--dry-run", "--commit", "abc1234"],
+        ["bash", "bench/gpu/suite.sh", str(out), "--dry-run", "--commit", "abc1234"],
         cwd=root,
         env=env,
         capture_output=True,
@@ -372,7 +372,7 @@ def test_gpu_suite_only_reruns_the_steps_named(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "PYTHONPATH")}
     env |= {"PYTHON": sys.executable, "GPU_SUITE_SITE": str(tmp_path / "site")}
     env |= {"PYTEST_K": "auto_picks"}  # one GPU test, which skips on the CPU
-    suite = ["bash", "bench/gpu_suite.sh", str(tmp_path / "suite"), "--dry-run"]
+    suite = ["bash", "bench/gpu/suite.sh", str(tmp_path / "suite"), "--dry-run"]
     run = lambda *args: subprocess.run(
         [*suite, *args], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )

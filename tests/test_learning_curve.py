@@ -1,10 +1,10 @@
-"""bench/learning_curve.py: minutes rebuilt from a metrics.jsonl, and the picture written."""
+"""tools/learning_curve.py: minutes rebuilt from a metrics.jsonl, and the picture written."""
 
 import json
 
 import pytest
 
-from bench import learning_curve
+from tools import learning_curve
 
 
 def _rows():

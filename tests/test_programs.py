@@ -1,4 +1,4 @@
-"""Search programs kept on disk (inference/programs.py): a loaded executable must search
+"""Search programs kept on disk (search/programs.py): a loaded executable must search
 exactly as `jax.jit` does, a bad file must be compiled again, a program XLA cannot
 serialize must go through `jax.jit` later, and a directory that cannot be used must
 cost nothing but the speed-up."""
@@ -12,8 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from inference import programs
-from inference.translate import translate_ids
+from search import programs
+from search.translate import translate_ids
 from tests.test_decoding import make
 from tests.test_stages import sources_of
 
@@ -77,13 +77,13 @@ def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path, xl
         f"""
         import json, sys
         sys.path.insert(0, {ROOT!r})
-        from inference import programs
+        from search import programs
         from tests.test_programs import search
         from tests.test_decoding import make
         model = make(seed=3, vocab_size=40, max_len=96)
         if sys.argv[2] == "xla":
             import jax
-            from training import xla
+            from common import xla
             xla.enable_compilation_cache(sys.argv[1] + "-xla")
             jax.jit(lambda x: x * 2 + 1)(1.0)  # as decode.py compiles before its searches
         programs.enable(sys.argv[1])

@@ -13,9 +13,10 @@ import jax
 import orbax.checkpoint as ocp
 import pytest
 
+from common.errors import UserError
 from inference.restore import restore_model
 from tests import test_faults
-from training import TrainingError, checkpoint_errors, train_and_evaluate
+from training import checkpoint_errors, train_and_evaluate
 
 # tests/test_faults.py's finished 20-step run (checkpoints at 10 and 20), and its helpers.
 corpus, base, cfg, copy = test_faults.corpus, test_faults.base, test_faults.cfg, test_faults.copy
@@ -99,11 +100,11 @@ def resume_failing(corpus, workdir, monkeypatch, capfd, error, raised, message, 
 @pytest.mark.parametrize(
     ("error", "raised", "message"),
     [
-        (jax.errors.JaxRuntimeError(OUT_OF_MEMORY), TrainingError, "out of memory, not damage"),
+        (jax.errors.JaxRuntimeError(OUT_OF_MEMORY), UserError, "out of memory, not damage"),
         # ~20 s each (train.py runs): out of memory in make test, the others in make test-slow.
         pytest.param(
             RuntimeError("Unable to initialize backend 'cuda'"),
-            TrainingError,
+            UserError,
             "not evidence of damage",
             marks=pytest.mark.slow,
         ),
@@ -130,7 +131,7 @@ def test_a_restore_failing_for_another_reason_than_damage_moves_nothing(
     """Not retried (only storage errors are), nothing moved, the next run resumes."""
     w = copy(base, tmp_path)
     e = resume_failing(corpus, w, monkeypatch, capfd, error, raised, message, attempts=1)
-    if raised is TrainingError:
+    if raised is UserError:
         assert "checkpoint step 20" in str(e) and "not touched" in str(e)
     if "out of memory" in message:  # what to change
         for fix in ("--config.mesh_fsdp", "fewer devices per host", "JAX_PLATFORMS=cpu"):
@@ -144,14 +145,14 @@ def test_a_storage_that_refuses_is_retried_then_stops_without_moving(
     w = copy(base, tmp_path)
     refused = PermissionError(errno.EACCES, "Permission denied")
     message = "the storage refused or timed out"
-    resume_failing(corpus, w, monkeypatch, capfd, refused, TrainingError, message, attempts=3)
+    resume_failing(corpus, w, monkeypatch, capfd, refused, UserError, message, attempts=3)
 
 
 def test_restoring_a_model_out_of_memory_says_so_and_moves_nothing(base, tmp_path, monkeypatch):
     w = copy(base, tmp_path)
     before = files(w)
     fail_restores(monkeypatch, jax.errors.JaxRuntimeError(OUT_OF_MEMORY))
-    with pytest.raises(TrainingError, match="out of memory, not damage"):
+    with pytest.raises(UserError, match="out of memory, not damage"):
         restore_model(str(w))
     assert files(w) == before
 

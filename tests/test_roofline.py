@@ -1,4 +1,4 @@
-"""training/roofline.py: the per-kernel roofline of a GPU program, on a hand-written module.
+"""aot/roofline.py: the per-kernel roofline of a GPU program, on a hand-written module.
 
 Every expected number is computed here from the shapes, by the formulas the
 module's docstring states, not read from the code under test.
@@ -6,7 +6,7 @@ module's docstring states, not read from the code under test.
 
 import pytest
 
-from training.roofline import kernel_roofline
+from aot.roofline import kernel_roofline
 
 # A loop of 13 chunks: slice a [64, 512] chunk out of x, multiply it by w (cuBLAS), write
 # the product into a [13, 64, 1024] buffer in place; before it, causal cuDNN attention and

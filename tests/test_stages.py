@@ -1,4 +1,4 @@
-"""Staged beam search (model/beam.py, inference/stages.py) against the search in one program.
+"""Staged beam search (model/beam.py, search/stages.py) against the search in one program.
 
 A source's results must not depend on the stage or batch it finishes in, nor on
 stopping it as soon as the hypotheses asked for are final.
@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inference import stages
-from inference.translate import search_fn, search_rule, translate_ids
 from model import EOS_ID, beam, carry, decoding
+from search import stages
+from search.translate import search_fn, search_rule, translate_ids
 from tests.test_decoding import make, ragged_src
 
 
@@ -57,7 +57,7 @@ def test_stage_rooms_grow_to_every_sources_limit():
         pytest.param(4, 1, 1, 512, "bound", marks=pytest.mark.slow),
         pytest.param(3, 3, 1, 512, "bound", marks=pytest.mark.slow),
         (1, 1, 1, 96, "bound"),
-        # (Beam 1 is greedy search whatever the rule: inference.translate.search_rule.)
+        # (Beam 1 is greedy search whatever the rule: search.translate.search_rule.)
         (3, 3, 8, 64, "heuristic"),
         pytest.param(4, 1, 1, 512, "heuristic", marks=pytest.mark.slow),
     ],

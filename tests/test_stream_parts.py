@@ -9,11 +9,13 @@ import random
 
 import pytest
 
-from inference.lines import CorpusScores, LineReader, bleu_chrf, count_lines, read_lines
-from inference.options import DecodeOptions, UsageError
+from common.errors import UserError
+from inference.lines import CorpusScores, LineReader, count_lines, read_lines
+from inference.options import DecodeOptions
 from inference.progress import Meter, format_eta, progress_line
 from inference.resume import PARTIAL, RECORD, differences, file_identity, open_output
 from inference.stream import ListReader
+from search.bleu import bleu_chrf
 
 HOSTILE = [
     b"",
@@ -112,7 +114,7 @@ def test_partial_output_refuses_another_job_and_restarts(tmp_path):
     out = open_output(path, job(), restart=False)
     out.append(b"one\n", {"lines": 1})
     out.close()
-    with pytest.raises(UsageError, match=r"settings.beam_size: 4 -> 2.*--restart"):
+    with pytest.raises(UserError, match=r"settings.beam_size: 4 -> 2.*--restart"):
         open_output(path, job(beam_size=2), restart=False)
     with open(path + PARTIAL, "rb") as f:
         assert f.read() == b"one\n"  # a refused run changes nothing
@@ -138,16 +140,16 @@ def test_a_job_killed_in_its_first_chunk_is_started_over_whatever_it_was(tmp_pat
 def test_partial_output_is_locked_and_damage_is_refused(tmp_path):
     path = str(tmp_path / "test.en")
     out = open_output(path, job(), restart=False)
-    with pytest.raises(UsageError, match=r"another decode\.py is writing"):
+    with pytest.raises(UserError, match=r"another decode\.py is writing"):
         open_output(path, job(), restart=False)
     out.append(b"one\ntwo\n", {"lines": 2})
     out.close()
     os.truncate(path + PARTIAL, 3)
-    with pytest.raises(UsageError, match="changed by hand"):
+    with pytest.raises(UserError, match="changed by hand"):
         open_output(path, job(), restart=False)
     with open(path + RECORD, "w") as f:
         f.write("{not json")
-    with pytest.raises(UsageError, match="cannot read the progress record"):
+    with pytest.raises(UserError, match="cannot read the progress record"):
         open_output(path, job(), restart=False)
 
 
@@ -181,7 +183,7 @@ def test_devices_are_written_as_streams(tmp_path):
     out.append(b"one\n", {"lines": 1})
     out.finish()
     assert not os.path.exists(os.devnull + PARTIAL)
-    with pytest.raises(UsageError, match="cannot write"):
+    with pytest.raises(UserError, match="cannot write"):
         open_output(str(tmp_path), job(), restart=False)  # a directory
 
 
@@ -233,15 +235,15 @@ def test_chunk_lines_grow_with_the_batch_budget():
     assert DecodeOptions(workdir="w", batch_tokens=1024).chunk_lines == 10_000
     assert DecodeOptions(workdir="w", batch_tokens=32768).chunk_lines == 81_920
     assert DecodeOptions(workdir="w", read_lines=3).chunk_lines == 3
-    with pytest.raises(UsageError, match="--read_lines must be >= 1"):
+    with pytest.raises(UserError, match="--read_lines must be >= 1"):
         DecodeOptions(workdir="w", read_lines=0).check()
 
 
 def test_the_journal_keeps_its_chunks_batches_and_skips_a_torn_line(tmp_path):
     """A journal line a kill tore is skipped, and the next batch starts a line of its own;
     lines of another chunk are not this chunk's; clearing starts the next chunk."""
-    from inference.hypothesis import Hypothesis
     from inference.resume import Journal
+    from search.hypothesis import Hypothesis
 
     path = str(tmp_path / "out.en.partial.journal")
     with open(path, "w") as f:

@@ -1,4 +1,4 @@
-"""bench/trace_summary.py: kernel kinds from names seen in a real H100 trace, busy and idle
+"""tools/trace_summary.py: kernel kinds from names seen in a real H100 trace, busy and idle
 time as the union of kernel intervals (checked by hand), and clear errors for traces
 that hold no device plane."""
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import trace_summary
+from tools import trace_summary
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,10 @@ import jax
 import numpy as np
 import pytest
 
+from common.errors import UserError
 from inference.restore import restore_model
 from tests.conftest import small_train_config, train_rows, write_reversal_tsv
-from training import TrainingError, checkpoints
+from training import checkpoints
 from training import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,9 +157,9 @@ def test_restore_model_loads_and_averages_checkpoints(uninterrupted):
     np.testing.assert_allclose(
         embedding(averaged), (embedding(model) + embedding(at20)) / 2, rtol=1e-6, atol=1e-7
     )
-    with pytest.raises(TrainingError, match="step 7"):
+    with pytest.raises(UserError, match="step 7"):
         restore_model(workdir, step=7)
-    with pytest.raises(TrainingError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):
         restore_model(os.path.join(workdir, "nope"))
 
 
@@ -201,11 +202,11 @@ def test_time_based_checkpoints_and_the_final_average(corpus_tsv, tmp_path):
 
 def test_restore_model_without_checkpoints(tmp_path):
     config_lib.save_config(small_train_config(), str(tmp_path))
-    with pytest.raises(TrainingError, match="no complete checkpoint"):
+    with pytest.raises(UserError, match="no complete checkpoint"):
         restore_model(str(tmp_path))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(TrainingError, match=r"config\.json is missing"):
+    with pytest.raises(UserError, match=r"config\.json is missing"):
         restore_model(str(empty))
 
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from common.errors import UserError
 from model import Transformer
 from tests.conftest import small_train_config
-from training import TrainingError, metrics, optim, steps, validate
+from training import metrics, optim, steps, validate
 from training.config import model_config
 from training.mesh import make_mesh, mesh_shape, shard_batch
 from training.packed import Packing
@@ -46,7 +47,7 @@ def test_linear_rsqrt_and_cosine_schedules():
     assert float(s(550)) == pytest.approx(2e-3 * 0.5, rel=1e-5)
     assert float(s(1000)) == pytest.approx(0.0, abs=1e-9)
     cfg.schedule = "nope"  # caught before anything is built
-    with pytest.raises(TrainingError, match="schedule"):
+    with pytest.raises(UserError, match="schedule"):
         validate(cfg)
 
 
@@ -187,11 +188,11 @@ def test_peak_flops_lookup():
 def test_mesh_shape():
     assert mesh_shape((-1, 1, 1), 8) == (8, 1, 1)
     assert mesh_shape((2, -1, 2), 8) == (2, 2, 2)
-    with pytest.raises(TrainingError, match="multiply to 4"):
+    with pytest.raises(UserError, match="multiply to 4"):
         mesh_shape((2, 2, 1), 8)
-    with pytest.raises(TrainingError):
+    with pytest.raises(UserError):
         mesh_shape((-1, -1, 1), 8)
-    with pytest.raises(TrainingError, match="divide"):
+    with pytest.raises(UserError, match="divide"):
         mesh_shape((3, -1, 1), 8)
 
 

@@ -1,4 +1,4 @@
-"""inference/translate.py: the one batching + search path of decode.py and the evaluation.
+"""search/translate.py: the one batching + search path of decode.py and the evaluation.
 
 Checked against the search functions on one padded batch, against log-probabilities
 from full forward passes (scores), and across meshes (8 fake CPU devices).
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from data.plans import plan_translation
-from inference.translate import translate_ids
 from model import EOS_ID, decoding
+from search.translate import translate_ids
 from tests.test_decoding import as_list, full_logp, make
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +137,7 @@ import json, sys
 import jax, numpy as np
 from model import EOS_ID
 from tests.test_decoding import make
-from inference.translate import translate_ids
+from search.translate import translate_ids
 from training.mesh import batch_sharding
 rng = np.random.default_rng(7)
 sources = [[*rng.integers(4, 12, size=n - 1).tolist(), EOS_ID] for n in rng.integers(1, 15, 40)]

@@ -7,11 +7,9 @@ model is read back by inference/restore.py.
 """
 
 from training.config import load_config, model_config, validate
-from training.errors import TrainingError
 from training.loop import train_and_evaluate
 
 __all__ = [
-    "TrainingError",
     "load_config",
     "model_config",
     "train_and_evaluate",

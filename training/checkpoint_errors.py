@@ -8,12 +8,12 @@ to change:
 
     DAMAGED        missing / truncated / undecodable files: retried, then moved aside
     STORAGE        the storage refuses or times out (permissions, unreachable, EIO
-                   that is not a file's fault): retried, then a TrainingError
-    OUT_OF_MEMORY  XLA's RESOURCE_EXHAUSTED, MemoryError: a TrainingError that says how
+                   that is not a file's fault): retried, then a UserError
+    OUT_OF_MEMORY  XLA's RESOURCE_EXHAUSTED, MemoryError: a UserError that says how
                    to need less memory
     BUG            an error of the program (TypeError, AttributeError, ...): raised as it
                    is, after a line saying that nothing was moved
-    OTHER          anything else (e.g. no device to put the arrays on): a TrainingError
+    OTHER          anything else (e.g. no device to put the arrays on): a UserError
 KeyboardInterrupt and SystemExit are never caught.
 """
 
@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from training.errors import TrainingError
+from common.errors import UserError
 
 DAMAGED, STORAGE, OUT_OF_MEMORY, BUG, OTHER = "damaged", "storage", "out of memory", "bug", "other"
 
@@ -106,7 +106,7 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
-def stop_error(exc: Exception, step: int, directory: str) -> TrainingError | None:
+def stop_error(exc: Exception, step: int, directory: str) -> UserError | None:
     """The error to stop with for a read of checkpoint `step` that failed for another
     reason than damage (OUT_OF_MEMORY, STORAGE, OTHER); None for a BUG, which the caller
     re-raises as it is."""
@@ -117,7 +117,7 @@ def stop_error(exc: Exception, step: int, directory: str) -> TrainingError | Non
         _log.error(f"{what}: an error of the program, not of the checkpoint; {untouched}")
         return None
     if kind == OUT_OF_MEMORY:
-        return TrainingError(
+        return UserError(
             f"{what}: out of memory, not damage; {untouched}. Give each device less to "
             "hold: shard the parameters and optimizer state over more devices with "
             "--config.mesh_fsdp=N, or run fewer devices per host (more processes, fewer "
@@ -125,11 +125,11 @@ def stop_error(exc: Exception, step: int, directory: str) -> TrainingError | Non
             "(JAX_PLATFORMS=cpu). Then re-run the same command to resume"
         )
     if kind == STORAGE:
-        return TrainingError(
+        return UserError(
             f"{what}: the storage refused or timed out, after retries; {untouched}. Check "
             "that the workdir is readable and reachable, then re-run the same command"
         )
-    return TrainingError(
+    return UserError(
         f"{what}: not evidence of damage, so {untouched}. Fix the cause (for example a "
         "missing or busy accelerator: see what `python -c 'import jax; print(jax.devices())'` "
         "lists) and re-run the same command to resume"
@@ -138,7 +138,7 @@ def stop_error(exc: Exception, step: int, directory: str) -> TrainingError | Non
 
 class WriteErrors:
     """Turn an OSError of a checkpoint write (also one raised in Orbax's background
-    thread and re-raised later) into a TrainingError that says what to do.
+    thread and re-raised later) into a UserError that says what to do.
 
     `done()` lists the complete checkpoints (to say which ones are intact).
     """
@@ -167,7 +167,7 @@ class WriteErrors:
         except Exception:
             done = []
         have = f"the newest complete checkpoint is step {done[-1]}" if done else "none is complete"
-        raise TrainingError(
+        raise UserError(
             f"could not write {what} to {self.directory}: {os_error}. Earlier "
             f"checkpoints are intact ({have}); {fix}, then re-run the same command to resume"
         ) from exc

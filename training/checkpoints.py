@@ -41,9 +41,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from common.errors import UserError
 from training import distributed, steps
 from training.checkpoint_errors import DAMAGED, WriteErrors, classify, describe, retry, stop_error
-from training.errors import TrainingError
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
@@ -127,7 +127,7 @@ def _differences(saved: dict, wanted: dict, limit: int = 3) -> list[str]:
     return out[: 2 + limit]
 
 
-class StructureMismatch(TrainingError):
+class StructureMismatch(UserError):
     """The checkpoint holds other arrays than the state to restore: a config change, not damage.
 
     items: {"params" | "train": [differences]} for the items that do not match.
@@ -167,7 +167,7 @@ class Checkpoints:
     def save(self, state: steps.TrainState, data_state: dict[str, Any]) -> None:
         """Start an asynchronous save of `state` at `state.step`; returns once arrays are copied.
 
-        Raises TrainingError if this save, or the previous one still in flight,
+        Raises UserError if this save, or the previous one still in flight,
         cannot be written (disk full, workdir not writable); earlier complete
         checkpoints are never touched by a failed save.
         """
@@ -216,7 +216,7 @@ class Checkpoints:
     def restore_params(self, step: int, abstract_params: nnx.State) -> nnx.State:
         """Only the `params` item (no optimizer state is read).
 
-        Raises TrainingError saying why if it cannot be read (a damaged checkpoint,
+        Raises UserError saying why if it cannot be read (a damaged checkpoint,
         out of memory, ...; see training/checkpoint_errors.py); moves nothing.
         """
         args = ocp.args.Composite(
@@ -226,7 +226,7 @@ class Checkpoints:
             out = retry(lambda: self._orbax.restore(step, args=args))
         except Exception as e:
             if classify(e) == DAMAGED:
-                raise TrainingError(
+                raise UserError(
                     f"checkpoint step {step} in {self.directory} cannot be read ({describe(e)}): "
                     "its files are damaged; use another checkpoint"
                 ) from e
@@ -247,7 +247,7 @@ class Checkpoints:
         return total if len(chosen) == 1 else jax.tree.map(lambda x: x / len(chosen), total)
 
     def wait(self) -> None:
-        """Block until the save in flight is on disk (TrainingError if it could not be written)."""
+        """Block until the save in flight is on disk (UserError if it could not be written)."""
         with self._write_errors(-1):
             self._orbax.wait_until_finished()
             self._orbax.check_for_errors()
@@ -286,7 +286,7 @@ class Checkpoints:
         retries for storage that hiccups, is reported and, with `quarantine`,
         moved to WORKDIR/checkpoints_damaged/; the previous step is tried next.
         Any other failure, on any process, stops every process and moves nothing
-        (training/checkpoint_errors.py). Raises TrainingError if checkpoints exist
+        (training/checkpoint_errors.py). Raises UserError if checkpoints exist
         but none of them restores.
         """
         tried: list[str] = []
@@ -297,7 +297,7 @@ class Checkpoints:
             if verdict == "failed":
                 raise result
             if "failed" in verdicts:
-                raise TrainingError(
+                raise UserError(
                     f"process {verdicts.index('failed')} could not restore checkpoint step "
                     f"{step} (its log says why); the checkpoints were not touched"
                 )
@@ -314,7 +314,7 @@ class Checkpoints:
             if quarantine:
                 self._quarantine(step)
         if tried:
-            raise TrainingError(
+            raise UserError(
                 f"no usable checkpoint in {self.directory}: "
                 + "; ".join(tried)
                 + ". Restore the directory from a backup, or start from scratch with "

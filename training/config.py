@@ -1,6 +1,6 @@
 """The training config: every check in one place, and its copy in the workdir.
 
-    validate(config)                  # TrainingError naming the first bad field
+    validate(config)                  # UserError naming the first bad field
     cfg = model_config(config)        # config.model + vocab_size -> TransformerConfig
     save_config(config, workdir)      # WORKDIR/config.json
     config = load_config(workdir)     # back, on top of configs/default.py
@@ -27,10 +27,10 @@ from typing import Any
 import jax
 import ml_collections
 
+from common.errors import UserError
 from data.files import atomic_write
 from model import TransformerConfig
 from model.attention import resolve_config
-from training.errors import TrainingError
 from training.mesh import AXES as MESH_AXES
 from training.mesh import mesh_shape
 
@@ -128,29 +128,29 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
     unknown = _unknown_keys(config, defaults())
     if unknown:
         hints = [f"config.{k}" + (f" (did you mean {m[0]!r}?)" if m else "") for k, m in unknown]
-        raise TrainingError(f"unknown config field(s): {', '.join(hints)}")
+        raise UserError(f"unknown config field(s): {', '.join(hints)}")
     for name in _POSITIVE:
         if not config[name] > 0:
-            raise TrainingError(f"config.{name} must be > 0, got {config[name]!r}")
+            raise UserError(f"config.{name} must be > 0, got {config[name]!r}")
     for name in _NON_NEGATIVE:
         if not config[name] >= 0:
-            raise TrainingError(f"config.{name} must be >= 0 (0 = never/all), got {config[name]!r}")
+            raise UserError(f"config.{name} must be >= 0 (0 = never/all), got {config[name]!r}")
     for name, allowed in _CHOICES.items():
         if config[name] not in allowed:
-            raise TrainingError(f"config.{name} must be one of {allowed}, got {config[name]!r}")
+            raise UserError(f"config.{name} must be one of {allowed}, got {config[name]!r}")
     for name in ("label_smoothing", "adam_b1", "adam_b2"):
         if not 0.0 <= config[name] < 1.0:
-            raise TrainingError(f"config.{name} must be in [0, 1), got {config[name]}")
+            raise UserError(f"config.{name} must be in [0, 1), got {config[name]}")
     if not config.adam_eps > 0:
-        raise TrainingError(f"config.adam_eps must be > 0, got {config.adam_eps}")
+        raise UserError(f"config.adam_eps must be > 0, got {config.adam_eps}")
     if config.schedule != "rsqrt" and not config.learning_rate > 0:
-        raise TrainingError(f"config.learning_rate must be > 0, got {config.learning_rate}")
+        raise UserError(f"config.learning_rate must be > 0, got {config.learning_rate}")
     try:
         _model_fields(config)
     except ValueError as e:
-        raise TrainingError(f"bad model config: {e}") from e
+        raise UserError(f"bad model config: {e}") from e
     if config.max_length > config.model.max_len:
-        raise TrainingError(
+        raise UserError(
             f"config.max_length={config.max_length} exceeds config.model.max_len="
             f"{config.model.max_len}, the longest position the model encodes"
         )
@@ -162,7 +162,7 @@ def _check_machine(config: ml_collections.ConfigDict, num_devices: int, num_proc
     shape = dict(zip(MESH_AXES, mesh_shape(sizes, num_devices), strict=True))
     pc = num_processes
     if pc > 1 and config.data_shards not in (0, pc):
-        raise TrainingError(
+        raise UserError(
             f"config.data_shards={config.data_shards} with {pc} processes: use 0 (one shard "
             f"per process) or {pc}; only a single process can read several shards"
         )
@@ -171,7 +171,7 @@ def _check_machine(config: ml_collections.ConfigDict, num_devices: int, num_proc
     rows = batch_devices * config.grad_accum_steps
     need = rows * config.max_length
     if config.batch_tokens < need:
-        raise TrainingError(
+        raise UserError(
             f"config.batch_tokens={config.batch_tokens} cannot fill the batch axes: the mesh "
             f"has {batch_devices} devices along ('data', 'fsdp') (mesh {shape}) and "
             f"grad_accum_steps={config.grad_accum_steps}, so a batch needs at least {rows} "
@@ -186,7 +186,7 @@ def validate(
     num_devices: int | None = None,
     num_processes: int | None = None,
 ) -> None:
-    """Raise TrainingError naming the first bad field; nothing slow has happened yet.
+    """Raise UserError naming the first bad field; nothing slow has happened yet.
 
     The machine checks are against this job's devices and processes, or the given
     counts (train.py --compile_for checks a slice it does not run on).
@@ -219,10 +219,10 @@ def _merge(base: ml_collections.ConfigDict, saved: dict[str, Any]) -> None:
 def load_config(workdir: str) -> ml_collections.ConfigDict:
     """WORKDIR/config.json laid over configs/default.py (fields added since keep defaults)."""
     if not os.path.isdir(workdir):
-        raise TrainingError(f"workdir {workdir!r} does not exist; train a model into it first")
+        raise UserError(f"workdir {workdir!r} does not exist; train a model into it first")
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.isfile(path):
-        raise TrainingError(
+        raise UserError(
             f"{path} is missing; is {workdir!r} a training workdir? Train with "
             f"`python train.py --config=configs/tiny.py --workdir={workdir}`"
         )
@@ -230,7 +230,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
         with open(path) as f:
             saved = json.load(f)
     except (OSError, ValueError) as e:
-        raise TrainingError(f"{path} cannot be read ({e}); fix or delete it") from e
+        raise UserError(f"{path} cannot be read ({e}); fix or delete it") from e
     config = defaults()
     with config.unlocked():
         _merge(config, saved)
@@ -283,7 +283,7 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Compare `config` with WORKDIR/config.json (the run that wrote the checkpoints).
 
     Logs every changed field. A change to the model's structure (MODEL_STRUCTURE)
-    is a TrainingError naming the fields; everything else resumes (the optimizer
+    is a UserError naming the fields; everything else resumes (the optimizer
     state's structure is checked against the checkpoint itself when restoring).
     Returns the changes ({} for a workdir without config.json).
     """
@@ -294,7 +294,7 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str) -> dict:
         _log.info(f"config changed since the checkpoints were written: {describe(changes)}")
     structural = describe(changes, MODEL_STRUCTURE)
     if structural:
-        raise TrainingError(
+        raise UserError(
             f"the checkpoints in {workdir} were trained with another model config "
             f"({structural}). Use the same model settings to resume, or a fresh --workdir "
             "for a new model"

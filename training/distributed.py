@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from training.errors import TrainingError
+from common.errors import UserError
 
 MODES = ("auto", "on", "off")
 
@@ -62,19 +62,19 @@ def will_start(
     *,
     mode: str = "auto",
 ) -> bool:
-    """Whether `initialize` would start the distributed runtime (TrainingError for bad flags)."""
+    """Whether `initialize` would start the distributed runtime (UserError for bad flags)."""
     if mode not in MODES:
-        raise TrainingError(f"--distributed must be one of {MODES}, got {mode!r}")
+        raise UserError(f"--distributed must be one of {MODES}, got {mode!r}")
     explicit = [x is not None for x in (coordinator_address, num_processes, process_id)]
     if any(explicit) and not all(explicit):
-        raise TrainingError(
+        raise UserError(
             "--coordinator_address, --num_processes and --process_id go together: pass all "
             "three (or none, to let JAX detect the cluster)"
         )
     if mode == "off" or (mode == "auto" and not any(explicit) and cluster_detected() is None):
         return False
     if all(explicit) and not 0 <= int(process_id) < int(num_processes):
-        raise TrainingError(f"--process_id={process_id} must be in [0, {num_processes})")
+        raise UserError(f"--process_id={process_id} must be in [0, {num_processes})")
     return True
 
 

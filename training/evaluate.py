@@ -16,9 +16,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from data import Tokenizer
-from inference.lines import bleu_chrf
-from inference.translate import translate_ids, vocab_limit
 from model import EOS_ID, Transformer
+from search.bleu import bleu_chrf
+from search.translate import translate_ids, vocab_limit
 from training.input import eval_batches
 from training.mesh import batch_divisor, batch_sharding, shard_batch
 from training.steps import TrainSetup, TrainState, summarize
@@ -56,7 +56,7 @@ def translate_corpus(
 ) -> list[str]:
     """Detokenized translations of `sources` (in order), each cut to `max_length` tokens.
 
-    Every process passes all sources; `inference.translate.translate_ids` spreads the
+    Every process passes all sources; `search.translate.translate_ids` spreads the
     batches over the mesh (and processes) and returns every translation everywhere.
     """
     ids = [[*x[: max_length - 1], EOS_ID] for x in tokenizer.encode_batch(list(sources))]

@@ -36,10 +36,11 @@ import jax
 import ml_collections
 
 import data
+from common import log
+from common.errors import UserError
 from training import checkpoints as ckpt
 from training import config as config_lib
-from training import distributed, evaluate, log, metrics, steps
-from training.errors import TrainingError
+from training import distributed, evaluate, metrics, steps
 from training.input import ShardedInput
 from training.mesh import batch_divisor, make_mesh, shard_batch
 from training.packed import Packing
@@ -108,7 +109,7 @@ class _Training:
 
     def flush(self, step: int, *, log_row: bool = True) -> None:
         """Close the metrics window at `step`: add it to the totals, write its row to
-        metrics.jsonl and the progress line, then stop on a non-finite step (TrainingError)."""
+        metrics.jsonl and the progress line, then stop on a non-finite step (UserError)."""
         error = self.nonfinite_error(step)
         _, row = self.window.flush()
         self.totals.tokens_seen += row.pop("tokens")
@@ -119,7 +120,7 @@ class _Training:
             self.progress.update(step, row)
             self.train_loss = row["train_loss"]
         if error:
-            raise TrainingError(error)
+            raise UserError(error)
 
 
 class _Evaluation:
@@ -191,7 +192,7 @@ class _Saving:
         """Checkpoint the state, every shard's data position (a collective) and the totals."""
         # Never checkpoint past a non-finite step.
         if training.nonfinite.policy == "stop" and (error := training.nonfinite_error(step)):
-            raise TrainingError(error)
+            raise UserError(error)
         position = {"iterators": self.inputs.global_state()}
         self.manager.save(training.state, {**position, **dataclasses.asdict(training.totals)})
         self.last_saved, self.saved_at = step, time.time()
@@ -215,7 +216,7 @@ def _check_writable(workdir: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise TrainingError(
+        raise UserError(
             f"workdir {workdir!r} is not writable ({e}); pick another --workdir or fix its "
             "permissions/free space"
         ) from e

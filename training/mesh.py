@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from common.errors import UserError
 from model.sharding import partition_specs
-from training.errors import TrainingError
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -29,19 +29,19 @@ def mesh_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, ...]:
     """(data, fsdp, tensor) sizes with at most one -1 ("the rest") -> concrete sizes."""
     sizes = [int(s) for s in sizes]
     if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-        raise TrainingError(
+        raise UserError(
             f"mesh sizes (mesh_data, mesh_fsdp, mesh_tensor) = {tuple(sizes)}: each must be "
             "a positive int, with at most one -1 meaning 'all remaining devices'"
         )
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if num_devices % known:
-            raise TrainingError(
+            raise UserError(
                 f"mesh sizes {tuple(sizes)} do not divide the {num_devices} available devices"
             )
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise TrainingError(
+        raise UserError(
             f"mesh sizes {tuple(sizes)} multiply to {math.prod(sizes)}, but there are "
             f"{num_devices} devices; set --config.mesh_data=-1 (or sizes whose product matches)"
         )

@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from common.errors import UserError
 from data.files import atomic_write
 from training import checkpoints as ckpt
 from training import config as config_lib
 from training import metrics, steps
-from training.errors import TrainingError
 from training.input import ShardedInput
 
 _log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _step_dirs(workdir: str, subdir: str = ckpt.CHECKPOINT_DIR) -> list[str]:
 
 def previous_run(config: ml_collections.ConfigDict, workdir: str) -> dict | None:
     """None for a workdir without checkpoints (on disk, or damaged ones moved aside by an
-    earlier run); else the config's changes since the run that wrote them (TrainingError
+    earlier run); else the config's changes since the run that wrote them (UserError
     for a changed model: `config_lib.check_resume`)."""
     if not (_step_dirs(workdir) or _step_dirs(workdir, ckpt.DAMAGED_DIR)):
         return None
@@ -127,20 +127,20 @@ def restore_or_init(
         restored = manager.restore_latest(setup.abstract)
     except ckpt.StructureMismatch as e:
         if set(e.items) != {"train"} or not config.reset_optimizer:
-            raise TrainingError(_mismatch_message(e, changes, workdir)) from e
+            raise UserError(_mismatch_message(e, changes, workdir)) from e
         state, data_state = manager.restore_without_optimizer(e.step, setup.abstract)
         restored = e.step, _fresh_optimizer(setup, state), data_state
         _log.warning(
             f"config.reset_optimizer: kept the parameters of step {e.step} and started a fresh "
             "optimizer state (Adam moments zero, the learning-rate schedule where it was)"
         )
-    except TrainingError:
+    except UserError:
         if not config.allow_fresh_start:
             raise
         _log.warning("no usable checkpoint; config.allow_fresh_start: training from scratch")
         restored = None
     if restored is None and previous is not None and not config.allow_fresh_start:
-        raise TrainingError(  # e.g. every step directory deleted between listing and restoring
+        raise UserError(  # e.g. every step directory deleted between listing and restoring
             f"{workdir} had checkpoints but none is usable (damaged ones are in "
             f"{os.path.join(workdir, ckpt.DAMAGED_DIR)}); restore them from a backup, or pass "
             "--config.allow_fresh_start=True to train from scratch in this workdir"

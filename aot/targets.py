@@ -13,7 +13,7 @@ single-host v5e-8/v6e-8). A shape can also be given directly:
 GPUs: `gpu:h100` is one GPU, `gpu:h100x8` one host of 8, `gpu:h100x16` two
 such hosts. XLA compiles for a GPU from a description of it (a text proto of
 its GpuTargetConfig) through the CUDA plugin, which runs without a GPU. Ours are
-in training/gpu_targets/<name>.txtpb, written from the vendors' datasheets;
+in aot/gpu_targets/<name>.txtpb, written from the vendors' datasheets;
 adding a GPU is adding a file there and a row to `GPUS` (docs/aot.md says how).
 
 The numbers below are the vendors' datasheet figures per chip: HBM, dense
@@ -31,7 +31,7 @@ import re
 
 import jax
 
-from training.errors import TrainingError
+from common.errors import UserError
 
 GIB = 1024**3
 GB = 1000**3
@@ -124,18 +124,18 @@ def _tpu_chip_counts(dims: int) -> list[int]:
 def _tpu_target(name: str, spec: str) -> Target:
     m = re.fullmatch(r"(v4|v5e|v5p|v6e)(?:-(\d+)|:(\d+(?:x\d+){1,2}))", spec)
     if not m:
-        raise TrainingError(f"unknown TPU target {name!r}; valid: {EXAMPLES}")
+        raise UserError(f"unknown TPU target {name!r}; valid: {EXAMPLES}")
     generation, count, shape_text = m.groups()
     chip, dims, per_chip, libtpu_name = TPUS[generation]
     if shape_text:
         shape = tuple(int(x) for x in shape_text.split("x"))
         if len(shape) != dims:
-            raise TrainingError(f"{name}: a {generation} slice shape has {dims} dimensions")
+            raise UserError(f"{name}: a {generation} slice shape has {dims} dimensions")
     else:
         n = int(count)
         if n % per_chip or n // per_chip not in _tpu_chip_counts(dims):
             valid = ", ".join(f"{generation}-{c * per_chip}" for c in _tpu_chip_counts(dims))
-            raise TrainingError(
+            raise UserError(
                 f"{name} is not a {generation} slice; valid: {valid}, or a shape such as "
                 f"tpu:{generation}:{'x'.join(['4'] * dims)}"
             )
@@ -149,38 +149,38 @@ def _tpu_target(name: str, spec: str) -> Target:
 def _gpu_target(name: str, spec: str) -> Target:
     m = re.fullmatch(r"([a-z]\d+)(?:x(\d+))?", spec)
     if not m or m.group(1) not in GPUS:
-        raise TrainingError(
+        raise UserError(
             f"unknown GPU target {name!r}; valid: gpu:{{{','.join(GPUS)}}}[xN], e.g. gpu:h100, "
             "gpu:h100x8 (one host), gpu:h100x16 (two hosts of 8)"
         )
     chip, spec_file = GPUS[m.group(1)]
     n = int(m.group(2) or 1)
     if n < 1 or (n > GPUS_PER_HOST and n % GPUS_PER_HOST):
-        raise TrainingError(f"{name}: use 1..{GPUS_PER_HOST} GPUs or a multiple of 8 (hosts of 8)")
+        raise UserError(f"{name}: use 1..{GPUS_PER_HOST} GPUs or a multiple of 8 (hosts of 8)")
     per_host = min(n, GPUS_PER_HOST)
     topology = f"1x{n // per_host}x{per_host}"
     return Target(name, "gpu", chip, n, per_host, topology, os.path.join(SPECS_DIR, spec_file))
 
 
 def parse_target(name: str) -> Target:
-    """'tpu:v5e-256' / 'gpu:h100x8' -> Target (TrainingError listing valid names if unknown)."""
+    """'tpu:v5e-256' / 'gpu:h100x8' -> Target (UserError listing valid names if unknown)."""
     platform, _, spec = name.strip().lower().partition(":")
     if platform == "tpu":
         return _tpu_target(name, spec)
     if platform == "gpu":
         return _gpu_target(name, spec)
-    raise TrainingError(f"unknown target {name!r}: use tpu:... or gpu:..., e.g. {EXAMPLES}")
+    raise UserError(f"unknown target {name!r}: use tpu:... or gpu:..., e.g. {EXAMPLES}")
 
 
 def check_compiler(target: Target) -> None:
-    """TrainingError with the pip command if this Python lacks the target's compiler."""
+    """UserError with the pip command if this Python lacks the target's compiler."""
     if target.platform == "tpu":
         ok, extra = importlib.util.find_spec("libtpu") is not None, "tpu"
     else:
         plugins = ("jax_cuda13_plugin", "jax_cuda12_plugin")
         ok, extra = any(importlib.util.find_spec(p) for p in plugins), "cuda13"
     if not ok:
-        raise TrainingError(
+        raise UserError(
             f"compiling for {target.name} needs the {target.platform.upper()} compiler, which "
             f'this Python lacks: pip install "jax[{extra}]=={jax.__version__}" (no chip needed; '
             "`make test-aot` builds .venv-aot with both compilers)"
@@ -230,5 +230,5 @@ def abstract_devices(target: Target, slices: int = 1) -> list[jax.Device]:
             )
     except Exception as e:  # libtpu / the CUDA plugin reject a topology with their own errors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TrainingError(f"cannot make the devices of {target.name}: {first[:300]}") from e
+        raise UserError(f"cannot make the devices of {target.name}: {first[:300]}") from e
     return list(topo.devices)

@@ -9,7 +9,7 @@ dev-set evaluation during training:
 A `Translator` is what decode.py translates with: the live model of a workdir
 (`LiveTranslator`), an exported one (inference/export.py) or a CTranslate2
 model (inference/ct2.py). The JAX ones share one batch loop
-(inference/stages.py): sources of any lengths in batches of a few static
+(search/stages.py): sources of any lengths in batches of a few static
 shapes (data/plans.py `plan_translation`), each searched in stages of growing
 room (model/beam.py; greedy search for beam 1), so a file of any size compiles
 a handful of search programs, not one per batch.
@@ -32,9 +32,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from data.plans import MIN_ROWS, plan_translation
-from inference import programs
-from inference.hypothesis import Hypothesis, hypotheses
-from inference.stages import (
+from model import Transformer, beam
+from model.scoring import DEFAULT_LENGTH_PENALTY, decode_shape
+from search import programs
+from search.hypothesis import Hypothesis, hypotheses
+from search.stages import (
     Progress,
     batch_of,
     check_lengths,
@@ -43,8 +45,6 @@ from inference.stages import (
     run_stages,
     stage_rooms,
 )
-from model import Transformer, beam
-from model.scoring import DEFAULT_LENGTH_PENALTY, decode_shape
 
 # A batch's whole search as one program: src [B, S] -> tokens [B, n_best, L], scores [B, n_best]
 WholeSearch = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
@@ -103,7 +103,7 @@ def search_rule(
 
 @dataclasses.dataclass(frozen=True)
 class LiveSearch:
-    """A model's search in stages (inference.stages.Search)."""
+    """A model's search in stages (search.stages.Search)."""
 
     model: Transformer
     rule: beam.Rule
@@ -232,7 +232,7 @@ def translate_ids(
       sharding: how each batch's [B, S] rows are placed (rows split over devices);
         None = on the default device.
       progress: called after each batch with the indices of the sources it finished
-        and their hypotheses (inference/stages.py `Progress`).
+        and their hypotheses (search/stages.py `Progress`).
       length_penalty: "gnmt" or "average" (model.decoding.length_penalty).
       min_rows: the fewest rows of a batch (data.plans.plan_translation): 1 for a
         dev set translated again and again, where 8 rows of filler cost 8x the search.
@@ -241,9 +241,9 @@ def translate_ids(
         for any value); None = the platform's (model/beam.py `steps_per_check`).
       carry: carry a batch's unfinished sources over to smaller batches (True) or run
         each batch's whole search in one program (False; fewer programs to compile);
-        None = the platform's (inference/stages.py `carries_over`). The same results.
+        None = the platform's (search/stages.py `carries_over`). The same results.
       skip: indices of sources not to translate (they get no hypotheses); the batches
-        keep the shapes they would have had (inference/stages.py `run_stages`).
+        keep the shapes they would have had (search/stages.py `run_stages`).
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Download, where PyPI is reachable, the wheels bench/gpu_suite.sh installs on a GPU
+# Download, where PyPI is reachable, the wheels bench/gpu/suite.sh installs on a GPU
 # machine without network access (Python 3.12, manylinux x86_64).
 #
-#   bench/fetch_wheels.sh [DIR] [--tfds]      # DIR defaults to .whl/ (git-ignored)
+#   bench/gpu/fetch_wheels.sh [DIR] [--tfds]      # DIR defaults to .whl/ (git-ignored)
 #
 # The GPU image (jax 0.11.2 on CUDA 13) already holds jax, flax, optax,
 # orbax-checkpoint, numpy, absl-py, etils, cloudpickle, protobuf, psutil, PyYAML,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # decode.py and train.py at the accelerator's pace, measured on one GPU in one call:
-#   bash bench/gpu_pace.sh <output dir> [seconds of train.py, default 100]
-# Run on the device machine with .whl/ (bench/fetch_wheels.sh) and .data/de-en (the
-# Ding file) carried along; here, first: bash bench/fetch_wheels.sh; mkdir -p .data;
+#   bash bench/gpu/pace.sh <output dir> [seconds of train.py, default 100]
+# Run on the device machine with .whl/ (bench/gpu/fetch_wheels.sh) and .data/de-en (the
+# Ding file) carried along; here, first: bash bench/gpu/fetch_wheels.sh; mkdir -p .data;
 # cp /usr/share/trans/de-en .data/
 #   1. the search's steps per stopping test, A/B: bench/decode.py, base (random
 #      weights), beam 4, batch 128, --steps_per_check=1,8
@@ -15,7 +15,7 @@
 #      that model, beam 4: an empty compilation cache, then the one it filled
 #      (bench/decode_file.py: start-up, programs, host phases, device busy/idle)
 # Everything goes to the output dir: logs, *.jsonl, the train metrics. A rehearsal on
-# a CPU: NO_WHEELS=1 PY=.venv/bin/python CONFIG=tiny LINES=2000 BATCHES=8 bash bench/gpu_pace.sh DIR 40
+# a CPU: NO_WHEELS=1 PY=.venv/bin/python CONFIG=tiny LINES=2000 BATCHES=8 bash bench/gpu/pace.sh DIR 40
 set -u
 PY=${PY:-python3} CONFIG=${CONFIG:-base} LINES=${LINES:-100000} BATCHES=${BATCHES:-128}
 [[ $# -ge 1 ]] || { sed -n 2,2p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }

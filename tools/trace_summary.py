@@ -1,6 +1,6 @@
 """Where a device's time went in a `jax.profiler` trace: kernel time by kind, top kernels.
 
-    python bench/trace_summary.py TRACE_DIR [--top=25]
+    python tools/trace_summary.py TRACE_DIR [--top=25]
 
 Reads the newest `*.xplane.pb` under TRACE_DIR (as `bench/profile.py
 --trace_dir` or `jax.profiler.trace` write it) with `jax.profiler.ProfileData`

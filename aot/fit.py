@@ -12,11 +12,11 @@ shapes the input pipeline makes (`batch_shapes`); plus decode.py's beam search
 for its default batch on one chip. For each program the report gives, per
 chip: parameter + optimizer, batch, temporary and total bytes against the
 chip's HBM (`fits`, headroom), FLOPs and bytes accessed (XLA's cost analysis),
-collectives by kind with their sizes (training/hlo.py), matmul element types,
+collectives by kind with their sizes (aot/hlo.py), matmul element types,
 compile time, and a step-time *estimate*: on GPUs a roofline per kernel, summed
-(training/roofline.py), on TPUs max(FLOPs / peak, bytes / HBM bandwidth); plus
+(aot/roofline.py), on TPUs max(FLOPs / peak, bytes / HBM bandwidth); plus
 the collectives' ring traffic over the chip's interconnect, not overlapped.
-Chip facts: training/targets.py.
+Chip facts: aot/targets.py.
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from aot import hlo
+from aot.roofline import kernel_roofline
+from aot.targets import Target, abstract_devices, parse_target
+from common.errors import UserError
 from data.plans import length_buckets, rows_per_batch
 from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, beam_search
 from training import config as config_lib
-from training import hlo, steps
-from training.errors import TrainingError
+from training import steps
 from training.input import shard_multiple
 from training.mesh import AXES, batch_divisor, batch_sharding, make_mesh, mesh_shape
 from training.metrics import train_flops
-from training.roofline import kernel_roofline
-from training.targets import Target, abstract_devices, parse_target
 
 # decode.py's defaults: sources padded to batches of this many tokens, beam 4.
 DECODE_BATCH_TOKENS = 4096
@@ -63,7 +64,7 @@ def _mesh(config: Any, devices: list, slices: int) -> Mesh:
     sizes = (config.mesh_data, config.mesh_fsdp, config.mesh_tensor)
     shape = mesh_shape(sizes, len(devices))
     if shape[0] % slices:
-        raise TrainingError(
+        raise UserError(
             f"{slices} slices need mesh_data divisible by {slices} (data parallelism spans "
             f"the slices); the mesh is {dict(zip(AXES, shape, strict=True))}"
         )
@@ -144,10 +145,10 @@ class Context:
 
 
 def _setup(config: Any, target: Target, slices: int, dump_dir: str | None = None) -> Context:
-    """`config` on the target (TrainingError if it cannot run there: mesh, batch, shards;
+    """`config` on the target (UserError if it cannot run there: mesh, batch, shards;
     checked before the target's compiler is needed)."""
     if slices < 1 or (slices > 1 and target.platform != "tpu"):
-        raise TrainingError("--compile_for_slices must be >= 1, and > 1 only for TPU slices")
+        raise UserError("--compile_for_slices must be >= 1, and > 1 only for TPU slices")
     num_devices, hosts = target.num_devices * slices, target.num_hosts * slices
     config_lib.validate(config, num_devices=num_devices, num_processes=hosts)
     devices = abstract_devices(target, slices)
@@ -171,7 +172,7 @@ def _say(msg: str) -> None:
 
 
 def _compile(ctx: Context, name: str, fn: Any, args: tuple, shape: tuple[int, int]) -> Program:
-    """Lower and compile fn(*args) (TrainingError if the target's compiler refuses)."""
+    """Lower and compile fn(*args) (UserError if the target's compiler refuses)."""
     _say(f"{name} {shape[0]}x{shape[1]} ...")
     t0 = time.perf_counter()
     lowered = fn.lower(*args)
@@ -179,7 +180,7 @@ def _compile(ctx: Context, name: str, fn: Any, args: tuple, shape: tuple[int, in
         compiled = lowered.compile()
     except Exception as e:  # e.g. an allocation the compiler already knows cannot succeed
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TrainingError(f"the {name} at {shape} does not compile: {first[:400]}") from e
+        raise UserError(f"the {name} at {shape} does not compile: {first[:400]}") from e
     if ctx.dump_dir:
         os.makedirs(ctx.dump_dir, exist_ok=True)
         path = os.path.join(ctx.dump_dir, f"{name}_{shape[0]}x{shape[1]}.hlo.txt")
@@ -368,7 +369,7 @@ def compile_for(
 ) -> dict[str, Any]:
     """Compile the train, eval and decode steps of `config` for `target_name`; the report.
 
-    Raises TrainingError for an unknown target, a missing compiler, or a config
+    Raises UserError for an unknown target, a missing compiler, or a config
     that cannot run there (the message says what is valid).
     """
     t0 = time.perf_counter()

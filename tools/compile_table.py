@@ -1,6 +1,6 @@
-"""The README's table of `train.py --compile_for` reports (bench/compile_targets.sh).
+"""The README's table of `train.py --compile_for` reports (tools/compile_targets.sh).
 
-    python bench/compile_table.py docs/aot/compile-20261124-*.jsonl
+    python tools/compile_table.py docs/aot/compile-20261124-*.jsonl
 
 Reads the JSON reports, one a line, and prints one JSON object (a row per config
 and target, and the parameter + optimizer bytes per chip of each FSDP config on

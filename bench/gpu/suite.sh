@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU suite in one command: environment, GPU tests, training and decoding benchmarks.
 #
-#   bench/gpu_suite.sh OUTDIR [--wheels DIR] [--commit SHA] [--tar-logs] [--dry-run]
+#   bench/gpu/suite.sh OUTDIR [--wheels DIR] [--commit SHA] [--tar-logs] [--dry-run]
 #                      [--only STEP,STEP...]
 #   make gpu-suite OUT=OUTDIR
 #
 # Made for a bare GPU machine without network access (one H100/H200, jax 0.11.2 on
 # CUDA 13; see docs/PERFORMANCE.md, "GPU suite"), in under 10 minutes:
-#   1. setup   install, from DIR (default: .whl/, filled by bench/fetch_wheels.sh where
+#   1. setup   install, from DIR (default: .whl/, filled by bench/gpu/fetch_wheels.sh where
 #              PyPI is reachable), the wheels of packages this Python lacks, into a
 #              private folder put on PYTHONPATH; record versions, nvidia-smi and
 #              jax.devices() (env.json)
@@ -55,7 +55,7 @@ for step in ${ONLY//,/ }; do
   [[ "$STEPS" == *",$step,"* ]] || { echo "--only: no step $step (steps: ${STEPS//,/ })" >&2; exit 2; }
 done
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 mkdir -p "$OUT/logs"
 OUT="$(cd "$OUT" && pwd)"

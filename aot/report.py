@@ -1,6 +1,6 @@
 """The ahead-of-time compile report for people: advice when it does not fit, and the table.
 
-report = aot.compile_for(config, "tpu:v5e-8")   # training/aot.py: the JSON report
+report = fit.compile_for(config, "tpu:v5e-8")   # aot/fit.py: the JSON report
 report["advice"] = advice(report)
 print(table(report), file=sys.stderr)
 """

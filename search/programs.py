@@ -48,7 +48,7 @@ from typing import Any
 
 import jax
 
-from inference import timing
+from search import timing
 
 _directory: str | None = None
 # key -> a loaded or compiled executable (jax.stages.Compiled), or the jitted function

@@ -34,11 +34,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from data.plans import MIN_ROWS, plan_translation
-from inference import timing
-from inference.hypothesis import hypotheses
 from model.beam import BeamState
 from model.carry import join_sources, take_sources
 from model.scoring import EXTRA_DECODE_LEN, FILLER, rooms
+from search import timing
+from search.hypothesis import hypotheses
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
@@ -310,7 +310,7 @@ def run_stages(
     carry: bool | None = None,
     skip: Collection[int] = (),
 ) -> list[list[Any]]:
-    """Per source, in input order, its hypotheses (inference.hypothesis.Hypothesis).
+    """Per source, in input order, its hypotheses (search.hypothesis.Hypothesis).
 
     sources: EOS-terminated id lists of at most max_len tokens; an empty one gets
     no hypotheses without running the model. min_rows: the fewest rows of a batch

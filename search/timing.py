@@ -7,7 +7,7 @@
 
 Host phases are timed with the host's clock on the thread that runs them (they
 do not overlap one another). Compiling or loading programs is what JAX reports
-(`/jax/core/compile/...` events) plus inference/programs.py's loading of kept
+(`/jax/core/compile/...` events) plus search/programs.py's loading of kept
 executables. The device is timed without a profiler: a watcher thread waits
 for each dispatched search in turn and notes when it is ready; a search keeps
 the device busy from the later of its dispatch and the previous one's end until

@@ -1,6 +1,6 @@
 """Draw a run's learning curve from its metrics.jsonl: loss and dev BLEU against minutes.
 
-    python bench/learning_curve.py --metrics=workdir/base/metrics.jsonl \
+    python tools/learning_curve.py --metrics=workdir/base/metrics.jsonl \
         --output=docs/images/learning_curve.png --title="base on Ding, one H100"
 
 metrics.jsonl holds no wall-clock times, so the minutes are rebuilt from what

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue 23, point 5: configs/base.py trained on Ding for a fixed time on one GPU,
 # then dev and test BLEU/chrF (beam 4). Run on the device machine with .whl/
-# (bench/fetch_wheels.sh) and .data/de-en (the Ding file) carried along:
-#   [CONFIG=configs/ding.py] bash bench/gpu_ding.sh <seconds of training> <output dir> \
+# (bench/gpu/fetch_wheels.sh) and .data/de-en (the Ding file) carried along:
+#   [CONFIG=configs/ding.py] bash bench/gpu/ding.sh <seconds of training> <output dir> \
 #     [--config.X=Y ...]
 # (CONFIG: the config file, default configs/base.py; the flags after the output dir go
 # to train.py after the ones below, so they win)
-# Here, first: bash bench/fetch_wheels.sh; mkdir -p .data; cp /usr/share/trans/de-en .data/
-# Then run(carry=[".whl", ".data"]) with `bash bench/gpu_ding.sh 390 $OUT` (one H100,
+# Here, first: bash bench/gpu/fetch_wheels.sh; mkdir -p .data; cp /usr/share/trans/de-en .data/
+# Then run(carry=[".whl", ".data"]) with `bash bench/gpu/ding.sh 390 $OUT` (one H100,
 # 2026-11-26: 8.1 min of the call; results in README "Results"). Draw the curve here:
-#   python bench/learning_curve.py --metrics=OUT/metrics.jsonl --output=curve.png
+#   python tools/learning_curve.py --metrics=OUT/metrics.jsonl --output=curve.png
 set -u
 [[ $# -ge 2 ]] || { sed -n 5,7p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 secs=$1; out=$2; shift 2; mkdir -p "$out"

@@ -2,7 +2,7 @@
 # train.py --compile_for over the README's targets, one compile at a time: the JSON
 # reports, one a line, into OUT (default docs/aot/compile-<date>-<commit>.jsonl).
 # Needs the side venv with both compilers: make aot-venv. About an hour on 2 cores.
-#   bench/compile_targets.sh [OUT] [CONFIG...]
+#   tools/compile_targets.sh [OUT] [CONFIG...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv-aot/bin/python}

@@ -1,0 +1,8 @@
+"""What every layer may import: the user-error type, logging, and XLA's set-up.
+
+    errors.py  `UserError`: what a user can fix, printed by the CLIs as one line
+    log.py     the project's one logger (`[train]`, `[data]`, ... lines on stderr)
+    xla.py     XLA flags for the platform and the persistent compilation cache
+
+Imports nothing of the project.
+"""
