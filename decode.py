@@ -148,27 +148,34 @@ flags.DEFINE_string(
     "into this file as JSON, and a table to stderr.",
 )  # fmt: skip
 
+# The flags of the process; every other flag is the DecodeOptions field of its name, with
+# the field's default (tests/test_stream_parts.py checks names, defaults and choices).
+_PROCESS = (
+    "compilation_cache",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "distributed",
+)
 # Settings an exported translator fixes (a CTranslate2 model has defaults for them):
 # None in the options when not given here.
 _SEARCH = ("beam_size", "alpha", "n_best", "length_penalty", "stop")
-_OPTIONS = (
-    "workdir", "exported", "input", "output", "reference", "split", "checkpoint_step",
-    "average_last", "batch_tokens", "max_length", "long_lines", "output_format", "alignment",
-    "plot_attention", "num_plots", "export", "read_lines", "restart", "dry_run", "export_ct2",
-    "quantization", "ct2", "device", "threads", "steps_per_check", "carry_over", "stats",
-)  # fmt: skip
+
+
+def job_flags() -> list[str]:
+    """The names of the flags that make DecodeOptions (all but the process's)."""
+    mine = FLAGS.get_flags_for_module(sys.modules[__name__])
+    return [flag.name for flag in mine if flag.name not in _PROCESS]
 
 
 def options_from_flags():
     """The parsed flags as one `DecodeOptions`."""
     from inference.options import DecodeOptions
 
-    given = {name: FLAGS[name].value if FLAGS[name].present else None for name in _SEARCH}
-    return DecodeOptions(
-        **{name: FLAGS[name].value for name in _OPTIONS},
-        **given,
-        export_platforms=tuple(FLAGS.export_platforms),
-    )
+    values = {name: FLAGS[name].value for name in job_flags()}
+    values.update({name: values[name] if FLAGS[name].present else None for name in _SEARCH})
+    values["export_platforms"] = tuple(values["export_platforms"])
+    return DecodeOptions(**values)
 
 
 def start_processes() -> None:
