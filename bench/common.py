@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECODE_PY = os.path.join(ROOT, "decode.py")
+# decode.py's summary line on stderr.
+DECODE_SUMMARY = re.compile(
+    r"decode\.py: (\d+) lines .*?: ([\d.]+) s, ([\d.]+) sentences/s, ([\d.]+) tokens/s"
+)
 
 
 def set_gpu_flags() -> None:
@@ -204,3 +214,39 @@ def run_sampled(
         "peak_tree_anon_gb": peak["tree_anon"],
         "stdout": stdout,
     }
+
+
+def run_decode(args: Sequence[str], *, decode_py: str = DECODE_PY) -> dict[str, Any]:
+    """One decode.py process (this checkout's, or `decode_py` of another), run to its end.
+
+    Returns wall_s, cpu_s (user + system of all its threads: the work done, much less
+    sensitive than wall time to other processes on the cores), peak_rss_mb, stdout,
+    stderr, and from its summary line lines, translate_s, sentences_per_s and
+    tokens_per_s. Exits the benchmark with decode.py's error if it fails.
+    """
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(decode_py))}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, decode_py, *args], stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        out.seek(0), err.seek(0)
+        stdout, stderr = (f.read().decode("utf-8", "replace") for f in (out, err))
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"decode.py {' '.join(args)} failed ({code}): {stderr[-2000:]}")
+    row: dict[str, Any] = {
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mb": usage.ru_maxrss / 1024,  # Linux: KiB
+        "stdout": stdout,
+        "stderr": stderr,
+    }
+    if m := DECODE_SUMMARY.search(stderr):
+        row.update(
+            lines=int(m.group(1)),
+            translate_s=float(m.group(2)),
+            sentences_per_s=float(m.group(3)),
+            tokens_per_s=float(m.group(4)),
+        )
+    return row

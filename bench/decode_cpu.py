@@ -33,12 +33,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common
-from bench.decode_stream import SUMMARY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE_PY = os.path.join(ROOT, "decode.py")
@@ -51,31 +49,12 @@ def load() -> float:
 
 
 def decode(args: list[str]) -> dict:
-    """One decode.py process: its rates, wall and CPU seconds, scores."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    """One decode.py process: its rates, wall seconds, scores."""
     load_before = load()
-    t0 = time.perf_counter()
-    p = subprocess.Popen(
-        [sys.executable, DECODE_PY, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=ROOT,
-    )
-    out, err = p.communicate()
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"decode.py {' '.join(args)} failed: {err.decode()[-2000:]}")
-    m = SUMMARY.search(err.decode())
-    scores = {k.lower(): float(v) for k, v in SCORE.findall(out.decode())}
-    return {
-        "wall_s": wall,
-        "translate_s": float(m.group(2)),
-        "sentences_per_s": float(m.group(3)),
-        "tokens_per_s": float(m.group(4)),
-        "load": (load_before + load()) / 2,
-        **scores,
-    }
+    row = common.run_decode(args)
+    scores = {k.lower(): float(v) for k, v in SCORE.findall(row["stdout"])}
+    keys = ("wall_s", "translate_s", "sentences_per_s", "tokens_per_s")
+    return {**{k: row[k] for k in keys}, "load": (load_before + load()) / 2, **scores}
 
 
 def cpu_seconds_of(fn) -> tuple[dict, float]:

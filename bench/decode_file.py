@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench import common  # noqa: E402
 
 
 def split_sources(workdir: str, split: str) -> list[str]:
@@ -48,14 +48,9 @@ def run_decode(args, input_path: str, cache: str, scratch: str, name: str, extra
     """One decode.py process; its --stats breakdown with the run's facts."""
     stats = os.path.join(scratch, f"{name}.stats.json")
     output = os.path.join(scratch, f"{name}.out")
-    cmd = [sys.executable, os.path.join(ROOT, "decode.py"), f"--workdir={args.workdir}"]
-    cmd += [f"--input={input_path}", f"--output={output}", f"--stats={stats}"]
-    cmd += [f"--compilation_cache={cache}", "--restart", *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    process_s = time.perf_counter() - t0
-    if proc.returncode:
-        sys.exit(f"decode.py failed ({name}):\n{proc.stderr[-3000:]}")
+    flags = [f"--workdir={args.workdir}", f"--input={input_path}", f"--output={output}"]
+    flags += [f"--stats={stats}", f"--compilation_cache={cache}", "--restart", *extra]
+    process_s = common.run_decode(flags)["wall_s"]
     with open(stats) as f:
         row = json.load(f)
     with open(output, "rb") as f:

@@ -27,22 +27,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-SUMMARY = re.compile(
-    r"decode\.py: (\d+) lines .*?: ([\d.]+) s, ([\d.]+) sentences/s, ([\d.]+) tokens/s"
-)
 
 
 def ding_sources(split: str) -> list[str]:
@@ -63,32 +56,9 @@ def write_input(path: str, sources: list[str], lines: int) -> None:
 
 
 def run_decode(decode_py: str, args: list[str]) -> dict:
-    """One decode.py process: wall seconds, peak RSS (MB), and its summary's rates."""
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(decode_py))}
-    with tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        p = subprocess.Popen(
-            [sys.executable, decode_py, *args], stdout=subprocess.DEVNULL, stderr=err, env=env
-        )
-        _, status, usage = os.wait4(p.pid, 0)
-        wall = time.perf_counter() - t0
-        p.returncode = os.waitstatus_to_exitcode(status)
-        err.seek(0)
-        stderr = err.read().decode("utf-8", "replace")
-    if p.returncode != 0:
-        raise SystemExit(f"decode.py failed ({p.returncode}): {stderr[-2000:]}")
-    m = SUMMARY.search(stderr)
-    return {
-        "wall_s": wall,
-        "peak_rss_mb": usage.ru_maxrss / 1024,  # Linux: KiB
-        # CPU seconds of all its threads: the work done, much less sensitive than wall time
-        # to other processes sharing the cores.
-        "cpu_s": usage.ru_utime + usage.ru_stime,
-        "lines": int(m.group(1)),
-        "translate_s": float(m.group(2)),
-        "sentences_per_s": float(m.group(3)),
-        "tokens_per_s": float(m.group(4)),
-    }
+    """One decode.py process: wall and CPU seconds, peak RSS (MB), its summary's rates."""
+    row = common.run_decode(args, decode_py=decode_py)
+    return {k: v for k, v in row.items() if k not in ("stdout", "stderr")}
 
 
 def measure(decode_py: str, args: list[str], repeats: int) -> dict:
