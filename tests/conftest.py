@@ -12,16 +12,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests compile hundreds of small programs and run most of them a few times, so
 # LLVM's optimization passes cost more than they save: without them test_model.py and
 # test_decoding.py take 57 s instead of 73 with nothing cached. Set in the environment,
-# so the train.py / decode.py subprocesses compile the same way (and share the cache);
-# a level already in $XLA_FLAGS wins.
-# Parity tests against another implementation run as users do (users_env): a model
-# compiled at another level rounds differently, and ties among its beams may fall
-# the other way.
-# The xdist workers and children inherit the flags of the process that set them first.
+# so that the xdist workers and the train.py / decode.py children compile the same way
+# (and share the cache); a level already in $XLA_FLAGS wins, and a child keeps the
+# flags its test gave it (a device count). Parity tests against another implementation
+# run as users compile (users_env): at another level a model rounds differently, and
+# ties among its beams may fall the other way.
 USERS_XLA_FLAGS = os.environ.setdefault("ATTENTION_JAX_USERS_XLA_FLAGS", os.getenv("XLA_FLAGS", ""))
 _AS_USERS = os.environ.get("ATTENTION_JAX_TEST_XLA_LEVEL") == "users"
-if not _AS_USERS and "xla_backend_optimization_level" not in USERS_XLA_FLAGS:
-    os.environ["XLA_FLAGS"] = f"{USERS_XLA_FLAGS} --xla_backend_optimization_level=0".strip()
+_FLAGS = os.environ.get("XLA_FLAGS", "")  # a child's: its parent's, and e.g. a device count
+if not _AS_USERS and "xla_backend_optimization_level" not in _FLAGS:
+    os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
 
 
 def users_env() -> dict[str, str]:
