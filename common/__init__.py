@@ -3,6 +3,7 @@
     errors.py  `UserError`: what a user can fix, printed by the CLIs as one line
     log.py     the project's one logger (`[train]`, `[data]`, ... lines on stderr)
     xla.py     XLA flags for the platform and the persistent compilation cache
+    cpus.py    the CPU cores this process may use
 
 Imports nothing of the project.
 """

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from common.cpus import usable_cpus
 from data import files
 from data.corpora import read_pairs
 from data.tokenized import (
@@ -118,12 +119,7 @@ def _work(lo: int, hi: int) -> dict:
 
 def resolve_workers(workers: int) -> int:
     """config.data_workers: 0 = one per CPU core this process may use."""
-    if workers > 0:
-        return workers
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return workers if workers > 0 else usable_cpus()
 
 
 class _Progress:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from data.cache import resolve_workers
+from common.cpus import usable_cpus
 from inference.ct2_export import (
     DECODING_JSON,
     DEVICES,
@@ -125,7 +125,7 @@ class CT2Translator:
         if device == "cuda" and ct2.get_cuda_device_count() == 0:
             raise ValueError("--device=cuda: CTranslate2 sees no CUDA device here")
         if device == "cpu":  # batches side by side, one thread each
-            workers, threads_each = resolve_workers(threads), 1
+            workers, threads_each = threads if threads > 0 else usable_cpus(), 1
         else:  # one batch at a time over the GPU
             workers, threads_each = 1, threads
         try:
