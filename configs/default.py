@@ -70,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.d_ff = 2048
     c.model.dropout_rate = 0.1  # P_drop: sub-layer outputs and embeddings + PE
     c.model.attention_dropout_rate = 0.0  # the paper uses none
-    c.model.activation = "relu"  # 'relu' (paper) or 'gelu'
+    c.model.activation = "relu"  # 'relu' (paper), 'gelu' or 'swish'
     c.model.norm = "post"  # 'post' (paper: LayerNorm(x + Sublayer(x))) or 'pre'
     c.model.share_embeddings = True  # one table for source and target tokens
     c.model.tie_output = True  # output projection = embedding^T (paper 3.4)
@@ -79,6 +79,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.attention_impl = "auto"  # cuDNN flash attention on GPU (bf16), else einsum
     c.model.remat = False  # rematerialize layers in the backward pass
+    # Marian / OPUS-MT's variations (model/config.py); the paper's model has none of them.
+    c.model.attention_bias = False  # biases on W^Q, W^K, W^V, W^O
+    c.model.logits_bias = False  # a bias on the output logits
+    c.model.positions = "sinusoid"  # 'sinusoid_halves' (Marian's layout), 'table' (trained)
+    c.model.zero_start = False  # the decoder starts from a zero vector, not BOS's embedding
 
     # --- Optimization (paper section 5.3) --------------------------------
     c.optimizer = "adam"  # 'adam' or 'adamw' (decoupled weight decay)

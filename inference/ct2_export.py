@@ -38,7 +38,6 @@ import numpy as np
 
 from model import Transformer, TransformerConfig
 from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, EXTRA_DECODE_LEN
-from model.positional import sinusoidal_positions
 from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FORMAT_VERSION = 1
@@ -63,13 +62,13 @@ INSTALL_HINT = "CTranslate2 is not installed: pip install '.[serve]' (or pip ins
 _CONVERTED_FIELDS = {
     "vocab_size", "d_model", "num_heads", "num_encoder_layers", "num_decoder_layers",
     "d_ff", "activation", "norm", "layer_norm_epsilon", "share_embeddings", "tie_output",
-    "max_len",
+    "max_len", "attention_bias", "logits_bias", "positions", "zero_start",
 }  # fmt: skip
 # Training-only or how-to-compute fields: no effect on the function the model computes.
 _IGNORED_FIELDS = {
     "dropout_rate", "attention_dropout_rate", "dtype", "param_dtype", "attention_impl", "remat",
 }  # fmt: skip
-_ACTIVATIONS = ("relu", "gelu")
+_ACTIVATIONS = ("relu", "gelu", "swish")
 _NORMS = ("post", "pre")
 
 
@@ -181,6 +180,13 @@ def _attention(spec: Any, mha: Any, norm: Any, *, self_attention: bool) -> None:
         spec.linear[0].weight = q
         spec.linear[1].weight = np.concatenate([k, v])  # [2*N*H, D]
     spec.linear[-1].weight = _out_in(mha.out)  # [D, N*H]
+    if mha.query_bias is not None:  # [N, H] each -> [N*H], fused as the weights
+        qb, kb, vb = (_f32(b).reshape(-1) for b in (mha.query_bias, mha.key_bias, mha.value_bias))
+        if self_attention:
+            spec.linear[0].bias = np.concatenate([qb, kb, vb])
+        else:
+            spec.linear[0].bias, spec.linear[1].bias = qb, np.concatenate([kb, vb])
+        spec.linear[-1].bias = _f32(mha.out_bias)
     _norm(spec.layer_norm, norm)
 
 
@@ -205,22 +211,26 @@ def transformer_spec(model: Transformer, vocab: list[str]) -> Any:
     problems = unsupported(cfg)
     if problems:
         raise ValueError(f"CTranslate2 cannot express this model: {'; '.join(problems)}")
-    # jax.nn.gelu is the tanh approximation by default.
-    act = (
-        common_spec.Activation.RELU if cfg.activation == "relu" else common_spec.Activation.GELUTanh
-    )
+    act = {  # jax.nn.gelu is the tanh approximation by default
+        "relu": common_spec.Activation.RELU,
+        "gelu": common_spec.Activation.GELUTanh,
+        "swish": common_spec.Activation.SWISH,
+    }[cfg.activation]
     pre = cfg.norm == "pre"
     layers = (cfg.num_encoder_layers, cfg.num_decoder_layers)
     encoder = ts.TransformerEncoderSpec(layers[0], cfg.num_heads, pre_norm=pre, activation=act)
     decoder = ts.TransformerDecoderSpec(layers[1], cfg.num_heads, pre_norm=pre, activation=act)
     spec = ts.TransformerSpec(encoder, decoder)
 
-    table = sinusoidal_positions(cfg.max_len, cfg.d_model)  # [max_len, D], sin/cos interleaved
+    table = np.asarray(model.position_table_values(), np.float32)  # [max_len, D]
     encoder.embeddings[0].weight = _f32(model.src_embed.embedding)  # [V, D]
     decoder.embeddings.weight = _f32(model.tgt_embed.embedding)
     encoder.position_encodings.encodings = table
     decoder.position_encodings.encodings = table
+    decoder.start_from_zero_embedding = cfg.zero_start
     decoder.projection.weight = np.array(model.output_matrix(), np.float32)  # [V, D]
+    if model.output_bias() is not None:
+        decoder.projection.bias = np.array(model.output_bias(), np.float32)  # [V]
     for layer, ours in zip(encoder.layer, model.encoder_layers, strict=True):
         _attention(layer.self_attention, ours.self_attn, ours.attn_res.norm, self_attention=True)
         _ffn(layer.ffn, ours.ffn, ours.ffn_res.norm)

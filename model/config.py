@@ -9,10 +9,11 @@ import jax.numpy as jnp
 
 from model.tokens import UNK_ID
 
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "swish")
 NORMS = ("post", "pre")
 ATTENTION_IMPLS = ("auto", "xla", "jax", "cudnn")
 DTYPES = ("float32", "bfloat16", "float16")
+POSITIONS = ("sinusoid", "sinusoid_halves", "table")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +31,7 @@ class TransformerConfig:
     d_ff: int = 2048  # F: inner width of the position-wise feed-forward
     dropout_rate: float = 0.1  # P_drop on sub-layer outputs and embeddings + PE
     attention_dropout_rate: float = 0.0  # on attention weights; the paper uses none
-    activation: str = "relu"  # feed-forward nonlinearity: 'relu' (paper) or 'gelu'
+    activation: str = "relu"  # feed-forward nonlinearity: 'relu' (paper), 'gelu' or 'swish'
     norm: str = "post"  # 'post': LayerNorm(x + Sublayer(x)) (paper); 'pre': x + Sublayer(LN(x))
     layer_norm_epsilon: float = 1e-6
     share_embeddings: bool = True  # one embedding table for source and target
@@ -42,6 +43,14 @@ class TransformerConfig:
     # 'jax' (jax.nn.dot_product_attention) or 'cudnn' (force cuDNN; GPU only).
     attention_impl: str = "auto"
     remat: bool = False  # recompute each layer's activations in the backward pass
+    # What Marian / OPUS-MT models need (inference/marian.py); off, the paper's model.
+    attention_bias: bool = False  # biases on W^Q, W^K, W^V and W^O
+    logits_bias: bool = False  # a bias [V] added to the output logits
+    # 'sinusoid' (paper 3.5: sines and cosines interleaved), 'sinusoid_halves' (Marian's:
+    # the sines in the first half of the dimensions, the cosines in the second), or
+    # 'table': a stored [max_len, D] parameter, initialized as 'sinusoid' (Marian's Wpos).
+    positions: str = "sinusoid"
+    zero_start: bool = False  # the decoder's first input is a zero vector, not BOS's embedding
 
     def __post_init__(self) -> None:
         positive = (
@@ -81,6 +90,7 @@ class TransformerConfig:
             "attention_impl": ATTENTION_IMPLS,
             "dtype": DTYPES,
             "param_dtype": DTYPES,
+            "positions": POSITIONS,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)

@@ -145,13 +145,30 @@ class MultiHeadAttention(nnx.Module):
         self.key = _param(rngs, in_init, (d, n, h), pd, (EMBED, HEADS, KV))
         self.value = _param(rngs, in_init, (d, n, h), pd, (EMBED, HEADS, KV))
         self.out = _param(rngs, out_init, (n, h, d), pd, (HEADS, KV, EMBED))
+        # b^Q, b^K, b^V [N, H] and b^O [D] with `attention_bias` (Marian's), else None.
+        zeros = nnx.initializers.zeros
+        bias = lambda shape, axes: (
+            _param(rngs, zeros, shape, pd, axes) if cfg.attention_bias else None
+        )
+        self.query_bias = bias((n, h), (HEADS, KV))
+        self.key_bias = bias((n, h), (HEADS, KV))
+        self.value_bias = bias((n, h), (HEADS, KV))
+        self.out_bias = bias((d,), (EMBED,))
 
-    def _proj(self, w: nnx.Param, x: jax.Array) -> jax.Array:
-        return jnp.einsum("BTD,DNH->BTNH", x, w[...].astype(self.dtype))
+    def _proj(self, w: nnx.Param, b: nnx.Param | None, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("BTD,DNH->BTNH", x, w[...].astype(self.dtype))
+        return y if b is None else y + b[...].astype(self.dtype)
+
+    def _out(self, o: jax.Array) -> jax.Array:
+        """Heads [B, T, N, H] -> [B, T, D] through W^O (and b^O)."""
+        y = jnp.einsum("BTNH,NHD->BTD", o, self.out[...].astype(self.dtype))
+        return y if self.out_bias is None else y + self.out_bias[...].astype(self.dtype)
 
     def project_kv(self, x: jax.Array) -> KVCache:
         """[B, S, D] -> keys, values [B, S, N, H] (what a cache stores)."""
-        return KVCache(self._proj(self.key, x), self._proj(self.value, x))
+        return KVCache(
+            self._proj(self.key, self.key_bias, x), self._proj(self.value, self.value_bias, x)
+        )
 
     def attend(
         self,
@@ -167,7 +184,7 @@ class MultiHeadAttention(nnx.Module):
         Returns the output [B, T, D] and, if `return_weights`, the attention
         weights softmax(q k^T / sqrt(H)) [B, N, T, S] float32 (else None).
         """
-        q = self._proj(self.query, x)  # [B, T, N, H]
+        q = self._proj(self.query, self.query_bias, x)  # [B, T, N, H]
         weights = attention_weights(q, kv.k, mask) if return_weights else None
         rng = None
         if self.rngs is not None and not deterministic:
@@ -176,7 +193,7 @@ class MultiHeadAttention(nnx.Module):
         o = dot_product_attention(
             q, kv.k, kv.v, mask, impl=self.impl, dropout_rate=rate, dropout_rng=rng
         )  # [B, T, N, H]
-        return jnp.einsum("BTNH,NHD->BTD", o, self.out[...].astype(self.dtype)), weights
+        return self._out(o), weights
 
     def attend_cached(self, x: jax.Array, kv: KVCache, mask: jax.Array) -> jax.Array:
         """Queries from x [R, T, D] over a decoding cache kv [B, N, L, H] -> [R, T, D].
@@ -187,11 +204,11 @@ class MultiHeadAttention(nnx.Module):
         """
         r, t, _ = x.shape
         b = kv.k.shape[0]
-        q = self._proj(self.query, x)  # [R, T, N, H]
+        q = self._proj(self.query, self.query_bias, x)  # [R, T, N, H]
         q = q.reshape(b, (r // b) * t, *q.shape[2:])  # [R, T, N, H] -> [B, K*T, N, H]
         o = cached_attention(q, kv.k, kv.v, mask)  # [B, K*T, N, H]
         o = o.reshape(r, t, *o.shape[2:])  # [B, K*T, N, H] -> [R, T, N, H]
-        return jnp.einsum("BTNH,NHD->BTD", o, self.out[...].astype(self.dtype))
+        return self._out(o)
 
     def __call__(
         self,
@@ -223,7 +240,7 @@ class FeedForward(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         d, f, pd = cfg.d_model, cfg.d_ff, cfg.params_dtype
         self.dtype = cfg.compute_dtype
-        self.act = jax.nn.relu if cfg.activation == "relu" else jax.nn.gelu
+        self.act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "swish": jax.nn.swish}[cfg.activation]
         init = _xavier(1.0, "fan_avg", "uniform")
         zeros = nnx.initializers.zeros
         self.wi = _param(rngs, init, (d, f), pd, (EMBED, MLP))

@@ -29,16 +29,17 @@ from flax import nnx, struct
 from model.attention import Mask, causal_mask, padding_mask, resolve_config, segment_mask
 from model.config import TransformerConfig
 from model.layers import DecoderLayer, Embed, EncoderLayer, KVCache, LayerNorm, Unembed
+from model.sharding import EMBED, VOCAB
 from model.tokens import BOS_ID, PAD_ID
 
 
 @functools.lru_cache(maxsize=8)
-def _position_table(length: int, d_model: int) -> np.ndarray:
+def _position_table(length: int, d_model: int, halves: bool = False) -> np.ndarray:
     # Imported here, not at the top: `python -m model.positional` (the picture of
     # the table) then runs a module that `import model` has not loaded already.
     from model.positional import sinusoidal_positions
 
-    return sinusoidal_positions(length, d_model)
+    return sinusoidal_positions(length, d_model, halves)
 
 
 @struct.dataclass
@@ -143,13 +144,39 @@ class Transformer(nnx.Module):
         pre = cfg.norm == "pre"
         self.encoder_norm = LayerNorm(cfg, rngs=rngs) if pre else None
         self.decoder_norm = LayerNorm(cfg, rngs=rngs) if pre else None
+        # Marian's options (model/config.py): a trained position table [max_len, D], a
+        # bias on the logits [V]; None without them.
+        table = _position_table(cfg.max_len, cfg.d_model)
+        self.position_table = (
+            nnx.Param(jnp.asarray(table, cfg.params_dtype), logical_axes=(None, EMBED))
+            if cfg.positions == "table"
+            else None
+        )
+        self.logits_bias = (
+            nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.params_dtype), logical_axes=(VOCAB,))
+            if cfg.logits_bias
+            else None
+        )
 
     # --- pieces -----------------------------------------------------------
 
+    def position_table_values(self) -> jax.Array:
+        """What each position adds to its embedding: [max_len, D] in the compute dtype."""
+        cfg = self.config
+        if self.position_table is not None:
+            return self.position_table[...].astype(cfg.compute_dtype)
+        halves = cfg.positions == "sinusoid_halves"
+        return jnp.asarray(_position_table(cfg.max_len, cfg.d_model, halves), cfg.compute_dtype)
+
+    def _start(self, tgt_in: jax.Array, rows: jax.Array) -> jax.Array:
+        """The target's embedding rows [B, T, D]; with `zero_start`, BOS's are zeros."""
+        if not self.config.zero_start:
+            return rows
+        return jnp.where((tgt_in == BOS_ID)[..., None], jnp.zeros((), rows.dtype), rows)
+
     def _embed(self, rows: jax.Array, positions, deterministic: bool) -> jax.Array:
         """Looked-up rows embedding * sqrt(D) [B, T, D] -> dropout(rows + PE) [B, T, D]."""
-        cfg = self.config
-        table = jnp.asarray(_position_table(cfg.max_len, cfg.d_model), cfg.compute_dtype)
+        table = self.position_table_values()  # [max_len, D]
         if positions is None:
             pe = table[None, : rows.shape[1]]  # [1, T, D]
         else:
@@ -176,9 +203,13 @@ class Transformer(nnx.Module):
 
     def project(self, y: jax.Array) -> jax.Array:
         """Final decoder states [B, T, D] (from `hidden`) -> logits [B, T, V] float32."""
-        if self.unembed is not None:
-            return self.unembed(y)
-        return self.tgt_embed.attend(y)
+        logits = self.unembed(y) if self.unembed is not None else self.tgt_embed.attend(y)
+        bias = self.output_bias()
+        return logits if bias is None else logits + bias.astype(jnp.float32)
+
+    def output_bias(self) -> jax.Array | None:
+        """The logits' bias [V] in param dtype (`logits_bias`), else None."""
+        return None if self.logits_bias is None else self.logits_bias[...]
 
     def output_matrix(self) -> jax.Array:
         """The output projection's weights as [V, D] (the tied embedding, or Unembed^T), in
@@ -303,7 +334,7 @@ class Transformer(nnx.Module):
         src_segments, tgt_segments = segments
         self_mask = _target_mask(tgt_in, tgt_segments)  # [B, 1, T, T]
         cross_mask = _cross_mask(tgt_in, src, tgt_segments, src_segments)  # [B, 1, T, S]
-        y = self._embed(rows, tgt_positions, deterministic)
+        y = self._embed(self._start(tgt_in, rows), tgt_positions, deterministic)
         cross_kv = self._cross_kv(encoded)
         y, _, _ = self._decoder_stack(
             y, cross_kv, self_mask, cross_mask, deterministic=deterministic
@@ -388,11 +419,9 @@ class Transformer(nnx.Module):
         Returns:
           logits [R, V] float32 for the next token, and the updated cache.
         """
-        cfg = self.config
         i = cache.index
-        table = jnp.asarray(_position_table(cfg.max_len, cfg.d_model), cfg.compute_dtype)
-        pe = jax.lax.dynamic_slice_in_dim(table, i, 1)[None]  # [1, 1, D]
-        y = self.tgt_embed(tokens[:, None]) + pe  # [R, 1, D]
+        pe = jax.lax.dynamic_slice_in_dim(self.position_table_values(), i, 1)[None]  # [1, 1, D]
+        y = self._start(tokens[:, None], self.tgt_embed(tokens[:, None])) + pe  # [R, 1, D]
         # Keys at positions <= i are filled; later slots are still zeros.
         self_mask = (jnp.arange(cache.max_length) <= i)[None, None, None, :]  # [1, 1, 1, L]
         cross_mask = cache.src_valid[:, None, None, :]  # [B, 1, 1, S]
@@ -412,7 +441,7 @@ class Transformer(nnx.Module):
         encoded = self.encode(src)
         self_mask = _target_mask(tgt_in, None)  # [B, 1, T, T]
         cross_mask = _cross_mask(tgt_in, src, None, None)  # [B, 1, T, S]
-        y = self._embed(self.tgt_embed(tgt_in), None, True)
+        y = self._embed(self._start(tgt_in, self.tgt_embed(tgt_in)), None, True)
         _, _, weights = self._decoder_stack(
             y, self._cross_kv(encoded), self_mask, cross_mask, return_cross_weights=True
         )

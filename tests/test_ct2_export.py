@@ -69,8 +69,15 @@ def our_log_probs(model, data):
         dict(norm="pre", activation="gelu", tie_output=False, share_embeddings=False),
         dict(norm="post", activation="gelu", tie_output=False),
         dict(norm="pre", activation="relu", layer_norm_epsilon=1e-2),
+        # Marian's (OPUS-MT): biases everywhere, swish, its sinusoid layout, a zero start
+        dict(
+            activation="swish", attention_bias=True, logits_bias=True,
+            positions="sinusoid_halves", zero_start=True,
+        ),
+        dict(norm="pre", positions="table", attention_bias=True, logits_bias=True,
+             tie_output=False),
     ],
-)
+)  # fmt: skip
 def test_converted_model_scores_as_ours(tmp_path, options):
     model = perturbed_model(3, **options)
     out = tmp_path / "ct2"
@@ -172,8 +179,8 @@ def test_unsupported_configs_are_refused_by_name():
         "rotary=True (unknown to the converter)"
     ]
     odd = TransformerConfig(vocab_size=40)
-    object.__setattr__(odd, "activation", "swish")  # as a later version might allow
-    assert ct2_export.unsupported(odd) == ["activation='swish' (supported: relu, gelu)"]
+    object.__setattr__(odd, "activation", "mish")  # as a later version might allow
+    assert ct2_export.unsupported(odd) == ["activation='mish' (supported: relu, gelu, swish)"]
     model = perturbed_model(6)
     object.__setattr__(model.config, "norm", "sandwich")
     with pytest.raises(ValueError, match="cannot express this model: norm='sandwich'"):

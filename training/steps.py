@@ -178,9 +178,11 @@ def _forward_sums(
     args = (batch["src"], batch["tgt_in"])
     if chunk_tokens:
         y = model.hidden(*args, deterministic=deterministic, **packing)  # [B, T, D]
-        sums = chunked_loss_sums(
-            y, model.output_matrix(), batch["tgt_out"], label_smoothing, chunk_tokens=chunk_tokens
-        )
+        w, b = model.output_matrix(), model.output_bias()  # [V, D], [V] or None
+        if b is not None:  # logits = [y, 1] [w, b]^T: b's gradient comes with w's
+            y = jnp.concatenate([y, jnp.ones_like(y[..., :1])], axis=-1)
+            w = jnp.concatenate([w, b[:, None].astype(w.dtype)], axis=-1)
+        sums = chunked_loss_sums(y, w, batch["tgt_out"], label_smoothing, chunk_tokens=chunk_tokens)
     else:
         logits = model(*args, deterministic=deterministic, **packing)  # [B, T, V]
         sums = loss_sums(logits, batch["tgt_out"], label_smoothing)
