@@ -1,0 +1,212 @@
+"""OPUS-MT / Marian models imported into our model (inference/marian.py), against an
+implementation we did not write: CTranslate2's own OPUS-MT converter and translator.
+
+The tests write small Marian models themselves, with Marian's parameter names,
+`special:model.yml`, a joint vocabulary and decoder.yml, as an OPUS-MT release
+lays them out.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from common.errors import UserError
+from inference import marian
+from model import EOS_ID, shift_right
+from model.decoding import translate
+from model.scoring import EXTRA_DECODE_LEN
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+# Pieces that YAML would read as something else when unquoted, and a few that need quotes.
+PIECES = ["</s>", "<unk>", "yes", "null", "123", "~", 'say "hi"', "a: b", "é"]
+PIECES += [f"▁w{i}" for i in range(40 - len(PIECES))]
+
+
+def _vocab_yml(pieces) -> str:
+    plain = {"yes", "null", "123", "~"}  # as Marian may write them: unquoted
+    return "".join(
+        f"{p if p in plain else json.dumps(p, ensure_ascii=False)}: {i}\n"
+        for i, p in enumerate(pieces)
+    )
+
+
+def write_marian(
+    directory, seed=0, *, d=16, heads=2, ff=32, layers=(2, 2), activation="swish",
+    pre_norm=False, tied=True, wpos=False, logit_bias=True, max_len=64, eos=0.0,
+) -> str:  # fmt: skip
+    """A random Marian model in `directory` (an OPUS-MT release's layout); returns it."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: rng.normal(0, 0.3, shape).astype(np.float32)
+    v = len(PIECES)
+    arrays = {"Wemb": w(v, d)} if tied else {"encoder_Wemb": w(v, d), "decoder_Wemb": w(v, d)}
+    if wpos:
+        arrays["Wpos"] = w(max_len, d)
+    suffix = "_pre" if pre_norm else ""
+
+    def attention(name):
+        for p in "qkvo":
+            arrays[f"{name}_W{p}"], arrays[f"{name}_b{p}"] = w(d, d), w(1, d)
+        arrays[f"{name}_Wo_ln_scale{suffix}"] = 1 + w(1, d)
+        arrays[f"{name}_Wo_ln_bias{suffix}"] = w(1, d)
+
+    def ffn(name):
+        arrays[f"{name}_W1"], arrays[f"{name}_b1"] = w(d, ff), w(1, ff)
+        arrays[f"{name}_W2"], arrays[f"{name}_b2"] = w(ff, d), w(1, d)
+        arrays[f"{name}_ffn_ln_scale{suffix}"] = 1 + w(1, d)
+        arrays[f"{name}_ffn_ln_bias{suffix}"] = w(1, d)
+
+    for i in range(1, layers[0] + 1):
+        attention(f"encoder_l{i}_self")
+        ffn(f"encoder_l{i}_ffn")
+    for i in range(1, layers[1] + 1):
+        attention(f"decoder_l{i}_self")
+        attention(f"decoder_l{i}_context")
+        ffn(f"decoder_l{i}_ffn")
+    if pre_norm:
+        for side in ("encoder", "decoder"):
+            arrays[f"{side}_top_ln_scale"], arrays[f"{side}_top_ln_bias"] = 1 + w(1, d), w(1, d)
+    if not tied:
+        arrays["decoder_ff_logit_out_W"] = w(d, v)
+    if logit_bias:
+        arrays["decoder_ff_logit_out_b"] = w(1, v)
+        arrays["decoder_ff_logit_out_b"][0, 0] += eos  # </s>: some translations end early
+    options = {
+        "type": "transformer", "enc-depth": layers[0], "dec-depth": layers[1],
+        "transformer-heads": heads, "dim-emb": d, "transformer-dim-ffn": ff,
+        "transformer-ffn-activation": activation, "transformer-decoder-autoreg": "self-attention",
+        "transformer-no-projection": False, "transformer-postprocess-emb": "d",
+        "transformer-preprocess": "n" if pre_norm else "",
+        "transformer-postprocess": "da" if pre_norm else "dan",
+        "transformer-postprocess-top": "n" if pre_norm else "",
+        "transformer-guided-alignment-layer": "last", "tied-embeddings-all": tied,
+    }  # fmt: skip
+    text = yaml.safe_dump(options).encode() + b"\0"
+    arrays["special:model.yml"] = np.frombuffer(text, np.int8)
+    os.makedirs(directory, exist_ok=True)
+    np.savez(os.path.join(directory, "opus.npz"), **arrays)
+    with open(os.path.join(directory, "opus.vocab.yml"), "w", encoding="utf-8") as f:
+        f.write(_vocab_yml(PIECES))
+    with open(os.path.join(directory, "decoder.yml"), "w") as f:
+        yaml.safe_dump({"models": ["opus.npz"], "vocabs": ["opus.vocab.yml"] * 2}, f)
+    return str(directory)
+
+
+def sentences(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    make = lambda: rng.integers(2, len(PIECES), size=rng.integers(1, 9)).tolist()
+    return [(make(), make()) for _ in range(n)]
+
+
+def our_log_probs(model, data):
+    """Per pair, log P(token | source, prefix) of each target token and EOS (Marian ids)."""
+    ids = marian.our_ids(len(PIECES))
+    width = 12
+    src = np.zeros((len(data), width), np.int32)
+    tgt = np.zeros((len(data), width), np.int32)
+    for i, (s, t) in enumerate(data):
+        src[i, : len(s) + 1] = [*ids[s], EOS_ID]
+        tgt[i, : len(t) + 1] = [*ids[t], EOS_ID]
+    logp = np.asarray(jax.nn.log_softmax(model(src, shift_right(tgt))))
+    picked = np.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+    return [picked[i, : len(t) + 1] for i, (_, t) in enumerate(data)]
+
+
+def ct2_model(directory, out) -> "ctranslate2.Translator":
+    ctranslate2.converters.OpusMTConverter(directory).convert(str(out))
+    return ctranslate2.Translator(str(out), device="cpu")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(eos=1.0),  # OPUS-MT's usual: post-norm, swish, tied, sinusoids
+        dict(activation="relu", pre_norm=True, tied=False, wpos=True, logit_bias=False),
+    ],
+)
+def test_an_imported_model_scores_and_translates_as_ctranslate2s_conversion(tmp_path, options):
+    directory = write_marian(tmp_path / "opus", 1, **options)
+    model, pieces = marian.load_marian(directory)
+    assert pieces[:4] == ["<pad>", "</s>", "<s>", "<unk>"] and pieces[4:] == PIECES[2:]
+    translator = ct2_model(directory, tmp_path / "ct2")
+    data = sentences(2, 16)
+    scored = translator.score_batch(
+        [[PIECES[i] for i in s] for s, _ in data], [[PIECES[i] for i in t] for _, t in data]
+    )
+    for want, got in zip(our_log_probs(model, data), scored, strict=True):
+        np.testing.assert_allclose(want, got.log_probs, atol=1e-4)
+    # Greedy search: the same tokens on every line.
+    ids = marian.our_ids(len(PIECES))
+    src = np.zeros((len(data), 12), np.int32)
+    for i, (s, _) in enumerate(data):
+        src[i, : len(s) + 1] = [*ids[s], EOS_ID]
+    ours = np.asarray(translate(model, src, beam_size=1))
+    theirs = translator.translate_batch(
+        [[PIECES[i] for i in s] for s, _ in data], beam_size=1, max_decoding_length=60
+    )
+    ended = 0
+    for (s, _), row, result in zip(data, ours, theirs, strict=True):
+        got, want = [pieces[i] for i in row.tolist()], result.hypotheses[0]
+        end = got.index("</s>")
+        if end < len(s) + EXTRA_DECODE_LEN:  # ended before our length limit: so does theirs
+            ended += 1
+            assert got[:end] == want
+        else:  # the limit (source + 50) came first: the same tokens up to it
+            assert got[:end] == want[:end]
+    assert ended >= (1 if options.get("eos") else 0)
+
+
+def test_the_vocabulary_keeps_pieces_yaml_would_retype(tmp_path):
+    path = tmp_path / "v.yml"
+    path.write_text(_vocab_yml(PIECES) + '? "long key"\n: 40\n', encoding="utf-8")
+    assert marian.read_vocab(str(path)) == [*PIECES, "long key"]
+    path.write_text("a: 0\nb: 2\n")
+    with pytest.raises(UserError, match=r"ids are not 0\.\.1"):
+        marian.read_vocab(str(path))
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("transformer-decoder-autoreg", "average-attention", "--transformer-decoder-autoreg"),
+        ("type", "s2s", "--type 's2s'"),
+        ("right-left", True, "--right-left True"),
+        ("transformer-ffn-activation", "gelu", "relu or swish only"),
+        ("transformer-postprocess-emb", "dn", "a LayerNorm on embeddings"),
+    ],
+)
+def test_options_we_cannot_honour_are_refused_by_name(tmp_path, option, value, message):
+    directory = write_marian(tmp_path / "opus")
+    npz = os.path.join(directory, "opus.npz")
+    arrays, options = marian.read_npz(npz)
+    options[option] = value
+    arrays["special:model.yml"] = np.frombuffer(yaml.safe_dump(options).encode() + b"\0", np.int8)
+    np.savez(npz, **arrays)
+    with pytest.raises(UserError, match="cannot be imported: .*" + message.replace("(", r"\(")):
+        marian.load_marian(directory)
+
+
+def test_untrusted_or_broken_directories_are_one_clear_error(tmp_path):
+    directory = write_marian(tmp_path / "opus")
+    with open(os.path.join(directory, "opus.vocab.yml"), "a", encoding="utf-8") as f:
+        f.write('"extra": 40\n')
+    with pytest.raises(UserError, match="vocabulary has 41 tokens, the embedding 40 rows"):
+        marian.load_marian(directory)
+    pickled = tmp_path / "hf"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not loaded")
+    with pytest.raises(UserError, match="pickle, which is never loaded"):
+        marian.load_marian(str(pickled))
+    np.save(tmp_path / "bad.npy", np.array([object()], dtype=object), allow_pickle=True)
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    np.savez(objects / "m.npz", x=np.array([{"a": 1}], dtype=object))
+    (objects / "m.vocab.yml").write_text(_vocab_yml(PIECES), encoding="utf-8")
+    with pytest.raises(UserError, match=r"not a readable \.npz of arrays"):
+        marian.load_marian(str(objects))
+    with pytest.raises(UserError, match="not a directory"):
+        marian.load_marian(str(tmp_path / "nothing"))
