@@ -11,6 +11,7 @@
     python decode.py --workdir=workdir/tiny --input=big.de --output=big.en   # killed? run it again
     python decode.py --workdir=workdir/tiny --export_ct2=serve/ [--quantization=int8]
     python decode.py --ct2=serve/ --input=test.de --threads=2        # with CTranslate2
+    python decode.py --marian=opus-mt-de-en/ --input=test.de         # an OPUS-MT model
 
 Any input size: lines are read, translated and written a chunk (--read_lines) at
 a time. An --output file is written as FILE.partial with a progress record and
@@ -97,6 +98,11 @@ flags.DEFINE_enum(
     "--export_ct2: the weight type CTranslate2 stores.",
 )  # fmt: skip
 flags.DEFINE_string("ct2", None, "Translate with a CTranslate2 model directory (no --workdir).")
+flags.DEFINE_string(
+    "marian", None,
+    "Translate with an OPUS-MT / Marian model directory (decoder.yml, the .npz, the "
+    "vocabulary, source.spm and target.spm), in our JAX model (no --workdir).",
+)  # fmt: skip
 flags.DEFINE_enum("device", None, ["cpu", "cuda"], "--ct2: where CTranslate2 runs (default cpu).")
 flags.DEFINE_integer(
     "threads",

@@ -289,3 +289,62 @@ def load_marian(directory: str) -> tuple[Transformer, list[str]]:
     set_weights(model, weights, npz)
     pieces = ["<pad>", "</s>", "<s>", "<unk>", *marian[2:]]
     return model, pieces
+
+
+class MarianTokenizer:
+    """An OPUS-MT model's tokenizer as decode.py uses one (data.Tokenizer's interface):
+    source.spm cuts a source into pieces, the joint vocabulary numbers them (in our
+    id order, `load_marian`), target.spm joins the output pieces into text."""
+
+    def __init__(self, source: bytes, target: bytes, pieces: list[str]):
+        import sentencepiece as spm
+
+        self._source = spm.SentencePieceProcessor(model_proto=source)
+        self._target = spm.SentencePieceProcessor(model_proto=target)
+        self.pieces, self.proto = pieces, source
+        self._ids = {p: i for i, p in reversed(list(enumerate(pieces)))}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without EOS (a piece outside the vocabulary is <unk>)."""
+        return [self._ids.get(p, UNK_ID) for p in self._source.encode(text, out_type=str)]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        """Text of `ids` up to the first EOS; pad and BOS are ignored."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i not in (PAD_ID, BOS_ID):
+                out.append(self.pieces[i])
+        return self._target.decode_pieces(out)
+
+    def id_to_piece(self, i: int) -> str:
+        return self.pieces[int(i)]
+
+
+def load_directory(directory: str, sharding: Any = None) -> tuple[Transformer, MarianTokenizer]:
+    """decode.py --marian: the model (its parameters placed by `sharding`, if given) and
+    the tokenizer of an OPUS-MT directory."""
+    import jax
+    from flax import nnx
+
+    model, pieces = load_marian(directory)
+    spms = []
+    for name in ("source.spm", "target.spm"):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise UserError(f"{directory}: no {name} (OPUS-MT's SentencePiece models)")
+        with open(path, "rb") as f:
+            spms.append(f.read())
+    if sharding is not None:
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, jax.device_put(state, sharding))
+    return model, MarianTokenizer(*spms, pieces)

@@ -68,6 +68,7 @@ class DecodeOptions:
     export_ct2: str | None = None  # write a CTranslate2 model into this directory
     quantization: str = "float32"  # its weight type
     ct2: str | None = None  # or translate with a CTranslate2 model directory
+    marian: str | None = None  # or with an OPUS-MT / Marian model directory
     device: str | None = None  # --ct2: "cpu" (None) or "cuda"
     threads: int = 0  # --ct2: CTranslate2's threads, on a CPU one batch each (0 = per core)
     read_lines: int | None = None  # lines per chunk (None: see `chunk_lines`)
@@ -115,9 +116,11 @@ class DecodeOptions:
         if self.exported and (self.workdir or self.export):
             raise UserError("--exported translates on its own: drop --workdir and --export")
         self._check_ct2()
-        if not (self.exported or self.workdir or self.ct2):
+        self._check_marian()
+        if not (self.exported or self.workdir or self.ct2 or self.marian):
             raise UserError(
-                "--workdir is required (the directory train.py wrote), or --exported, or --ct2"
+                "--workdir is required (the directory train.py wrote), or --exported, --ct2 "
+                "or --marian"
             )
         beam_size, alpha, n_best = self.search
         if beam_size < 1 or alpha < 0 or (self.batch_tokens is not None and self.batch_tokens < 1):
@@ -150,6 +153,17 @@ class DecodeOptions:
         if self.dry_run and (self.alignment or self.plot_attention):
             raise UserError("--dry_run runs no model: drop --alignment and --plot_attention")
         self._check_choices()
+
+    def _check_marian(self) -> None:
+        """--marian: an OPUS-MT / Marian model instead of a workdir's."""
+        if not self.marian:
+            return
+        others = [f"--{n}" for n in ("workdir", "exported", "ct2", "export", "export_ct2")]
+        given = [flag for flag in others if getattr(self, flag[2:])]
+        if given:
+            raise UserError(f"--marian translates on its own: drop {', '.join(given)}")
+        if self.split or self.checkpoint_step is not None or self.average_last != 1:
+            raise UserError("--split, --checkpoint_step and --average_last are for --workdir")
 
     def _check_ct2(self) -> None:
         """The CTranslate2 flags: --export_ct2 from a workdir, --ct2 on its own."""

@@ -26,24 +26,21 @@ from typing import Any
 import jax
 
 from common.errors import UserError
-from data import Tokenizer, load_split
+from data import load_split
 from inference import devices
-from inference.export import ExportedTranslator, export_translator
+from inference.export import export_translator
 from inference.lines import CorpusScores, LineReader, count_lines
 from inference.options import DecodeOptions
 from inference.progress import Meter
-from inference.restore import load_workdir, workdir_identity
 from inference.resume import (
     PartialOutput,
     StreamOutput,
     file_identity,
-    files_identity,
     lines_identity,
 )
 from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
-from model import Transformer
+from inference.translators import Loaded, dry_run, open_translator
 from search import timing
-from search.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
 
 # Options that are not settings of a job's output: the files and the checkpoint
 # (described by their identity instead: --checkpoint_step=N resumes a job that loaded
@@ -53,21 +50,6 @@ _NOT_SETTINGS = (
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
     "quantization", "steps_per_check", "carry_over", "stats",
 )  # fmt: skip
-
-
-@dataclasses.dataclass
-class Loaded:
-    """What lines are translated with: a translator and its tokenizer; for a workdir also
-    its model (alignments, plots, export) and training config (--split)."""
-
-    translator: Translator
-    tokenizer: Tokenizer
-    description: str  # "step 3000", "the translator exported in DIR"
-    model: Transformer | None = None
-    config: Any = None
-    # What the translations depend on, for resuming a job (None: the description); a new
-    # backend gives e.g. {"ct2": files_identity([directory])}.
-    identity: dict[str, Any] | None = None
 
 
 def _warn(msg: str) -> None:
@@ -90,97 +72,6 @@ def check_inputs(options: DecodeOptions) -> int | None:
     except OSError as e:
         raise UserError(f"cannot read {e.filename}: {e.strerror}") from e
     return total
-
-
-def open_translator(options: DecodeOptions) -> Loaded:
-    """The translator of --exported or --ct2 (CTranslate2), or the live model of --workdir."""
-    if options.exported:
-        return _open_exported(options)
-    if options.ct2:
-        return _open_ct2(options)
-    rows, replicated = devices.shardings()  # every device of the job, or None for one
-    model, config, step, tokenizer = load_workdir(
-        options.workdir,
-        step=options.checkpoint_step,
-        average_last=options.average_last,
-        sharding=replicated,
-    )
-    beam_size, alpha, n_best = options.search
-    translator = LiveTranslator(
-        model,
-        beam_size=beam_size,
-        alpha=alpha,
-        n_best=n_best,
-        batch_tokens=options.tokens_per_batch,
-        vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
-        length_penalty=options.penalty,
-        stop=options.stop or "bound",
-        steps_per_check=options.steps_per_check,
-        carry=options.carry_over,
-        sharding=rows,
-    )
-    identity = workdir_identity(options.workdir, step, options.average_last)
-    return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
-
-
-def _open_exported(options: DecodeOptions) -> Loaded:
-    try:
-        translator = ExportedTranslator.load(options.exported, options.tokens_per_batch)
-        tokenizer = Tokenizer.load(translator.tokenizer_path)
-    except (OSError, ValueError, UserError) as e:
-        raise UserError(str(e)) from e
-    for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop"):
-        asked, exported = getattr(options, name), getattr(translator, name)
-        if asked is not None and asked != exported:
-            raise UserError(
-                f"{options.exported} was exported with {name}={exported}; export again to change it"
-            )
-    identity = {"exported": os.path.abspath(options.exported)}
-    identity["files"] = files_identity([options.exported])
-    description = f"the translator exported in {options.exported}"
-    return Loaded(translator, tokenizer, description, identity=identity)
-
-
-def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
-    """--dry_run: `loaded` with a translator that plans and fills its batches but runs no
-    model (each line comes out as its own tokens, detokenized)."""
-    t = loaded.translator
-    stand_in = PlanOnlyTranslator(
-        t.max_len, t.beam_size, t.alpha, t.n_best, options.tokens_per_batch
-    )
-    return dataclasses.replace(
-        loaded, translator=stand_in, description=f"{loaded.description} (dry run: no model)"
-    )
-
-
-def _open_ct2(options: DecodeOptions) -> Loaded:
-    from inference.ct2 import CT2Translator
-    from inference.ct2_export import int8_saturates
-
-    try:
-        translator = CT2Translator.load(
-            options.ct2,
-            beam_size=options.beam_size,
-            alpha=options.alpha,
-            n_best=options.search[2],
-            device=options.device or "cpu",
-            threads=options.threads,
-            batch_tokens=options.tokens_per_batch,
-        )
-        tokenizer = Tokenizer.load(translator.tokenizer_path)
-    except (ImportError, OSError, ValueError, UserError) as e:
-        raise UserError(str(e)) from e
-    int8 = str(translator.settings.get("quantization", "")).startswith("int8")
-    if int8 and (options.device or "cpu") == "cpu" and int8_saturates():
-        _warn(
-            "this CPU has no VNNI: CTranslate2's int8 matrix products can saturate here "
-            "(oneDNN's u8s8 kernels), so int8 output strays further from float32's than "
-            "8-bit weights alone would make it; set CT2_USE_MKL=1 for accurate int8 "
-            "(slower), or export float32 (faster than int8 on such CPUs)"
-        )
-    identity = {"ct2": os.path.abspath(options.ct2), "files": files_identity([options.ct2])}
-    description = f"the CTranslate2 model in {options.ct2}"
-    return Loaded(translator, tokenizer, description, identity=identity)
 
 
 def export(loaded: Loaded, options: DecodeOptions) -> None:

@@ -28,7 +28,7 @@ PIECES += [f"▁w{i}" for i in range(40 - len(PIECES))]
 
 
 def _vocab_yml(pieces) -> str:
-    plain = {"yes", "null", "123", "~"}  # as Marian may write them: unquoted
+    plain = {"yes", "null", "123", "~"} & set(pieces)  # as Marian may write them: unquoted
     return "".join(
         f"{p if p in plain else json.dumps(p, ensure_ascii=False)}: {i}\n"
         for i, p in enumerate(pieces)
@@ -37,12 +37,12 @@ def _vocab_yml(pieces) -> str:
 
 def write_marian(
     directory, seed=0, *, d=16, heads=2, ff=32, layers=(2, 2), activation="swish",
-    pre_norm=False, tied=True, wpos=False, logit_bias=True, max_len=64, eos=0.0,
+    pre_norm=False, tied=True, wpos=False, logit_bias=True, max_len=64, eos=0.0, pieces=PIECES,
 ) -> str:  # fmt: skip
     """A random Marian model in `directory` (an OPUS-MT release's layout); returns it."""
     rng = np.random.default_rng(seed)
     w = lambda *shape: rng.normal(0, 0.3, shape).astype(np.float32)
-    v = len(PIECES)
+    v = len(pieces)
     arrays = {"Wemb": w(v, d)} if tied else {"encoder_Wemb": w(v, d), "decoder_Wemb": w(v, d)}
     if wpos:
         arrays["Wpos"] = w(max_len, d)
@@ -90,7 +90,7 @@ def write_marian(
     os.makedirs(directory, exist_ok=True)
     np.savez(os.path.join(directory, "opus.npz"), **arrays)
     with open(os.path.join(directory, "opus.vocab.yml"), "w", encoding="utf-8") as f:
-        f.write(_vocab_yml(PIECES))
+        f.write(_vocab_yml(pieces))
     with open(os.path.join(directory, "decoder.yml"), "w") as f:
         yaml.safe_dump({"models": ["opus.npz"], "vocabs": ["opus.vocab.yml"] * 2}, f)
     return str(directory)
@@ -210,3 +210,39 @@ def test_untrusted_or_broken_directories_are_one_clear_error(tmp_path):
         marian.load_marian(str(objects))
     with pytest.raises(UserError, match="not a directory"):
         marian.load_marian(str(tmp_path / "nothing"))
+
+
+def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path):
+    """decode.py --marian end to end (source.spm, the vocabulary, our model, target.spm)
+    against CTranslate2's conversion of the same directory: every line the same."""
+    import sentencepiece as spm
+
+    from data.tokenizer import train_tokenizer
+    from tests.test_decode_cli import digit_pairs, run_decode
+
+    pairs = digit_pairs(np.random.default_rng(3), 300)
+    protos = [train_tokenizer([p[k] for p in pairs], 300) for k in (0, 1)]
+    procs = [spm.SentencePieceProcessor(model_proto=p) for p in protos]
+    pieces = ["</s>", "<unk>"]
+    for sp in procs:
+        for i in range(sp.get_piece_size()):
+            piece = sp.id_to_piece(i)
+            if not (sp.is_control(i) or sp.is_unknown(i)) and piece not in pieces:
+                pieces.append(piece)
+    directory = write_marian(tmp_path / "opus", 4, pieces=pieces)
+    for name, proto in zip(("source.spm", "target.spm"), protos, strict=True):
+        (tmp_path / "opus" / name).write_bytes(proto)
+    lines = [de for de, _ in pairs[:40]]
+    (tmp_path / "in.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    ours = run_decode(f"--marian={directory}", f"--input={tmp_path / 'in.de'}", "--beam_size=1")
+    assert ours.returncode == 0, ours.stderr.decode()[-2000:]
+    translator = ct2_model(directory, tmp_path / "ct2")
+    want = []
+    for line in lines:
+        src = procs[0].encode(line, out_type=str)
+        out = translator.translate_batch(
+            [src], beam_size=1, max_decoding_length=len(src) + EXTRA_DECODE_LEN
+        )
+        want.append(procs[1].decode_pieces(out[0].hypotheses[0]))
+    assert ours.stdout.decode().splitlines() == want
+    assert "the Marian model in" in ours.stderr.decode()
