@@ -1,0 +1,82 @@
+"""Small Marian / OPUS-MT model directories, written as an OPUS-MT release lays them out
+(decoder.yml, a .npz with Marian's parameter names and special:model.yml, a joint
+vocabulary), for tests/test_marian.py and bench/marian_import.py."""
+
+import json
+import os
+
+import numpy as np
+import yaml
+
+# Pieces that YAML would read as something else when unquoted, and a few that need quotes.
+PIECES = ["</s>", "<unk>", "yes", "null", "123", "~", 'say "hi"', "a: b", "é"]
+PIECES += [f"▁w{i}" for i in range(40 - len(PIECES))]
+
+
+def vocab_yml(pieces) -> str:
+    plain = {"yes", "null", "123", "~"} & set(pieces)  # as Marian may write them: unquoted
+    return "".join(
+        f"{p if p in plain else json.dumps(p, ensure_ascii=False)}: {i}\n"
+        for i, p in enumerate(pieces)
+    )
+
+
+def write_marian(
+    directory, seed=0, *, d=16, heads=2, ff=32, layers=(2, 2), activation="swish",
+    pre_norm=False, tied=True, wpos=False, logit_bias=True, max_len=64, eos=0.0, pieces=PIECES,
+) -> str:  # fmt: skip
+    """A random Marian model in `directory` (an OPUS-MT release's layout); returns it."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: rng.normal(0, 0.3, shape).astype(np.float32)
+    v = len(pieces)
+    arrays = {"Wemb": w(v, d)} if tied else {"encoder_Wemb": w(v, d), "decoder_Wemb": w(v, d)}
+    if wpos:
+        arrays["Wpos"] = w(max_len, d)
+    suffix = "_pre" if pre_norm else ""
+
+    def attention(name):
+        for p in "qkvo":
+            arrays[f"{name}_W{p}"], arrays[f"{name}_b{p}"] = w(d, d), w(1, d)
+        arrays[f"{name}_Wo_ln_scale{suffix}"] = 1 + w(1, d)
+        arrays[f"{name}_Wo_ln_bias{suffix}"] = w(1, d)
+
+    def ffn(name):
+        arrays[f"{name}_W1"], arrays[f"{name}_b1"] = w(d, ff), w(1, ff)
+        arrays[f"{name}_W2"], arrays[f"{name}_b2"] = w(ff, d), w(1, d)
+        arrays[f"{name}_ffn_ln_scale{suffix}"] = 1 + w(1, d)
+        arrays[f"{name}_ffn_ln_bias{suffix}"] = w(1, d)
+
+    for i in range(1, layers[0] + 1):
+        attention(f"encoder_l{i}_self")
+        ffn(f"encoder_l{i}_ffn")
+    for i in range(1, layers[1] + 1):
+        attention(f"decoder_l{i}_self")
+        attention(f"decoder_l{i}_context")
+        ffn(f"decoder_l{i}_ffn")
+    if pre_norm:
+        for side in ("encoder", "decoder"):
+            arrays[f"{side}_top_ln_scale"], arrays[f"{side}_top_ln_bias"] = 1 + w(1, d), w(1, d)
+    if not tied:
+        arrays["decoder_ff_logit_out_W"] = w(d, v)
+    if logit_bias:
+        arrays["decoder_ff_logit_out_b"] = w(1, v)
+        arrays["decoder_ff_logit_out_b"][0, 0] += eos  # </s>: some translations end early
+    options = {
+        "type": "transformer", "enc-depth": layers[0], "dec-depth": layers[1],
+        "transformer-heads": heads, "dim-emb": d, "transformer-dim-ffn": ff,
+        "transformer-ffn-activation": activation, "transformer-decoder-autoreg": "self-attention",
+        "transformer-no-projection": False, "transformer-postprocess-emb": "d",
+        "transformer-preprocess": "n" if pre_norm else "",
+        "transformer-postprocess": "da" if pre_norm else "dan",
+        "transformer-postprocess-top": "n" if pre_norm else "",
+        "transformer-guided-alignment-layer": "last", "tied-embeddings-all": tied,
+    }  # fmt: skip
+    text = yaml.safe_dump(options).encode() + b"\0"
+    arrays["special:model.yml"] = np.frombuffer(text, np.int8)
+    os.makedirs(directory, exist_ok=True)
+    np.savez(os.path.join(directory, "opus.npz"), **arrays)
+    with open(os.path.join(directory, "opus.vocab.yml"), "w", encoding="utf-8") as f:
+        f.write(vocab_yml(pieces))
+    with open(os.path.join(directory, "decoder.yml"), "w") as f:
+        yaml.safe_dump({"models": ["opus.npz"], "vocabs": ["opus.vocab.yml"] * 2}, f)
+    return str(directory)
