@@ -141,7 +141,10 @@ def test_untrusted_or_broken_directories_are_one_clear_error(tmp_path):
 
 def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path):
     """decode.py --marian end to end (source.spm, the vocabulary, our model, target.spm)
-    against CTranslate2's conversion of the same directory: every line the same."""
+    against CTranslate2's conversion of the same directory: greedy search gives every
+    line the same, beam 4 with CTranslate2's length penalty >= 95% of them. The model
+    favours </s> so that translations end, as a trained model's do (a random one runs
+    to the length limit, where 50 steps of near-ties decide a beam)."""
     import sentencepiece as spm
 
     from data.tokenizer import train_tokenizer
@@ -156,20 +159,26 @@ def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path)
             piece = sp.id_to_piece(i)
             if not (sp.is_control(i) or sp.is_unknown(i)) and piece not in pieces:
                 pieces.append(piece)
-    directory = write_marian(tmp_path / "opus", 4, pieces=pieces)
+    directory = write_marian(tmp_path / "opus", 4, pieces=pieces, eos=2.0)
     for name, proto in zip(("source.spm", "target.spm"), protos, strict=True):
         (tmp_path / "opus" / name).write_bytes(proto)
-    lines = [de for de, _ in pairs[:40]]
+    lines = [de for de, _ in pairs[:100]]
     (tmp_path / "in.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    ours = run_decode(f"--marian={directory}", f"--input={tmp_path / 'in.de'}", "--beam_size=1")
-    assert ours.returncode == 0, ours.stderr.decode()[-2000:]
     translator = ct2_model(directory, tmp_path / "ct2")
-    want = []
-    for line in lines:
-        src = procs[0].encode(line, out_type=str)
-        out = translator.translate_batch(
-            [src], beam_size=1, max_decoding_length=len(src) + EXTRA_DECODE_LEN
+    for beam, flags in ((1, []), (4, ["--length_penalty=average", "--alpha=1.0"])):
+        ours = run_decode(
+            f"--marian={directory}", f"--input={tmp_path / 'in.de'}", f"--beam_size={beam}", *flags
         )
-        want.append(procs[1].decode_pieces(out[0].hypotheses[0]))
-    assert ours.stdout.decode().splitlines() == want
-    assert "the Marian model in" in ours.stderr.decode()
+        assert ours.returncode == 0, ours.stderr.decode()[-2000:]
+        want = []
+        for line in lines:
+            src = procs[0].encode(line, out_type=str)
+            out = translator.translate_batch(
+                [src], beam_size=beam, length_penalty=1.0,
+                max_decoding_length=len(src) + EXTRA_DECODE_LEN,
+            )  # fmt: skip
+            want.append(procs[1].decode_pieces(out[0].hypotheses[0]))
+        got = ours.stdout.decode().splitlines()
+        same = sum(a == b for a, b in zip(got, want, strict=True))
+        assert same == len(lines) if beam == 1 else same >= 0.95 * len(lines), (beam, same)
+        assert "the Marian model in" in ours.stderr.decode()
