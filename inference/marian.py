@@ -269,16 +269,84 @@ def find_files(directory: str) -> tuple[str, list[str]]:
     return os.path.join(directory, npz[0]), [os.path.join(directory, vocab[0])]
 
 
+def from_hugging_face(directory: str) -> tuple[dict[str, np.ndarray], dict[str, Any], list[str]]:
+    """A Hugging Face MarianMT directory (config.json, model.safetensors, vocab.json) as
+    Marian's (arrays by Marian's names, its options, its vocabulary): the same model."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+        conf = json.load(f)
+    with open(os.path.join(directory, "vocab.json"), encoding="utf-8") as f:
+        vocab = json.load(f)
+    try:
+        arrays = load_file(os.path.join(directory, "model.safetensors"))
+    except Exception as e:  # the file's own format errors
+        raise UserError(f"{directory}/model.safetensors: not readable ({e})") from e
+    pad = conf.get("pad_token_id")
+    by_id = {int(i): str(p) for p, i in vocab.items()}
+    if by_id.get(conf.get("eos_token_id")) != "</s>" or sorted(by_id) != list(range(len(by_id))):
+        raise UserError(f"{directory}: vocab.json is not a Marian vocabulary ('</s>' 0, no gaps)")
+    keep = [i for i in range(len(by_id)) if i != pad]  # Marian has no padding token
+    if by_id.get(0) != "</s>" or by_id.get(1) != "<unk>":
+        raise UserError(f"{directory}: vocab.json must number '</s>' 0 and '<unk>' 1")
+    a = lambda name: np.asarray(arrays[name], np.float32)
+    out = {"Wemb": a("model.shared.weight")[keep]}
+    for side in ("encoder", "decoder"):
+        for i in range(conf[f"{side}_layers"]):
+            hf, ours = f"model.{side}.layers.{i}", f"{side}_l{i + 1}"
+            parts = [("self_attn", "self")] + (
+                [("encoder_attn", "context")] if side == "decoder" else []
+            )
+            for att, name in parts:
+                for p in "qkv":
+                    out[f"{ours}_{name}_W{p}"] = a(f"{hf}.{att}.{p}_proj.weight").T
+                    out[f"{ours}_{name}_b{p}"] = a(f"{hf}.{att}.{p}_proj.bias")[None]
+                out[f"{ours}_{name}_Wo"] = a(f"{hf}.{att}.out_proj.weight").T
+                out[f"{ours}_{name}_bo"] = a(f"{hf}.{att}.out_proj.bias")[None]
+                norm = f"{ours}_{name}_Wo_ln"
+                out[f"{norm}_scale"] = a(f"{hf}.{att}_layer_norm.weight")[None]
+                out[f"{norm}_bias"] = a(f"{hf}.{att}_layer_norm.bias")[None]
+            for k in (1, 2):
+                out[f"{ours}_ffn_W{k}"] = a(f"{hf}.fc{k}.weight").T
+                out[f"{ours}_ffn_b{k}"] = a(f"{hf}.fc{k}.bias")[None]
+            out[f"{ours}_ffn_ffn_ln_scale"] = a(f"{hf}.final_layer_norm.weight")[None]
+            out[f"{ours}_ffn_ffn_ln_bias"] = a(f"{hf}.final_layer_norm.bias")[None]
+    if "final_logits_bias" in arrays:
+        out["decoder_ff_logit_out_b"] = a("final_logits_bias").reshape(1, -1)[:, keep]
+    if "lm_head.weight" in arrays and not conf.get("tie_word_embeddings", True):
+        out["decoder_ff_logit_out_Wt"] = a("lm_head.weight")[keep]
+    options = {
+        "type": "transformer",
+        "enc-depth": conf["encoder_layers"],
+        "dec-depth": conf["decoder_layers"],
+        "transformer-heads": conf["encoder_attention_heads"],
+        "transformer-ffn-activation": conf.get("activation_function", "swish"),
+    }
+    if conf.get("normalize_before") or not conf.get("scale_embedding", True):
+        raise UserError(f"{directory}: normalize_before / no scale_embedding: not OPUS-MT's")
+    return out, options, [by_id[i] for i in keep]
+
+
 def load_marian(directory: str) -> tuple[Transformer, list[str]]:
-    """A Marian / OPUS-MT directory -> (our Transformer holding its weights, the V tokens
-    in our id order: '<pad>', '</s>', '<s>', '<unk>', then Marian's from id 2 on)."""
+    """A Marian / OPUS-MT directory (OPUS-MT's layout, or Hugging Face's MarianMT one) ->
+    (our Transformer holding its weights, the V tokens in our id order: '<pad>', '</s>',
+    '<s>', '<unk>', then Marian's from id 2 on)."""
     from flax import nnx
 
-    npz, vocabs = find_files(directory)
-    if len(set(vocabs)) > 1 and read_vocab(vocabs[0]) != read_vocab(vocabs[-1]):
-        raise UserError(f"{directory}: separate source and target vocabularies are not supported")
-    marian = read_vocab(vocabs[0])
-    weights, options = read_npz(npz)
+    hf = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(hf) and os.path.isfile(os.path.join(directory, "config.json")):
+        weights, options, marian = from_hugging_face(directory)
+        npz = hf
+    else:
+        npz, vocabs = find_files(directory)
+        if len(set(vocabs)) > 1 and read_vocab(vocabs[0]) != read_vocab(vocabs[-1]):
+            raise UserError(
+                f"{directory}: separate source and target vocabularies are not supported"
+            )
+        marian = read_vocab(vocabs[0])
+        weights, options = read_npz(npz)
     config = model_config(options, weights, npz)
     if config.vocab_size - 2 != len(marian):
         raise UserError(

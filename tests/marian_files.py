@@ -80,3 +80,63 @@ def write_marian(
     with open(os.path.join(directory, "decoder.yml"), "w") as f:
         yaml.safe_dump({"models": ["opus.npz"], "vocabs": ["opus.vocab.yml"] * 2}, f)
     return str(directory)
+
+
+def write_hugging_face(marian_dir, directory) -> str:
+    """The Marian model in `marian_dir` in Hugging Face's MarianMT layout (config.json,
+    model.safetensors with PyTorch's [out, in] Linear weights, vocab.json with <pad>
+    appended), as transformers' conversion script writes it; returns `directory`."""
+    from safetensors.numpy import save_file
+
+    with np.load(os.path.join(marian_dir, "opus.npz")) as f:
+        m = {k: f[k] for k in f.files}
+    options = yaml.safe_load(m.pop("special:model.yml").tobytes().rstrip(b"\0"))
+    with open(os.path.join(marian_dir, "opus.vocab.yml"), encoding="utf-8") as f:
+        n = sum(1 for line in f if line.strip())
+    d = m["Wemb"].shape[1]
+    pad_row = np.zeros((1, d), np.float32)
+    out = {"model.shared.weight": np.concatenate([m["Wemb"], pad_row])}
+    bias = m.get("decoder_ff_logit_out_b", np.zeros((1, n), np.float32))
+    out["final_logits_bias"] = np.concatenate([bias, np.zeros((1, 1), np.float32)], axis=1)
+    for side, depth in (("encoder", options["enc-depth"]), ("decoder", options["dec-depth"])):
+        for i in range(depth):
+            hf, mm = f"model.{side}.layers.{i}", f"{side}_l{i + 1}"
+            parts = [("self_attn", "self")]
+            parts += [("encoder_attn", "context")] if side == "decoder" else []
+            for att, name in parts:
+                for p in "qkvo":
+                    proj = "out_proj" if p == "o" else f"{p}_proj"
+                    out[f"{hf}.{att}.{proj}.weight"] = np.ascontiguousarray(
+                        m[f"{mm}_{name}_W{p}"].T
+                    )
+                    out[f"{hf}.{att}.{proj}.bias"] = m[f"{mm}_{name}_b{p}"].reshape(-1)
+                out[f"{hf}.{att}_layer_norm.weight"] = m[f"{mm}_{name}_Wo_ln_scale"].reshape(-1)
+                out[f"{hf}.{att}_layer_norm.bias"] = m[f"{mm}_{name}_Wo_ln_bias"].reshape(-1)
+            for k in (1, 2):
+                out[f"{hf}.fc{k}.weight"] = np.ascontiguousarray(m[f"{mm}_ffn_W{k}"].T)
+                out[f"{hf}.fc{k}.bias"] = m[f"{mm}_ffn_b{k}"].reshape(-1)
+            out[f"{hf}.final_layer_norm.weight"] = m[f"{mm}_ffn_ffn_ln_scale"].reshape(-1)
+            out[f"{hf}.final_layer_norm.bias"] = m[f"{mm}_ffn_ffn_ln_bias"].reshape(-1)
+    os.makedirs(directory, exist_ok=True)
+    save_file(out, os.path.join(directory, "model.safetensors"))
+    config = {
+        "model_type": "marian", "d_model": d, "vocab_size": n + 1, "pad_token_id": n,
+        "eos_token_id": 0, "decoder_start_token_id": n,
+        "encoder_layers": options["enc-depth"], "decoder_layers": options["dec-depth"],
+        "encoder_attention_heads": options["transformer-heads"],
+        "decoder_attention_heads": options["transformer-heads"],
+        "activation_function": options["transformer-ffn-activation"],
+        "normalize_before": False, "scale_embedding": True,
+    }  # fmt: skip
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(marian_dir, "opus.vocab.yml"), encoding="utf-8") as f:
+        text = f.read()
+    vocab = {}
+    for line in text.splitlines():
+        piece, _, i = line.rpartition(":")
+        vocab[yaml.safe_load(piece) if piece[:1] in "\"'" else piece] = int(i)
+    vocab["<pad>"] = n
+    with open(os.path.join(directory, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    return str(directory)
