@@ -26,7 +26,7 @@ NAME = re.compile(
     r"^(?P<machine>.+?)-(?P<date>\d{8})-(?P<commit>[0-9a-f]{7,})(?:-(?P<label>.+?))?$"
 )
 # Long or nested fields that say how a run was set up rather than what it measured.
-SKIP = {"device", "configs", "xla_flags", "env", "results", "note", "machine", "commit", "date"}
+SKIP = {"device", "configs", "xla_flags", "env", "results", "note", "machine", "date"}
 SKIP |= {"benchmark", "command"}  # in the line above each table
 MAX_COLUMNS = 9
 BLEU_KEYS = ("eval_bleu", "dev_bleu", "bleu")
