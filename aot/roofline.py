@@ -8,10 +8,9 @@ fusion, a copy) takes max(its FLOPs / peak, its bytes / HBM bandwidth), and the
 step takes their sum: kernels run one after another on one stream. The sum of
 maxima is what the single roofline max(all FLOPs / peak, all bytes / bandwidth)
 misses: a transformer step alternates compute-bound GEMMs with memory-bound
-LayerNorm, dropout, softmax and loss fusions, and neither overlaps the other.
-On an H200 (jax 0.11.2, 2026-11-26) the single roofline predicted 10 ms for a
-base step and 34 ms for big where 44 and 92 ms were measured; this sum, with
-the chip's measured ceilings, predicts 25 and 62 ms.
+LayerNorm, dropout, softmax and loss fusions, and neither overlaps the other,
+so the single roofline underestimates a step several-fold and the sum much less
+(the measurements: docs/PERFORMANCE.md).
 
 FLOPs: GEMMs 2 x output elements x contracted size (from the custom call's
 dimension numbers); cuDNN attention 4 B N T S H forward (half of it under a

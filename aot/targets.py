@@ -60,7 +60,7 @@ TPUS = {
     "v6e": (Chip("TPU v6e", 32 * GIB, 918e12, 1640e9, 448e9), 2, 1, "v6e"),
 }
 # GPU -> (chip, file in gpu_targets/). H100/H200 SXM: NVLink 4, 900 GB/s both ways. The
-# measured ceilings are this workplace's (2026-10/11, one GPU each; H200: 769-798 TFLOP/s).
+# measured ceilings (bf16 matmul FLOP/s, copy bandwidth) are from bench/ runs on one GPU each.
 _H100 = Chip("NVIDIA H100 SXM 80GB", 80 * GB, 989e12, 3.35e12, 450e9, 798e12, 3.0e12)
 _H200 = Chip("NVIDIA H200 SXM 141GB", 141 * GB, 989e12, 4.8e12, 450e9, 780e12, 4.3e12)
 GPUS = {

@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_train_steps = 100_000
     c.model.dtype = "bfloat16"
     # The loss in 2048-token chunks: the [25k tokens, 37k vocab] float32 logits are never
-    # held whole (train.py --compile_for=gpu:h100: big's step temporaries 19.8 -> 13.5 GiB).
+    # held whole, which saves big's step about a third of its temporaries (docs/aot.md).
     c.loss_chunk_tokens = 2048
     # Paper 6.1: the last 5 checkpoints, written at 10-minute intervals, averaged.
     c.checkpoint_every_minutes = 10.0

@@ -229,9 +229,9 @@ def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
 
 # A search whose self-attention caches (all layers, keys and values) hold at least
 # this many bytes is large: `run` steps it two positions per iteration, `search` grows
-# its room in stages. Two steps, 2-core CPU box, tiny, beam 4, room 48: 512 beam rows
-# (38 MB of caches) 69.2 -> 59.7 ms a step, 128 rows 19.7 -> 17.5, 32 rows 6.3 -> 5.7;
-# but each program compiles ~1.7 s longer, which below a few MB is rarely won back.
+# its room in stages. Two steps a loop iteration save ~10% a step on large caches but
+# make each program compile longer, which below a few MB is rarely won back
+# (docs/decoding.md has the measurements).
 LARGE_SEARCH_BYTES = 8 << 20
 
 
@@ -387,9 +387,8 @@ def search(
 
     A large search (`LARGE_SEARCH_BYTES`) grows its room in stages
     (`model.scoring.rooms`), so that attention and the cache reorder read caches
-    about as long as what was decoded (the tiny model, 512 beam rows, outputs of up
-    to 82 tokens: 5.85 -> 5.18 s); a small one has room for `length` tokens from
-    the start: one loop compiles faster.
+    about as long as what was decoded; a small one has room for `length` tokens
+    from the start: one loop compiles faster.
     """
     room = [length]
     if _large(model, src.shape[0] * rule.beam_size, length):
