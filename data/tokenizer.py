@@ -22,7 +22,7 @@ import sentencepiece as spm
 from common.errors import UserError
 from data.corpora import read_pairs
 from data.files import atomic_write_bytes
-from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, visible
 
 TOKENIZER_FILENAME = "tokenizer.model"
 # byte_fallback reserves 256 byte pieces, so unknown characters (emoji, rare
@@ -63,14 +63,7 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to the first EOS; pad and BOS are ignored."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i not in (PAD_ID, BOS_ID):
-                out.append(i)
-        return self._sp.decode(out)
+        return self._sp.decode(visible(ids))
 
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))

@@ -25,7 +25,7 @@ import numpy as np
 
 from common.errors import UserError
 from model import Transformer, TransformerConfig
-from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, visible
 
 MARIAN_EOS, MARIAN_UNK = 0, 1
 _ABSENT = -30.0  # the logit bias of PAD and BOS, tokens a Marian model does not have
@@ -385,14 +385,7 @@ class MarianTokenizer:
 
     def decode(self, ids) -> str:
         """Text of `ids` up to the first EOS; pad and BOS are ignored."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i not in (PAD_ID, BOS_ID):
-                out.append(self.pieces[i])
-        return self._target.decode_pieces(out)
+        return self._target.decode_pieces([self.pieces[i] for i in visible(ids)])
 
     def id_to_piece(self, i: int) -> str:
         return self.pieces[int(i)]

@@ -152,6 +152,24 @@ def model_fields(**overrides) -> dict:
     return {**TEST_MODEL, **overrides}
 
 
+def perturbed_model(seed: int = 0, **overrides):
+    """A TEST_MODEL Transformer (with `overrides`) whose every parameter (zero biases and
+    LayerNorm scales included) is moved off its initial value, so that a weight used in
+    the wrong place shows."""
+    import jax
+    from flax import nnx
+
+    from model import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(**model_fields(**overrides)), rngs=nnx.Rngs(seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    noise = [jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    leaves = [x + 0.2 * n for x, n in zip(leaves, noise, strict=True)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), rest)
+
+
 def small_train_config(**overrides):
     """configs/tiny.py shrunk for tests (d_model 32, one layer each side, no periodic eval)."""
     from configs import tiny

@@ -15,11 +15,10 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from inference import ct2_export
 from model import EOS_ID, Transformer, TransformerConfig, shift_right
-from tests.conftest import model_fields
+from tests import conftest
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -27,20 +26,9 @@ PIECES = ["<pad>", "</s>", "<s>", "<unk>"] + [f"▁w{i}" for i in range(36)]
 
 
 def perturbed_model(seed: int, **overrides) -> Transformer:
-    """A random model whose every parameter (LayerNorm scales and biases included) is
-    moved off its initial value, so that a weight put in the wrong place shows."""
-    config = TransformerConfig(
-        **model_fields(num_encoder_layers=2, num_decoder_layers=2, **overrides)
-    )
-    model = Transformer(config, rngs=nnx.Rngs(seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [
-        x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
-        for x, k in zip(leaves, list(keys), strict=True)
-    ]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), rest)
+    """conftest's, with two layers each side."""
+    layers = dict(num_encoder_layers=2, num_decoder_layers=2)
+    return conftest.perturbed_model(seed, **{**layers, **overrides})
 
 
 def pairs(seed: int, n: int, vocab: int = 40):

@@ -10,7 +10,8 @@ from flax import nnx
 
 from model import BOS_ID, KVCache, Transformer, TransformerConfig, shift_right
 from model.sharding import partition_specs
-from tests.conftest import model_fields
+from tests.conftest import model_fields, perturbed_model
+from tests.test_model_options import MARIAN
 
 SMALL = model_fields(num_heads=4, num_encoder_layers=2, num_decoder_layers=2, max_len=64)
 
@@ -83,10 +84,12 @@ def test_padding_contents_do_not_leak(model):
         {"tie_output": False, "share_embeddings": False},
         {"activation": "gelu"},
         {"remat": True},
+        MARIAN,
+        {**MARIAN, "positions": "table", "norm": "pre"},
     ],
 )
 def test_cached_decoding_equals_full_forward(overrides):
-    m = make(**overrides)
+    m = perturbed_model(1, **{**SMALL, **overrides})  # every weight (biases too) in play
     src = random_tokens(4, (3, 6)).at[2, 3:].set(0)
     tgt = jnp.concatenate([jnp.full((3, 1), BOS_ID), random_tokens(5, (3, 6))], axis=1)
     full = m(src, tgt)

@@ -1,17 +1,17 @@
 """The model options Marian / OPUS-MT models need (attention and logit biases, swish,
 Marian's sinusoid layout, a trained position table, a zero decoder start), against
 independent references; off by default, where they add nothing to the paper's model.
-(Their agreement with CTranslate2's Marian semantics: tests/test_ct2_export.py.)"""
+(Their agreement with CTranslate2's Marian semantics: tests/test_ct2_export.py; cached
+decoding with all of them equal to the full pass: tests/test_model.py.)"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from model import BOS_ID, Transformer, TransformerConfig, shift_right
 from model.positional import sinusoidal_positions
-from tests.conftest import model_fields
+from tests.conftest import model_fields, perturbed_model
 
 MARIAN = dict(
     activation="swish",
@@ -20,17 +20,6 @@ MARIAN = dict(
     positions="sinusoid_halves",
     zero_start=True,
 )
-
-
-def perturbed(seed: int = 0, **overrides) -> Transformer:
-    """A model with every parameter moved off its initial value (zero biases included)."""
-    model = Transformer(TransformerConfig(**model_fields(**overrides)), rngs=nnx.Rngs(seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    noise = [jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
-    leaves = [x + 0.2 * n for x, n in zip(leaves, noise, strict=True)]
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves), rest)
 
 
 def tokens(seed: int, shape) -> jax.Array:
@@ -54,22 +43,9 @@ def test_marians_layout_puts_the_sines_first_and_the_cosines_second():
     )
 
 
-@pytest.mark.parametrize("overrides", [MARIAN, dict(MARIAN, positions="table", norm="pre")])
-def test_cached_decoding_equals_the_full_forward_pass_with_every_option(overrides):
-    m = perturbed(1, **overrides)
-    src = tokens(2, (3, 6)).at[2, 3:].set(0)
-    tgt = jnp.concatenate([jnp.full((3, 1), BOS_ID), tokens(3, (3, 5))], axis=1)
-    full = m(src, tgt)
-    cache = m.init_cache(src, max_decode_len=8)
-    step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
-    for t in range(tgt.shape[1]):
-        logits, cache = step(m, tgt[:, t], cache)
-        np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
-
-
 def test_each_option_computes_what_it_says():
     """Against the same model without the option, given its parameters by hand."""
-    m = perturbed(4, **MARIAN)
+    m = perturbed_model(4, **MARIAN)
     src, tgt = tokens(5, (2, 5)), shift_right(tokens(6, (2, 4)))
     # The logits' bias is added to the logits.
     plain = nnx.clone(m)
@@ -94,7 +70,7 @@ def test_each_option_computes_what_it_says():
 
 def test_swish_and_the_attention_biases_match_numpy():
     """One feed-forward and one attention layer against float64 NumPy."""
-    m = perturbed(8, **MARIAN)
+    m = perturbed_model(8, **MARIAN)
     ffn, mha = m.encoder_layers[0].ffn, m.encoder_layers[0].self_attn
     x = np.asarray(jax.random.normal(jax.random.key(9), (2, 5, 32)), np.float64)
     p = lambda v: np.asarray(v[...], np.float64)
@@ -127,7 +103,7 @@ def test_the_chunked_training_loss_counts_the_logits_bias():
     whole logits of a model with a logits bias: the same sums and gradients."""
     from training.steps import _forward_sums
 
-    m = perturbed(10, **MARIAN)
+    m = perturbed_model(10, **MARIAN)
     graphdef, params, rngs = nnx.split(m, nnx.Param, ...)
     tgt = tokens(11, (2, 6)).at[1, 4:].set(0)
     batch = {"src": tokens(12, (2, 5)), "tgt_in": shift_right(tgt), "tgt_out": tgt}
