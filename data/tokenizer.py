@@ -68,6 +68,10 @@ class Tokenizer:
     def id_to_piece(self, i: int) -> str:
         return self._sp.id_to_piece(int(i))
 
+    def files(self) -> dict[str, bytes]:
+        """What an exported translator stores to tokenize as this does: {name: contents}."""
+        return {TOKENIZER_FILENAME: self.proto}
+
 
 # Pairs read from the corpus at a time while streaming the tokenizer's sample.
 _SAMPLE_READ = 4096

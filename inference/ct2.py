@@ -263,7 +263,8 @@ def read_settings(directory: str) -> dict[str, Any]:
         settings = json.load(f)
     if settings.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format version {settings.get('format_version')} unknown")
-    for name in ("model.bin", "shared_vocabulary.json", TOKENIZER):
+    tokenizer = "source.spm" if os.path.isfile(os.path.join(directory, "source.spm")) else TOKENIZER
+    for name in ("model.bin", "shared_vocabulary.json", tokenizer):
         if not os.path.isfile(os.path.join(directory, name)):
             raise ValueError(f"{directory}/{name} is missing; export the model again")
     return settings

@@ -288,7 +288,7 @@ def decoding_settings(
 def export_ct2(
     model: Transformer,
     pieces: list[str],
-    tokenizer_proto: bytes,
+    tokenizer_files: bytes | dict[str, bytes],
     directory: str,
     *,
     quantization: str = "float32",
@@ -300,7 +300,8 @@ def export_ct2(
 
     Args:
       model: the Transformer (any supported config; see `unsupported`).
-      pieces: the tokenizer's pieces in id order; tokenizer_proto: its model file.
+      pieces: the tokenizer's pieces in id order; tokenizer_files: its files
+        ({name: contents}, `tokenizer.files()`), or our SentencePiece model's bytes.
       directory: created, or replaced if it holds an earlier export (never another
         non-empty directory); the new one appears only once complete.
       quantization: one of QUANTIZATIONS (CTranslate2's weight types).
@@ -329,8 +330,11 @@ def export_ct2(
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's is owner-only; a model directory is not secret
     try:
         spec.save(tmp)
-        with open(os.path.join(tmp, TOKENIZER), "wb") as f:
-            f.write(tokenizer_proto)
+        if isinstance(tokenizer_files, bytes):
+            tokenizer_files = {TOKENIZER: tokenizer_files}
+        for name, data in tokenizer_files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
         with open(os.path.join(tmp, DECODING_JSON), "w") as f:
             json.dump(settings, f, indent=2)
         _replace(tmp, directory)

@@ -81,7 +81,7 @@ def _serialize(fn, args, platforms) -> tuple[bytes, object]:
 
 def export_translator(
     model: Transformer,
-    tokenizer_proto: bytes,
+    tokenizer_files: bytes | dict[str, bytes],
     directory: str,
     *,
     beam_size: int,
@@ -97,7 +97,8 @@ def export_translator(
 
     Args:
       model: the Transformer to export (its config's max_len bounds the widths).
-      tokenizer_proto: the serialized SentencePiece model.
+      tokenizer_files: the tokenizer's files ({name: contents}, `tokenizer.files()`), or
+        our serialized SentencePiece model.
       beam_size, alpha, n_best, vocab_limit, length_penalty, stop: fixed into the programs.
       config: the training config, stored in the metadata for reference.
       platforms: backends to lower for (e.g. ("cpu", "cuda")); None = this one.
@@ -116,7 +117,10 @@ def export_translator(
     arrays = {f"p{i:04d}": np.asarray(x) for i, x in enumerate(leaves)}
     with atomic_write(os.path.join(directory, PARAMS)) as f:
         np.savez(f, **arrays)
-    atomic_write_bytes(os.path.join(directory, TOKENIZER), tokenizer_proto)
+    if isinstance(tokenizer_files, bytes):
+        tokenizer_files = {TOKENIZER: tokenizer_files}
+    for name, data in tokenizer_files.items():
+        atomic_write_bytes(os.path.join(directory, name), data)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     metadata = {
         "format_version": FORMAT_VERSION,

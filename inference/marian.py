@@ -30,6 +30,7 @@ from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, visible
 MARIAN_EOS, MARIAN_UNK = 0, 1
 _ABSENT = -30.0  # the logit bias of PAD and BOS, tokens a Marian model does not have
 _ACTIVATIONS = {"relu": "relu", "swish": "swish"}
+VOCAB_JSON = "marian_vocab.json"  # an export's vocabulary, in our id order
 
 
 def our_ids(num_marian: int) -> np.ndarray:
@@ -369,7 +370,7 @@ class MarianTokenizer:
 
         self._source = spm.SentencePieceProcessor(model_proto=source)
         self._target = spm.SentencePieceProcessor(model_proto=target)
-        self.pieces, self.proto = pieces, source
+        self.pieces, self.proto, self._target_proto = pieces, source, target
         self._ids = {p: i for i, p in reversed(list(enumerate(pieces)))}
 
     @property
@@ -389,6 +390,27 @@ class MarianTokenizer:
 
     def id_to_piece(self, i: int) -> str:
         return self.pieces[int(i)]
+
+    def files(self) -> dict[str, bytes]:
+        """What an exported translator stores to tokenize as this does: {name: contents}."""
+        import json
+
+        pieces = json.dumps(self.pieces, ensure_ascii=False).encode("utf-8")
+        return {"source.spm": self.proto, "target.spm": self._target_proto, VOCAB_JSON: pieces}
+
+
+def load_tokenizer(directory: str) -> Any:
+    """The tokenizer an exported translator (decode.py --export or --export_ct2) stored:
+    a Marian one (source.spm, target.spm, VOCAB_JSON) or ours (tokenizer.model)."""
+    import json
+
+    from data import Tokenizer
+    from data.tokenizer import TOKENIZER_FILENAME
+
+    if not os.path.isfile(os.path.join(directory, VOCAB_JSON)):
+        return Tokenizer.load(os.path.join(directory, TOKENIZER_FILENAME))
+    read = lambda name: open(os.path.join(directory, name), "rb").read()  # noqa: SIM115
+    return MarianTokenizer(read("source.spm"), read("target.spm"), json.loads(read(VOCAB_JSON)))
 
 
 def load_directory(directory: str, sharding: Any = None) -> tuple[Transformer, MarianTokenizer]:

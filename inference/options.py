@@ -158,7 +158,7 @@ class DecodeOptions:
         """--marian: an OPUS-MT / Marian model instead of a workdir's."""
         if not self.marian:
             return
-        others = [f"--{n}" for n in ("workdir", "exported", "ct2", "export", "export_ct2")]
+        others = [f"--{n}" for n in ("workdir", "exported", "ct2")]
         given = [flag for flag in others if getattr(self, flag[2:])]
         if given:
             raise UserError(f"--marian translates on its own: drop {', '.join(given)}")
@@ -171,8 +171,8 @@ class DecodeOptions:
             raise UserError(
                 "--ct2 translates on its own: drop --workdir, --exported, --export and --export_ct2"
             )
-        if self.export_ct2 and not self.workdir:
-            raise UserError("--export_ct2 converts a trained model: give --workdir")
+        if self.export_ct2 and not (self.workdir or self.marian):
+            raise UserError("--export_ct2 converts a trained model: give --workdir (or --marian)")
         if self.export_ct2 and self.export:
             raise UserError("--export and --export_ct2: one export at a time")
         if self.quantization != "float32" and not self.export_ct2:

@@ -80,13 +80,13 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
     beam_size, alpha, n_best = options.search
     meta = export_translator(
         loaded.model,
-        loaded.tokenizer.proto,
+        loaded.tokenizer.files(),
         options.export,
         beam_size=beam_size,
         alpha=alpha,
         n_best=n_best,
         vocab_limit=loaded.translator.vocab_limit,
-        config=loaded.config.to_dict(),
+        config=loaded.config.to_dict() if loaded.config is not None else None,
         platforms=list(options.export_platforms) or None,
         length_penalty=options.penalty,
         stop=options.stop or "bound",
@@ -109,16 +109,16 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
     beam_size, alpha, _ = options.search
     tokenizer = loaded.tokenizer
     pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-    source = {
-        "workdir": os.path.abspath(options.workdir),
-        "checkpoint": loaded.description,
-        "average_last": options.average_last,
-    }
+    source = {"checkpoint": loaded.description, "average_last": options.average_last}
+    if options.marian:
+        source = {"marian": os.path.abspath(options.marian)}
+    else:
+        source["workdir"] = os.path.abspath(options.workdir)
     try:
         write(
             loaded.model,
             pieces,
-            tokenizer.proto,
+            tokenizer.files(),
             options.export_ct2,
             quantization=options.quantization,
             alpha=alpha,

@@ -16,6 +16,7 @@ from common.errors import UserError
 from data import Tokenizer
 from inference import devices
 from inference.export import ExportedTranslator
+from inference.marian import load_tokenizer
 from inference.options import DecodeOptions
 from inference.restore import load_workdir, workdir_identity
 from inference.resume import files_identity
@@ -92,7 +93,7 @@ def _live(options: DecodeOptions, model: Transformer, tokenizer: Any, rows: Any)
 def _open_exported(options: DecodeOptions) -> Loaded:
     try:
         translator = ExportedTranslator.load(options.exported, options.tokens_per_batch)
-        tokenizer = Tokenizer.load(translator.tokenizer_path)
+        tokenizer = load_tokenizer(options.exported)
     except (OSError, ValueError, UserError) as e:
         raise UserError(str(e)) from e
     for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop"):
@@ -133,7 +134,7 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
             threads=options.threads,
             batch_tokens=options.tokens_per_batch,
         )
-        tokenizer = Tokenizer.load(translator.tokenizer_path)
+        tokenizer = load_tokenizer(options.ct2)
     except (ImportError, OSError, ValueError, UserError) as e:
         raise UserError(str(e)) from e
     int8 = str(translator.settings.get("quantization", "")).startswith("int8")

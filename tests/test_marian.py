@@ -18,7 +18,7 @@ from inference import marian
 from model import EOS_ID, shift_right
 from model.decoding import translate
 from model.scoring import EXTRA_DECODE_LEN
-from tests.marian_files import PIECES, vocab_yml, write_hugging_face, write_marian
+from tests.marian_files import PIECES, vocab_yml, write_marian
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -139,16 +139,13 @@ def test_untrusted_or_broken_directories_are_one_clear_error(tmp_path):
         marian.load_marian(str(tmp_path / "nothing"))
 
 
-def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path):
-    """decode.py --marian end to end (source.spm, the vocabulary, our model, target.spm)
-    against CTranslate2's conversion of the same directory: greedy search gives every
-    line the same, beam 4 with CTranslate2's length penalty >= 95% of them. The model
-    favours </s> so that translations end, as a trained model's do (a random one runs
-    to the length limit, where 50 steps of near-ties decide a beam)."""
+def opus_mt_directory(tmp_path, eos: float = 2.0):
+    """An OPUS-MT directory with real source.spm / target.spm and a joint vocabulary of
+    their pieces; returns (directory, German lines, the two SentencePiece processors)."""
     import sentencepiece as spm
 
     from data.tokenizer import train_tokenizer
-    from tests.test_decode_cli import digit_pairs, run_decode
+    from tests.test_decode_cli import digit_pairs
 
     pairs = digit_pairs(np.random.default_rng(3), 300)
     protos = [train_tokenizer([p[k] for p in pairs], 300) for k in (0, 1)]
@@ -159,10 +156,21 @@ def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path)
             piece = sp.id_to_piece(i)
             if not (sp.is_control(i) or sp.is_unknown(i)) and piece not in pieces:
                 pieces.append(piece)
-    directory = write_marian(tmp_path / "opus", 4, pieces=pieces, eos=2.0)
+    directory = write_marian(tmp_path / "opus", 4, pieces=pieces, eos=eos)
     for name, proto in zip(("source.spm", "target.spm"), protos, strict=True):
         (tmp_path / "opus" / name).write_bytes(proto)
-    lines = [de for de, _ in pairs[:100]]
+    return directory, [de for de, _ in pairs[:100]], procs
+
+
+def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path):
+    """decode.py --marian end to end (source.spm, the vocabulary, our model, target.spm)
+    against CTranslate2's conversion of the same directory: greedy search gives every
+    line the same, beam 4 with CTranslate2's length penalty >= 95% of them. The model
+    favours </s> so that translations end, as a trained model's do (a random one runs
+    to the length limit, where 50 steps of near-ties decide a beam)."""
+    from tests.test_decode_cli import run_decode
+
+    directory, lines, procs = opus_mt_directory(tmp_path)
     (tmp_path / "in.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
     translator = ct2_model(directory, tmp_path / "ct2")
     for beam, flags in ((1, []), (4, ["--length_penalty=average", "--alpha=1.0"])):
@@ -184,16 +192,24 @@ def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path)
         assert "the Marian model in" in ours.stderr.decode()
 
 
-def test_the_hugging_face_layout_of_the_same_weights_imports_to_identical_parameters(tmp_path):
-    from flax import nnx
+def test_an_imported_model_exports_to_ctranslate2_and_stablehlo_and_translates_the_same(
+    tmp_path,
+):
+    """--marian with --export_ct2 and with --export: the exports (their tokenizer is
+    Marian's two SentencePiece models and the vocabulary) translate as --marian does."""
+    from tests.test_decode_cli import run_decode
 
-    directory = write_marian(tmp_path / "opus", 5)
-    hf = write_hugging_face(directory, tmp_path / "hf")
-    a, pieces_a = marian.load_marian(directory)
-    b, pieces_b = marian.load_marian(hf)
-    assert pieces_a == pieces_b and a.config == b.config
-    flat = lambda m: dict(nnx.to_flat_state(nnx.state(m, nnx.Param)))
-    pa, pb = flat(a), flat(b)
-    assert pa.keys() == pb.keys()
-    for key in pa:
-        np.testing.assert_array_equal(pa[key][...], pb[key][...], err_msg=str(key))
+    directory, lines, _ = opus_mt_directory(tmp_path)
+    src = tmp_path / "in.de"
+    src.write_text("\n".join(lines[:30]) + "\n", encoding="utf-8")
+    common = (f"--input={src}", "--beam_size=1")
+    want = run_decode(f"--marian={directory}", *common)
+    assert want.returncode == 0, want.stderr.decode()[-2000:]
+    for flag, use in (("--export_ct2", "--ct2"), ("--export", "--exported")):
+        out = tmp_path / flag.strip("-")
+        made = run_decode(f"--marian={directory}", f"{flag}={out}", "--beam_size=1")
+        assert made.returncode == 0, made.stderr.decode()[-2000:]
+        assert (out / "source.spm").is_file() and (out / marian.VOCAB_JSON).is_file()
+        got = run_decode(f"{use}={out}", *common)  # greedy: no length penalty in play
+        assert got.returncode == 0, got.stderr.decode()[-2000:]
+        assert got.stdout == want.stdout, use
