@@ -18,7 +18,7 @@ from inference import marian
 from model import EOS_ID, shift_right
 from model.decoding import translate
 from model.scoring import EXTRA_DECODE_LEN
-from tests.marian_files import PIECES, vocab_yml, write_marian
+from tests.marian_files import PIECES, vocab_yml, write_hugging_face, write_marian
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -213,3 +213,18 @@ def test_an_imported_model_exports_to_ctranslate2_and_stablehlo_and_translates_t
         got = run_decode(f"{use}={out}", *common)  # greedy: no length penalty in play
         assert got.returncode == 0, got.stderr.decode()[-2000:]
         assert got.stdout == want.stdout, use
+
+
+def test_the_hugging_face_layout_of_the_same_weights_imports_to_identical_parameters(tmp_path):
+    from flax import nnx
+
+    directory = write_marian(tmp_path / "opus", 5)
+    hf = write_hugging_face(directory, tmp_path / "hf")
+    a, pieces_a = marian.load_marian(directory)
+    b, pieces_b = marian.load_marian(hf)
+    assert pieces_a == pieces_b and a.config == b.config
+    flat = lambda m: dict(nnx.to_flat_state(nnx.state(m, nnx.Param)))
+    pa, pb = flat(a), flat(b)
+    assert pa.keys() == pb.keys()
+    for key in pa:
+        np.testing.assert_array_equal(pa[key][...], pb[key][...], err_msg=str(key))
