@@ -192,6 +192,7 @@ def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path)
         assert "the Marian model in" in ours.stderr.decode()
 
 
+@pytest.mark.slow  # ~20 s of decode.py runs; the export round trips of a workdir are in make test
 def test_an_imported_model_exports_to_ctranslate2_and_stablehlo_and_translates_the_same(
     tmp_path,
 ):
