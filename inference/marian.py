@@ -407,10 +407,24 @@ def load_tokenizer(directory: str) -> Any:
     from data import Tokenizer
     from data.tokenizer import TOKENIZER_FILENAME
 
-    if not os.path.isfile(os.path.join(directory, VOCAB_JSON)):
+    path = os.path.join(directory, VOCAB_JSON)
+    if not os.path.isfile(path):
         return Tokenizer.load(os.path.join(directory, TOKENIZER_FILENAME))
-    read = lambda name: open(os.path.join(directory, name), "rb").read()  # noqa: SIM115
-    return MarianTokenizer(read("source.spm"), read("target.spm"), json.loads(read(VOCAB_JSON)))
+    with open(path, encoding="utf-8") as f:
+        pieces = json.load(f)
+    return MarianTokenizer(*_sentencepiece_models(directory), pieces)
+
+
+def _sentencepiece_models(directory: str) -> list[bytes]:
+    """OPUS-MT's source.spm and target.spm of `directory` (UserError if one is missing)."""
+    models = []
+    for name in ("source.spm", "target.spm"):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise UserError(f"{directory}: no {name} (OPUS-MT's SentencePiece models)")
+        with open(path, "rb") as f:
+            models.append(f.read())
+    return models
 
 
 def load_directory(directory: str, sharding: Any = None) -> tuple[Transformer, MarianTokenizer]:
@@ -420,13 +434,7 @@ def load_directory(directory: str, sharding: Any = None) -> tuple[Transformer, M
     from flax import nnx
 
     model, pieces = load_marian(directory)
-    spms = []
-    for name in ("source.spm", "target.spm"):
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            raise UserError(f"{directory}: no {name} (OPUS-MT's SentencePiece models)")
-        with open(path, "rb") as f:
-            spms.append(f.read())
+    spms = _sentencepiece_models(directory)
     if sharding is not None:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, jax.device_put(state, sharding))

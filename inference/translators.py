@@ -31,7 +31,7 @@ class Loaded:
     its model."""
 
     translator: Translator
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer  # or inference.marian.MarianTokenizer (the same interface)
     description: str  # "step 3000", "the translator exported in DIR"
     model: Transformer | None = None
     config: Any = None
