@@ -1,6 +1,6 @@
 """A trained model as a CTranslate2 model directory, written through `ctranslate2.specs`.
 
-    export_ct2(model, tokenizer, "serve/", quantization="int8", source={"step": 3000})
+    export_ct2(model, pieces, tokenizer.files(), "serve/", quantization="int8")
     # serve/ can then be used by decode.py --ct2=serve/ or by plain CTranslate2:
     #   ctranslate2.Translator("serve/").translate_batch([sp.encode(text, out_type=str)])
 
@@ -288,7 +288,7 @@ def decoding_settings(
 def export_ct2(
     model: Transformer,
     pieces: list[str],
-    tokenizer_files: bytes | dict[str, bytes],
+    tokenizer_files: dict[str, bytes],
     directory: str,
     *,
     quantization: str = "float32",
@@ -301,7 +301,7 @@ def export_ct2(
     Args:
       model: the Transformer (any supported config; see `unsupported`).
       pieces: the tokenizer's pieces in id order; tokenizer_files: its files
-        ({name: contents}, `tokenizer.files()`), or our SentencePiece model's bytes.
+        ({name: contents}, `tokenizer.files()`).
       directory: created, or replaced if it holds an earlier export (never another
         non-empty directory); the new one appears only once complete.
       quantization: one of QUANTIZATIONS (CTranslate2's weight types).
@@ -330,8 +330,6 @@ def export_ct2(
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's is owner-only; a model directory is not secret
     try:
         spec.save(tmp)
-        if isinstance(tokenizer_files, bytes):
-            tokenizer_files = {TOKENIZER: tokenizer_files}
         for name, data in tokenizer_files.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)

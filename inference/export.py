@@ -1,6 +1,6 @@
 """A self-contained translator: tokenizer, serialized search programs, parameters, metadata.
 
-    export_translator(model, tokenizer_proto, "translator/", beam_size=4, alpha=0.6)
+    export_translator(model, tokenizer.files(), "translator/", beam_size=4, alpha=0.6)
     translator = ExportedTranslator.load("translator/")  # no checkpoint, no model classes
     hyps = translator.translate(sources)                   # a Translator, as LiveTranslator
 
@@ -81,7 +81,7 @@ def _serialize(fn, args, platforms) -> tuple[bytes, object]:
 
 def export_translator(
     model: Transformer,
-    tokenizer_files: bytes | dict[str, bytes],
+    tokenizer_files: dict[str, bytes],
     directory: str,
     *,
     beam_size: int,
@@ -97,8 +97,7 @@ def export_translator(
 
     Args:
       model: the Transformer to export (its config's max_len bounds the widths).
-      tokenizer_files: the tokenizer's files ({name: contents}, `tokenizer.files()`), or
-        our serialized SentencePiece model.
+      tokenizer_files: the tokenizer's files ({name: contents}, `tokenizer.files()`).
       beam_size, alpha, n_best, vocab_limit, length_penalty, stop: fixed into the programs.
       config: the training config, stored in the metadata for reference.
       platforms: backends to lower for (e.g. ("cpu", "cuda")); None = this one.
@@ -117,8 +116,6 @@ def export_translator(
     arrays = {f"p{i:04d}": np.asarray(x) for i, x in enumerate(leaves)}
     with atomic_write(os.path.join(directory, PARAMS)) as f:
         np.savez(f, **arrays)
-    if isinstance(tokenizer_files, bytes):
-        tokenizer_files = {TOKENIZER: tokenizer_files}
     for name, data in tokenizer_files.items():
         atomic_write_bytes(os.path.join(directory, name), data)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]

@@ -69,7 +69,7 @@ def our_log_probs(model, data):
 def test_converted_model_scores_as_ours(tmp_path, options):
     model = perturbed_model(3, **options)
     out = tmp_path / "ct2"
-    settings = ct2_export.export_ct2(model, PIECES, b"spm", str(out))
+    settings = ct2_export.export_ct2(model, PIECES, {"tokenizer.model": b"spm"}, str(out))
     data = pairs(5, 12)
     ours = our_log_probs(model, data)
     translator = ctranslate2.Translator(str(out), device="cpu")
@@ -112,7 +112,9 @@ def ct2_log_probs(directory: str, data, env: dict[str, str]) -> list[list[float]
 
 def test_int8_scores_stay_close(tmp_path):
     model = perturbed_model(4)
-    ct2_export.export_ct2(model, PIECES, b"spm", str(tmp_path / "q"), quantization="int8")
+    ct2_export.export_ct2(
+        model, PIECES, {"tokenizer.model": b"spm"}, str(tmp_path / "q"), quantization="int8"
+    )
     data = pairs(6, 8)
     ours = our_log_probs(model, data)
     # Where CTranslate2's default int8 kernels saturate (x86 without VNNI, not Intel:
@@ -150,7 +152,9 @@ def test_int8_saturation_is_told_from_the_cpu(monkeypatch, cpuinfo, env, want):
 
 def test_placeholders_fill_a_vocabulary_larger_than_the_tokenizer(tmp_path):
     model = perturbed_model(5)
-    settings = ct2_export.export_ct2(model, PIECES[:30], b"spm", str(tmp_path / "m"))
+    settings = ct2_export.export_ct2(
+        model, PIECES[:30], {"tokenizer.model": b"spm"}, str(tmp_path / "m")
+    )
     vocab = json.loads((tmp_path / "m" / "shared_vocabulary.json").read_text())
     assert vocab[:30] == PIECES[:30] and len(vocab) == len(set(vocab)) == 40
     assert settings["vocab_limit"] == 30
@@ -178,18 +182,22 @@ def test_unsupported_configs_are_refused_by_name():
 def test_export_replaces_only_an_earlier_export(tmp_path):
     model = perturbed_model(7)
     target = tmp_path / "m"
-    ct2_export.export_ct2(model, PIECES, b"one", str(target))
-    ct2_export.export_ct2(model, PIECES, b"two", str(target), quantization="int8")
+    ct2_export.export_ct2(model, PIECES, {"tokenizer.model": b"one"}, str(target))
+    ct2_export.export_ct2(
+        model, PIECES, {"tokenizer.model": b"two"}, str(target), quantization="int8"
+    )
     assert (target / "tokenizer.model").read_bytes() == b"two"
     assert json.loads((target / "decoding.json").read_text())["quantization"] == "int8"
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not empty and holds no earlier CTranslate2 export"):
-        ct2_export.export_ct2(model, PIECES, b"x", str(other))
+        ct2_export.export_ct2(model, PIECES, {"tokenizer.model": b"x"}, str(other))
     assert os.listdir(other) == ["notes.txt"]
     with pytest.raises(ValueError, match="quantization must be one of"):
-        ct2_export.export_ct2(model, PIECES, b"x", str(tmp_path / "n"), quantization="int4")
+        ct2_export.export_ct2(
+            model, PIECES, {"tokenizer.model": b"x"}, str(tmp_path / "n"), quantization="int4"
+        )
 
 
 def test_missing_ctranslate2_says_how_to_install(monkeypatch):

@@ -213,7 +213,9 @@ def test_an_exported_translator_shrinks_batches_as_the_live_model(model, tmp_pat
         return more
 
     monkeypatch.setattr(stages._Stages, "finish", finish)
-    export_translator(model, b"unused", str(tmp_path), beam_size=4, alpha=0.6, n_best=2)
+    export_translator(
+        model, {"tokenizer.model": b"unused"}, str(tmp_path), beam_size=4, alpha=0.6, n_best=2
+    )
     sources = sources_of(np.random.default_rng(2).integers(1, 13, 30))
     exported = ExportedTranslator.load(str(tmp_path), batch_tokens=512).translate(sources)
     assert any(shrunk)  # some batch went on in fewer rows through the exported programs
