@@ -102,6 +102,7 @@ def _compile_for() -> int:
     from aot import report as aot_report
     from common import log, xla
     from common.errors import UserError
+    from training.init_from import adopt_model
 
     xla.set_gpu_flags()  # what train.py runs with on a GPU
 
@@ -110,6 +111,7 @@ def _compile_for() -> int:
     label = config_flags.get_config_filename(flags.FLAGS["config"])
     target, slices = _COMPILE_FOR.value, _SLICES.value
     try:
+        config = adopt_model(config)  # config.init_from: the imported model's shape
         report = fit.compile_for(
             config, target, slices=slices, all_buckets=_ALL_BUCKETS.value, label=label,
             dump_dir=_DUMP.value,

@@ -85,6 +85,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.positions = "sinusoid"  # 'sinusoid_halves' (Marian's layout), 'table' (trained)
     c.model.zero_start = False  # the decoder starts from a zero vector, not BOS's embedding
 
+    # Start from a trained OPUS-MT / Marian model (a directory in either layout that
+    # decode.py --marian reads): its model shape, weights and tokenizer replace the
+    # fields above and the tokenizer fitting (configs/marian.py, training/init_from.py).
+    c.init_from = ""
+
     # --- Optimization (paper section 5.3) --------------------------------
     c.optimizer = "adam"  # 'adam' or 'adamw' (decoupled weight decay)
     c.adam_b1 = 0.9
@@ -124,6 +129,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_max_examples = 0  # dev pairs decoded for BLEU at periodic evals; 0 = the whole dev set
     # Dev pairs decoded for the final BLEU at the end of training; 0 = the whole dev set.
     c.final_eval_max_examples = 0
+    # Evaluate the model before the first step too (a fine-tune's baseline, as step 0).
+    c.eval_at_start = False
     c.eval_beam_size = 4
     c.eval_alpha = 0.6
     c.num_examples_to_print = 5

@@ -104,11 +104,11 @@ def _encode_range(corpus, tokenizer, spec: ShardSpec, ids: np.dtype, lo: int, hi
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(corpus: Any, proto: bytes, spec: ShardSpec, ids: np.dtype) -> None:
-    from data.tokenizer import Tokenizer
+def _init_worker(corpus: Any, files: dict[str, bytes], spec: ShardSpec, ids: np.dtype) -> None:
+    from data.tokenizer import from_files
 
     # One core per worker: SentencePiece's own threads would only compete with the others.
-    tokenizer = Tokenizer(proto, num_threads=1)
+    tokenizer = from_files(files, num_threads=1)
     _WORKER.update(corpus=corpus, tokenizer=tokenizer, spec=spec, ids=ids)
 
 
@@ -176,8 +176,8 @@ def encode_shard(
     workers = min(resolve_workers(workers), len(bounds))
     progress = _Progress(n, desc)
     try:
-        # Workers rebuild the tokenizer from its proto; a stand-in without one runs here.
-        if workers <= 1 or n < PARALLEL_MIN_PAIRS or getattr(tokenizer, "proto", None) is None:
+        # Workers rebuild the tokenizer from its files; a stand-in without them runs here.
+        if workers <= 1 or n < PARALLEL_MIN_PAIRS or not hasattr(tokenizer, "files"):
             for lo, hi in bounds:
                 consume(_encode_range(corpus, tokenizer, spec, ids, lo, hi))
                 progress.update(hi - lo)
@@ -187,7 +187,7 @@ def encode_shard(
             workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(corpus, tokenizer.proto, spec, ids),
+            initargs=(corpus, tokenizer.files(), spec, ids),
         )
         try:
             todo, pending = iter(bounds), collections.deque()

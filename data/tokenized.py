@@ -95,7 +95,7 @@ def encode_chunk(
     corpus positions.
     """
     src = tokenizer.encode_batch([p[0] for p in pairs])
-    tgt = tokenizer.encode_batch([p[1] for p in pairs])
+    tgt = tokenizer.encode_target_batch([p[1] for p in pairs])
     cap = max_length - 1  # EOS (source) or BOS (target input) takes the last slot
     index = np.asarray(indices, np.int64)
     dropped = 0

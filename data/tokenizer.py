@@ -1,14 +1,20 @@
-"""SentencePiece tokenizer shared by source and target (one vocabulary).
+"""Tokenizers: ours (one SentencePiece model for both sides) and OPUS-MT's.
 
-Trained once per workdir on a bounded, seeded sample of the training text of
-both languages, saved as `WORKDIR/tokenizer.model`, and reused on resume and by
+Ours is trained once per workdir on a bounded, seeded sample of the training text
+of both languages, saved as `WORKDIR/tokenizer.model`, and reused on resume and by
 decode.py. Ids: 0 pad, 1 eos, 2 bos, 3 unk, from model/tokens.py (the model's own).
+
+An OPUS-MT model's (`MarianTokenizer`) cuts sources with source.spm and targets
+with target.spm, and numbers the pieces of both with one joint vocabulary. A
+workdir fine-tuned from such a model holds those three files instead of
+tokenizer.model; `load_tokenizer` reads either kind.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import re
@@ -25,6 +31,8 @@ from data.files import atomic_write_bytes
 from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, visible
 
 TOKENIZER_FILENAME = "tokenizer.model"
+SOURCE_SPM, TARGET_SPM = "source.spm", "target.spm"  # OPUS-MT's SentencePiece models
+MARIAN_VOCAB = "marian_vocab.json"  # an OPUS-MT vocabulary in our id order
 # byte_fallback reserves 256 byte pieces, so unknown characters (emoji, rare
 # scripts) round-trip exactly instead of becoming <unk>.
 _NUM_BYTE_PIECES = 256
@@ -61,6 +69,10 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._sp.encode(list(texts))
 
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Targets are cut as sources are: one model for both sides."""
+        return self.encode_batch(texts)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` up to the first EOS; pad and BOS are ignored."""
         return self._sp.decode(visible(ids))
@@ -71,6 +83,99 @@ class Tokenizer:
     def files(self) -> dict[str, bytes]:
         """What an exported translator stores to tokenize as this does: {name: contents}."""
         return {TOKENIZER_FILENAME: self.proto}
+
+
+class MarianTokenizer:
+    """An OPUS-MT model's tokenizer, with `Tokenizer`'s interface: source.spm cuts sources
+    and target.spm targets into pieces, the joint vocabulary numbers them (`pieces`, in
+    our id order: data/marian.py `read_pieces`), target.spm joins output pieces into text."""
+
+    def __init__(
+        self, source: bytes, target: bytes, pieces: list[str], path: str = "", num_threads: int = -1
+    ):
+        self._source = spm.SentencePieceProcessor(model_proto=source, num_threads=num_threads)
+        self._target = spm.SentencePieceProcessor(model_proto=target, num_threads=num_threads)
+        self.pieces, self.path = pieces, path
+        self._protos = source, target
+        self._ids = {p: i for i, p in reversed(list(enumerate(pieces)))}
+        self.fingerprint = hashlib.sha256(b"\0".join(self.files().values())).hexdigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.pieces)
+
+    def _number(self, pieces: list[list[str]]) -> list[list[int]]:
+        """Pieces -> ids (a piece outside the vocabulary is <unk>)."""
+        return [[self._ids.get(p, UNK_ID) for p in row] for row in pieces]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a source `text`, without EOS."""
+        return self._number([self._source.encode(text, out_type=str)])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._number(self._source.encode(list(texts), out_type=str))
+
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._number(self._target.encode(list(texts), out_type=str))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids` up to the first EOS; pad and BOS are ignored."""
+        return self._target.decode_pieces([self.pieces[i] for i in visible(ids)])
+
+    def id_to_piece(self, i: int) -> str:
+        return self.pieces[int(i)]
+
+    def files(self) -> dict[str, bytes]:
+        """What an exported translator stores to tokenize as this does: {name: contents}."""
+        vocab = json.dumps(self.pieces, ensure_ascii=False).encode("utf-8")
+        return {SOURCE_SPM: self._protos[0], TARGET_SPM: self._protos[1], MARIAN_VOCAB: vocab}
+
+
+def from_files(
+    files: dict[str, bytes], path: str = "", num_threads: int = -1
+) -> Tokenizer | MarianTokenizer:
+    """The tokenizer whose `files()` these are."""
+    if MARIAN_VOCAB in files:
+        pieces = json.loads(files[MARIAN_VOCAB].decode("utf-8"))
+        return MarianTokenizer(files[SOURCE_SPM], files[TARGET_SPM], pieces, path, num_threads)
+    return Tokenizer(files[TOKENIZER_FILENAME], path=path, num_threads=num_threads)
+
+
+def read_sentencepiece_models(directory: str) -> tuple[bytes, bytes]:
+    """OPUS-MT's source.spm and target.spm in `directory` (UserError if one is missing)."""
+    models = []
+    for name in (SOURCE_SPM, TARGET_SPM):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise UserError(f"{directory}: no {name} (OPUS-MT's SentencePiece models)")
+        with open(path, "rb") as f:
+            models.append(f.read())
+    return models[0], models[1]
+
+
+def tokenizer_names(directory: str) -> tuple[str, ...]:
+    """The names of the tokenizer files `load_tokenizer` reads in `directory`."""
+    if os.path.isfile(os.path.join(directory, MARIAN_VOCAB)):
+        return SOURCE_SPM, TARGET_SPM, MARIAN_VOCAB
+    return (TOKENIZER_FILENAME,)
+
+
+def has_tokenizer(directory: str) -> bool:
+    """Whether `directory` holds a tokenizer's files (ours, or an OPUS-MT one's)."""
+    return os.path.isfile(os.path.join(directory, tokenizer_names(directory)[-1]))
+
+
+def load_tokenizer(directory: str) -> Tokenizer | MarianTokenizer:
+    """The tokenizer a workdir or an exported translator holds: an OPUS-MT one (source.spm,
+    target.spm, MARIAN_VOCAB) or ours (tokenizer.model)."""
+    path = os.path.join(directory, MARIAN_VOCAB)
+    if not os.path.isfile(path):
+        return Tokenizer.load(os.path.join(directory, TOKENIZER_FILENAME))
+    with open(path, "rb") as f:
+        vocab = f.read()
+    source, target = read_sentencepiece_models(directory)
+    files = {SOURCE_SPM: source, TARGET_SPM: target, MARIAN_VOCAB: vocab}
+    return from_files(files, path=directory)
 
 
 # Pairs read from the corpus at a time while streaming the tokenizer's sample.
@@ -133,24 +238,26 @@ def train_tokenizer(
     return model.getvalue()
 
 
-def get_tokenizer(config: Any, workdir: str, corpus: Any) -> Tokenizer:
-    """Loads `workdir/tokenizer.model`, or trains it from `corpus` and saves it.
+def get_tokenizer(config: Any, workdir: str, corpus: Any) -> Tokenizer | MarianTokenizer:
+    """Loads the workdir's tokenizer (`load_tokenizer`: tokenizer.model, or an OPUS-MT
+    model's files that a fine-tune wrote), or trains one from `corpus` and saves it
+    as `workdir/tokenizer.model`.
 
     Training is deterministic: the sample depends on `config.seed` only.
     """
     path = os.path.join(workdir, TOKENIZER_FILENAME)
-    if os.path.isfile(path):
-        tok = Tokenizer.load(path)
+    if has_tokenizer(workdir):
+        tok = load_tokenizer(workdir)
         if tok.vocab_size > config.vocab_size:  # its ids would not fit the embedding
             raise UserError(
-                f"{path} has a vocabulary of {tok.vocab_size}, but config.vocab_size is "
-                f"{config.vocab_size}: use a fresh workdir or set "
+                f"{tok.path} has a vocabulary of {tok.vocab_size}, but config.vocab_size "
+                f"is {config.vocab_size}: use a fresh workdir or set "
                 f"--config.vocab_size={tok.vocab_size}"
             )
         if tok.vocab_size < config.vocab_size:
             _log.info(
-                f"{path} has {tok.vocab_size} pieces, config.vocab_size {config.vocab_size}: "
-                f"ids >= {tok.vocab_size} are never produced"
+                f"{tok.path} has {tok.vocab_size} pieces, config.vocab_size "
+                f"{config.vocab_size}: ids >= {tok.vocab_size} are never produced"
             )
         return tok
     t0 = time.time()

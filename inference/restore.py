@@ -22,7 +22,7 @@ from flax import nnx
 
 from common.errors import UserError
 from data import Tokenizer
-from data.tokenizer import TOKENIZER_FILENAME
+from data.tokenizer import TOKENIZER_FILENAME, has_tokenizer, load_tokenizer, tokenizer_names
 from inference.resume import files_identity
 from model import Transformer
 from training.checkpoints import CHECKPOINT_DIR, Checkpoints
@@ -110,13 +110,13 @@ def load_workdir(
 ) -> tuple[Transformer, ml_collections.ConfigDict, int, Tokenizer]:
     """`restore_model` and the workdir's tokenizer, for decode.py: UserError says what is
     wrong (a missing workdir, tokenizer, config.json or checkpoint)."""
-    tokenizer_path = os.path.join(workdir, TOKENIZER_FILENAME)
-    if os.path.isdir(workdir) and not os.path.isfile(tokenizer_path):
+    if os.path.isdir(workdir) and not has_tokenizer(workdir):
+        tokenizer_path = os.path.join(workdir, TOKENIZER_FILENAME)
         raise UserError(f"{tokenizer_path} is missing; was {workdir} made by train.py?")
     model, config, step = restore_model(
         workdir, step=step, average_last=average_last, sharding=sharding
     )
-    return model, config, step, Tokenizer.load(tokenizer_path)
+    return model, config, step, load_tokenizer(workdir)
 
 
 def workdir_identity(workdir: str, step: int, average_last: int = 1) -> dict:
@@ -127,6 +127,6 @@ def workdir_identity(workdir: str, step: int, average_last: int = 1) -> dict:
     directory = os.path.join(workdir, CHECKPOINT_DIR)
     steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit() and int(d) <= step)
     steps = steps[-average_last:]
-    files = [os.path.join(workdir, CONFIG_FILE), os.path.join(workdir, TOKENIZER_FILENAME)]
+    files = [os.path.join(workdir, n) for n in (CONFIG_FILE, *tokenizer_names(workdir))]
     files += [os.path.join(directory, str(s)) for s in steps]
     return {"workdir": os.path.abspath(workdir), "steps": steps, "files": files_identity(files)}

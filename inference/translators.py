@@ -14,9 +14,9 @@ from typing import Any
 
 from common.errors import UserError
 from data import Tokenizer
+from data.tokenizer import load_tokenizer
 from inference import devices
 from inference.export import ExportedTranslator
-from inference.marian import load_tokenizer
 from inference.options import DecodeOptions
 from inference.restore import load_workdir, workdir_identity
 from inference.resume import files_identity
@@ -31,7 +31,7 @@ class Loaded:
     its model."""
 
     translator: Translator
-    tokenizer: Tokenizer  # or inference.marian.MarianTokenizer (the same interface)
+    tokenizer: Tokenizer  # or data.tokenizer.MarianTokenizer (the same interface)
     description: str  # "step 3000", "the translator exported in DIR"
     model: Transformer | None = None
     config: Any = None
@@ -53,7 +53,7 @@ def open_translator(options: DecodeOptions) -> Loaded:
         return _open_ct2(options)
     rows, replicated = devices.shardings()  # every device of the job, or None for one
     if options.marian:
-        from inference.marian import load_directory
+        from data.marian import load_directory
 
         model, tokenizer = load_directory(options.marian, replicated)
         identity = {"marian": files_identity([options.marian])}

@@ -27,6 +27,8 @@ class WordTokenizer:
     def encode_batch(self, texts):
         return [self.encode(t) for t in texts]
 
+    encode_target_batch = encode_batch  # one model for both sides
+
 
 TOK = WordTokenizer()
 

@@ -280,6 +280,8 @@ class WordTokenizer:
     def encode_batch(self, texts):
         return [[4 + int(w) for w in t.split()] for t in texts]
 
+    encode_target_batch = encode_batch  # one model for both sides
+
 
 def corpus(n=600, seed=0):
     rng = np.random.default_rng(seed)

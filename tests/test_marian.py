@@ -1,4 +1,4 @@
-"""OPUS-MT / Marian models imported into our model (inference/marian.py), against an
+"""OPUS-MT / Marian models imported into our model (data/marian.py), against an
 implementation we did not write: CTranslate2's own OPUS-MT converter and translator.
 
 The tests write small Marian models themselves, with Marian's parameter names,
@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from common.errors import UserError
-from inference import marian
+from data import marian
+from data.tokenizer import MARIAN_VOCAB
 from model import EOS_ID, shift_right
 from model.decoding import translate
 from model.scoring import EXTRA_DECODE_LEN
@@ -210,7 +211,7 @@ def test_an_imported_model_exports_to_ctranslate2_and_stablehlo_and_translates_t
         out = tmp_path / flag.strip("-")
         made = run_decode(f"--marian={directory}", f"{flag}={out}", "--beam_size=1")
         assert made.returncode == 0, made.stderr.decode()[-2000:]
-        assert (out / "source.spm").is_file() and (out / marian.VOCAB_JSON).is_file()
+        assert (out / "source.spm").is_file() and (out / MARIAN_VOCAB).is_file()
         got = run_decode(f"{use}={out}", *common)  # greedy: no length penalty in play
         assert got.returncode == 0, got.stderr.decode()[-2000:]
         assert got.stdout == want.stdout, use

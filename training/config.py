@@ -251,6 +251,9 @@ MODEL_STRUCTURE = (
     "model.share_embeddings",
     "model.tie_output",
     "model.param_dtype",
+    "model.attention_bias",
+    "model.logits_bias",
+    "model.positions",  # 'table' adds a parameter
 )
 # Fields that can change the optimizer state's structure (a transform added or removed).
 OPTIMIZER_STRUCTURE = ("optimizer", "grad_clip_norm", "weight_decay")

@@ -40,7 +40,7 @@ from common import log
 from common.errors import UserError
 from training import checkpoints as ckpt
 from training import config as config_lib
-from training import distributed, evaluate, metrics, steps
+from training import distributed, evaluate, init_from, metrics, steps
 from training.input import ShardedInput
 from training.mesh import batch_divisor, make_mesh, shard_batch
 from training.packed import Packing
@@ -199,8 +199,10 @@ class _Saving:
 
 
 def _tokenizer(config: ml_collections.ConfigDict, workdir: str, corpus: Any) -> data.Tokenizer:
-    """WORKDIR/tokenizer.model: process 0 trains it if missing, the others then load it."""
+    """The workdir's tokenizer: process 0 trains it (or copies config.init_from's) if
+    missing, the others then load it."""
     if jax.process_index() == 0:
+        init_from.write_tokenizer(config, workdir)
         tokenizer = data.get_tokenizer(config, workdir, corpus)
     distributed.sync("tokenizer")
     if jax.process_index() != 0:
@@ -240,6 +242,7 @@ class _Parts:
 def _start(config: ml_collections.ConfigDict, workdir: str) -> _Parts:
     """Setup, data, mesh, model and optimizer (born sharded, or restored) of a run."""
     log.setup()
+    config = init_from.adopt_model(config, workdir)
     config_lib.validate(config)
     is_main = jax.process_index() == 0
     _check_writable(workdir)
@@ -291,6 +294,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     # --- Loop --------------------------------------------------------------------------
     with saving.stop, distributed.PeerWatchdog(config.peer_timeout_seconds), run.manager:
+        if config.eval_at_start and start == 0:  # the starting model's scores, as step 0
+            evaluation.run(training.state, 0, config.eval_max_examples)
         batches = iter(run.inputs)
         while step < total:
             training.step(batches, run.mesh)

@@ -28,7 +28,7 @@ from common.errors import UserError
 from data.files import atomic_write
 from training import checkpoints as ckpt
 from training import config as config_lib
-from training import metrics, steps
+from training import init_from, metrics, steps
 from training.input import ShardedInput
 
 _log = logging.getLogger(__name__)
@@ -146,8 +146,11 @@ def restore_or_init(
             "--config.allow_fresh_start=True to train from scratch in this workdir"
         )
     if restored is None:
-        _trim_metrics(workdir, 0)  # rows of a run killed before its first checkpoint
-        return steps.init_train_state(setup), RunTotals()
+        _trim_metrics(workdir, -1)  # rows of a run killed before its first checkpoint
+        state = steps.init_train_state(setup)
+        if config.init_from:
+            state = init_from.with_imported_params(state, setup)
+        return state, RunTotals()
     latest, state, data_state = restored
     saved = data_state["iterators"]
     if not train_iter.set_global_state(saved):

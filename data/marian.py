@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 
 from common.errors import UserError
+from data.tokenizer import MarianTokenizer, read_sentencepiece_models
 from model import Transformer, TransformerConfig
-from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, visible
+from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 MARIAN_EOS, MARIAN_UNK = 0, 1
 _ABSENT = -30.0  # the logit bias of PAD and BOS, tokens a Marian model does not have
 _ACTIVATIONS = {"relu": "relu", "swish": "swish"}
-VOCAB_JSON = "marian_vocab.json"  # an export's vocabulary, in our id order
 
 
 def our_ids(num_marian: int) -> np.ndarray:
@@ -245,7 +245,7 @@ def find_files(directory: str) -> tuple[str, list[str]]:
     import yaml
 
     if not os.path.isdir(directory):
-        raise UserError(f"--marian={directory}: not a directory")
+        raise UserError(f"{directory}: not a directory (of an OPUS-MT / Marian model)")
     names = os.listdir(directory)
     if "pytorch_model.bin" in names and "model.safetensors" not in names:
         raise UserError(
@@ -270,21 +270,19 @@ def find_files(directory: str) -> tuple[str, list[str]]:
     return os.path.join(directory, npz[0]), [os.path.join(directory, vocab[0])]
 
 
-def from_hugging_face(directory: str) -> tuple[dict[str, np.ndarray], dict[str, Any], list[str]]:
-    """A Hugging Face MarianMT directory (config.json, model.safetensors, vocab.json) as
-    Marian's (arrays by Marian's names, its options, its vocabulary): the same model."""
-    import json
+def _is_hugging_face(directory: str) -> bool:
+    names = ("model.safetensors", "config.json")
+    return all(os.path.isfile(os.path.join(directory, n)) for n in names)
 
-    from safetensors.numpy import load_file
+
+def _hugging_face_vocabulary(directory: str) -> tuple[dict[str, Any], list[int], list[str]]:
+    """(config.json, the ids Marian has: all but <pad>, their pieces) of a MarianMT directory."""
+    import json
 
     with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
         conf = json.load(f)
     with open(os.path.join(directory, "vocab.json"), encoding="utf-8") as f:
         vocab = json.load(f)
-    try:
-        arrays = load_file(os.path.join(directory, "model.safetensors"))
-    except Exception as e:  # the file's own format errors
-        raise UserError(f"{directory}/model.safetensors: not readable ({e})") from e
     pad = conf.get("pad_token_id")
     by_id = {int(i): str(p) for p, i in vocab.items()}
     if by_id.get(conf.get("eos_token_id")) != "</s>" or sorted(by_id) != list(range(len(by_id))):
@@ -292,6 +290,34 @@ def from_hugging_face(directory: str) -> tuple[dict[str, np.ndarray], dict[str, 
     keep = [i for i in range(len(by_id)) if i != pad]  # Marian has no padding token
     if by_id.get(0) != "</s>" or by_id.get(1) != "<unk>":
         raise UserError(f"{directory}: vocab.json must number '</s>' 0 and '<unk>' 1")
+    return conf, keep, [by_id[i] for i in keep]
+
+
+def read_pieces(directory: str) -> list[str]:
+    """The V tokens of a Marian / OPUS-MT directory (either layout) in our id order:
+    '<pad>', '</s>', '<s>', '<unk>', then Marian's from id 2 on."""
+    if _is_hugging_face(directory):
+        marian = _hugging_face_vocabulary(directory)[2]
+    else:
+        _, vocabs = find_files(directory)
+        if len(set(vocabs)) > 1 and read_vocab(vocabs[0]) != read_vocab(vocabs[-1]):
+            raise UserError(
+                f"{directory}: separate source and target vocabularies are not supported"
+            )
+        marian = read_vocab(vocabs[0])
+    return ["<pad>", "</s>", "<s>", "<unk>", *marian[2:]]
+
+
+def from_hugging_face(directory: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A Hugging Face MarianMT directory (config.json, model.safetensors, vocab.json) as
+    Marian's (arrays by Marian's names, its options): the same model."""
+    from safetensors.numpy import load_file
+
+    conf, keep, _ = _hugging_face_vocabulary(directory)
+    try:
+        arrays = load_file(os.path.join(directory, "model.safetensors"))
+    except Exception as e:  # the file's own format errors
+        raise UserError(f"{directory}/model.safetensors: not readable ({e})") from e
     a = lambda name: np.asarray(arrays[name], np.float32)
     out = {"Wemb": a("model.shared.weight")[keep]}
     for side in ("encoder", "decoder"):
@@ -327,104 +353,35 @@ def from_hugging_face(directory: str) -> tuple[dict[str, np.ndarray], dict[str, 
     }
     if conf.get("normalize_before") or not conf.get("scale_embedding", True):
         raise UserError(f"{directory}: normalize_before / no scale_embedding: not OPUS-MT's")
-    return out, options, [by_id[i] for i in keep]
+    return out, options
 
 
 def load_marian(directory: str) -> tuple[Transformer, list[str]]:
     """A Marian / OPUS-MT directory (OPUS-MT's layout, or Hugging Face's MarianMT one) ->
-    (our Transformer holding its weights, the V tokens in our id order: '<pad>', '</s>',
-    '<s>', '<unk>', then Marian's from id 2 on)."""
+    (our Transformer holding its weights, its V tokens in our id order: `read_pieces`)."""
     from flax import nnx
 
-    hf = os.path.join(directory, "model.safetensors")
-    if os.path.isfile(hf) and os.path.isfile(os.path.join(directory, "config.json")):
-        weights, options, marian = from_hugging_face(directory)
-        npz = hf
+    pieces = read_pieces(directory)
+    if _is_hugging_face(directory):
+        path = os.path.join(directory, "model.safetensors")
+        weights, options = from_hugging_face(directory)
     else:
-        npz, vocabs = find_files(directory)
-        if len(set(vocabs)) > 1 and read_vocab(vocabs[0]) != read_vocab(vocabs[-1]):
-            raise UserError(
-                f"{directory}: separate source and target vocabularies are not supported"
-            )
-        marian = read_vocab(vocabs[0])
-        weights, options = read_npz(npz)
-    config = model_config(options, weights, npz)
-    if config.vocab_size - 2 != len(marian):
+        path = find_files(directory)[0]
+        weights, options = read_npz(path)
+    config = model_config(options, weights, path)
+    if config.vocab_size != len(pieces):
         raise UserError(
-            f"{directory}: the vocabulary has {len(marian)} tokens, the embedding "
+            f"{directory}: the vocabulary has {len(pieces) - 2} tokens, the embedding "
             f"{config.vocab_size - 2} rows"
         )
     model = Transformer(config, rngs=nnx.Rngs(0))
-    set_weights(model, weights, npz)
-    pieces = ["<pad>", "</s>", "<s>", "<unk>", *marian[2:]]
+    set_weights(model, weights, path)
     return model, pieces
 
 
-class MarianTokenizer:
-    """An OPUS-MT model's tokenizer as decode.py uses one (data.Tokenizer's interface):
-    source.spm cuts a source into pieces, the joint vocabulary numbers them (in our
-    id order, `load_marian`), target.spm joins the output pieces into text."""
-
-    def __init__(self, source: bytes, target: bytes, pieces: list[str]):
-        import sentencepiece as spm
-
-        self._source = spm.SentencePieceProcessor(model_proto=source)
-        self._target = spm.SentencePieceProcessor(model_proto=target)
-        self.pieces, self.proto, self._target_proto = pieces, source, target
-        self._ids = {p: i for i, p in reversed(list(enumerate(pieces)))}
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.pieces)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without EOS (a piece outside the vocabulary is <unk>)."""
-        return [self._ids.get(p, UNK_ID) for p in self._source.encode(text, out_type=str)]
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids) -> str:
-        """Text of `ids` up to the first EOS; pad and BOS are ignored."""
-        return self._target.decode_pieces([self.pieces[i] for i in visible(ids)])
-
-    def id_to_piece(self, i: int) -> str:
-        return self.pieces[int(i)]
-
-    def files(self) -> dict[str, bytes]:
-        """What an exported translator stores to tokenize as this does: {name: contents}."""
-        import json
-
-        pieces = json.dumps(self.pieces, ensure_ascii=False).encode("utf-8")
-        return {"source.spm": self.proto, "target.spm": self._target_proto, VOCAB_JSON: pieces}
-
-
-def load_tokenizer(directory: str) -> Any:
-    """The tokenizer an exported translator (decode.py --export or --export_ct2) stored:
-    a Marian one (source.spm, target.spm, VOCAB_JSON) or ours (tokenizer.model)."""
-    import json
-
-    from data import Tokenizer
-    from data.tokenizer import TOKENIZER_FILENAME
-
-    path = os.path.join(directory, VOCAB_JSON)
-    if not os.path.isfile(path):
-        return Tokenizer.load(os.path.join(directory, TOKENIZER_FILENAME))
-    with open(path, encoding="utf-8") as f:
-        pieces = json.load(f)
-    return MarianTokenizer(*_sentencepiece_models(directory), pieces)
-
-
-def _sentencepiece_models(directory: str) -> list[bytes]:
-    """OPUS-MT's source.spm and target.spm of `directory` (UserError if one is missing)."""
-    models = []
-    for name in ("source.spm", "target.spm"):
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            raise UserError(f"{directory}: no {name} (OPUS-MT's SentencePiece models)")
-        with open(path, "rb") as f:
-            models.append(f.read())
-    return models
+def load_tokenizer(directory: str) -> MarianTokenizer:
+    """The tokenizer of an OPUS-MT directory: source.spm, target.spm and its vocabulary."""
+    return MarianTokenizer(*read_sentencepiece_models(directory), read_pieces(directory), directory)
 
 
 def load_directory(directory: str, sharding: Any = None) -> tuple[Transformer, MarianTokenizer]:
@@ -434,8 +391,8 @@ def load_directory(directory: str, sharding: Any = None) -> tuple[Transformer, M
     from flax import nnx
 
     model, pieces = load_marian(directory)
-    spms = _sentencepiece_models(directory)
+    tokenizer = MarianTokenizer(*read_sentencepiece_models(directory), pieces, directory)
     if sharding is not None:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, jax.device_put(state, sharding))
-    return model, MarianTokenizer(*spms, pieces)
+    return model, tokenizer
