@@ -49,6 +49,7 @@ from inference.ct2_export import (
 )
 from model.tokens import EOS_ID
 from search.hypothesis import Hypothesis
+from search.settings import SearchSettings
 from search.stages import check_lengths
 from search.translate import Progress
 
@@ -73,33 +74,24 @@ class CT2Translator:
     """A CTranslate2 model directory as a `Translator`.
 
     Unlike an exported JAX translator, beam size, alpha and n_best are chosen at
-    run time (the directory's decoding.json gives the defaults).
+    run time (the directory's decoding.json gives the defaults). CTranslate2 ranks by
+    log P / len^alpha ("average") and stops a source on its own rule, short of the
+    exact bound ("heuristic").
     """
 
-    length_penalty = "average"
-
     def __init__(
-        self,
-        directory: str,
-        settings: dict[str, Any],
-        translator: Any,
-        *,
-        beam_size: int,
-        alpha: float,
-        n_best: int,
-        batch_tokens: int,
+        self, directory: str, decoding: dict[str, Any], translator: Any, settings: SearchSettings
     ):
-        self.directory, self.settings, self._ct2 = directory, settings, translator
+        self.directory, self.decoding, self._ct2 = directory, decoding, translator
+        self.settings = settings.replace(length_penalty="average", stop="heuristic")
         # Batches CTranslate2 runs at once (one per worker thread on a CPU).
         self.workers = translator.num_translators
-        self.beam_size, self.alpha, self.n_best = beam_size, alpha, n_best
-        self.batch_tokens = batch_tokens
-        self.max_len = settings["max_len"]
-        self._extra = settings["extra_decode_len"]
+        self.max_len = decoding["max_len"]
+        self._extra = decoding["extra_decode_len"]
         with open(os.path.join(directory, "shared_vocabulary.json")) as f:
             self.vocab: list[str] = json.load(f)
         self._ids = {piece: i for i, piece in enumerate(self.vocab)}
-        self._never = [[piece] for piece in settings["never_generate"]]
+        self._never = [[piece] for piece in decoding["never_generate"]]
 
     @classmethod
     def load(
@@ -119,7 +111,7 @@ class CT2Translator:
           CPU each translates its own batch (`workers`); device: cpu or cuda.
         """
         ct2 = import_ctranslate2()
-        settings = read_settings(directory)
+        decoding = read_settings(directory)
         if device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if device == "cuda" and ct2.get_cuda_device_count() == 0:
@@ -137,15 +129,15 @@ class CT2Translator:
         if device == "cpu":
             batches = f"{workers} batches" if workers > 1 else "1 batch"
             _log.info(f"CTranslate2 on the CPU: {batches} at once, one thread each")
-        return cls(
-            directory,
-            settings,
-            translator,
-            beam_size=settings["beam_size"] if beam_size is None else beam_size,
-            alpha=settings["alpha"] if alpha is None else alpha,
+        settings = SearchSettings(
+            beam_size=decoding["beam_size"] if beam_size is None else beam_size,
+            alpha=decoding["alpha"] if alpha is None else alpha,
             n_best=n_best,
+            length_penalty="average",
+            stop="heuristic",
             batch_tokens=batch_tokens,
         )
+        return cls(directory, decoding, translator, settings)
 
     @property
     def tokenizer_path(self) -> str:
@@ -193,14 +185,15 @@ class CT2Translator:
     def _submit(self, pieces: list[list[str]], most: int) -> list[Any]:
         """One group's translation of at most `most` tokens a hypothesis, started:
         CTranslate2's asynchronous results."""
+        s = self.settings
         return self._ct2.translate_batch(
             pieces,
-            beam_size=self.beam_size,
-            length_penalty=self.alpha,
-            num_hypotheses=self.n_best,
+            beam_size=s.beam_size,
+            length_penalty=s.alpha,
+            num_hypotheses=s.n_best,
             max_decoding_length=most,
             max_input_length=0,  # sources were cut to max_len already
-            max_batch_size=self.batch_tokens,
+            max_batch_size=s.batch_tokens,
             batch_type="tokens",
             return_scores=True,
             suppress_sequences=self._never,
@@ -241,13 +234,13 @@ class CT2Translator:
         scored = self._ct2.score_batch(
             [pieces[r] for r, _ in cut],
             [[self.vocab[t] for t in hyps[r][h].tokens] for r, h in cut],
-            max_batch_size=self.batch_tokens,
+            max_batch_size=self.settings.batch_tokens,
             batch_type="tokens",
             max_input_length=0,
         )
         for (r, h), result in zip(cut, scored, strict=True):
             logp, length = float(np.sum(result.log_probs)), len(result.log_probs)  # EOS in both
-            hyps[r][h] = Hypothesis(hyps[r][h].tokens, logp / length**self.alpha)
+            hyps[r][h] = Hypothesis(hyps[r][h].tokens, logp / length**self.settings.alpha)
         return [sorted(found, key=lambda x: -x.score) for found in hyps]
 
 

@@ -1,6 +1,6 @@
 """A self-contained translator: tokenizer, serialized search programs, parameters, metadata.
 
-    export_translator(model, tokenizer.files(), "translator/", beam_size=4, alpha=0.6)
+    export_translator(model, tokenizer.files(), "translator/", SearchSettings(beam_size=4))
     translator = ExportedTranslator.load("translator/")  # no checkpoint, no model classes
     hyps = translator.translate(sources)                   # a Translator, as LiveTranslator
 
@@ -46,10 +46,11 @@ from flax import nnx
 from data.files import atomic_write, atomic_write_bytes
 from data.plans import inference_widths
 from model import Transformer, beam
-from model.decoding import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN
+from model.decoding import EXTRA_DECODE_LEN
 from search.hypothesis import Hypothesis
+from search.settings import SearchSettings
 from search.stages import run_stages, stage_rooms
-from search.translate import LiveSearch, Progress, search_fn, search_rule
+from search.translate import LiveSearch, Progress, search_fn
 
 # 2: staged programs (start_S*, resume_S*_C*) beside the one-program search_S*.
 # 3: the staged programs take `keep` and `until` and stop early; a resume for every room.
@@ -83,22 +84,20 @@ def export_translator(
     model: Transformer,
     tokenizer_files: dict[str, bytes],
     directory: str,
+    settings: SearchSettings,
     *,
-    beam_size: int,
-    alpha: float,
-    n_best: int = 1,
     vocab_limit: int | None = None,
     config: dict | None = None,
     platforms: Sequence[str] | None = None,
-    length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    stop: str = "bound",
 ) -> dict:
     """Write the translator into `directory` (created; files replaced); returns the metadata.
 
     Args:
       model: the Transformer to export (its config's max_len bounds the widths).
       tokenizer_files: the tokenizer's files ({name: contents}, `tokenizer.files()`).
-      beam_size, alpha, n_best, vocab_limit, length_penalty, stop: fixed into the programs.
+      settings: beam_size, alpha, n_best, length_penalty and stop are fixed into the
+        programs (steps_per_check is the platforms'; batch_tokens is the reader's).
+      vocab_limit: never emit ids >= this, also fixed into the programs.
       config: the training config, stored in the metadata for reference.
       platforms: backends to lower for (e.g. ("cpu", "cuda")); None = this one.
     """
@@ -108,11 +107,12 @@ def export_translator(
     max_len = model.config.max_len
     widths = inference_widths(max_len)
     live = lambda flat: nnx.merge(graphdef, jax.tree.unflatten(treedef, flat), rest)
-    search = dict(
-        beam_size=beam_size, alpha=alpha, n_best=n_best, vocab_limit=vocab_limit,
-        length_penalty=length_penalty, stop=stop,
-    )  # fmt: skip
-    sizes, rooms = _write_programs(directory, live, leaves, model.config, search, platforms)
+    # One program serves every platform: the most steps per check any of them wants.
+    per = max(beam.steps_per_check(p) for p in platforms or [jax.default_backend()])
+    settings = settings.replace(steps_per_check=per)
+    sizes, rooms = _write_programs(
+        directory, live, leaves, model.config, settings, vocab_limit, platforms
+    )
     arrays = {f"p{i:04d}": np.asarray(x) for i, x in enumerate(leaves)}
     with atomic_write(os.path.join(directory, PARAMS)) as f:
         np.savez(f, **arrays)
@@ -121,11 +121,11 @@ def export_translator(
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     metadata = {
         "format_version": FORMAT_VERSION,
-        "beam_size": beam_size,
-        "alpha": alpha,
-        "length_penalty": length_penalty,
-        "stop": stop,
-        "n_best": n_best,
+        "beam_size": settings.beam_size,
+        "alpha": settings.alpha,
+        "length_penalty": settings.length_penalty,
+        "stop": settings.stop,
+        "n_best": settings.n_best,
         "vocab_limit": vocab_limit,
         "max_len": max_len,
         "widths": widths,
@@ -155,22 +155,19 @@ def _write_programs(
     live: Callable[[list[Any]], Transformer],
     leaves: list[Any],
     model_config: Any,
-    search: dict[str, Any],
+    settings: SearchSettings,
+    vocab_limit: int | None,
     platforms: Sequence[str] | None,
 ) -> tuple[dict[str, int], dict[int, list[int]]]:
     """Serialize each width's programs into `directory`: the whole search, and its stages
     (start, then a resume per larger room). Returns (bytes per program, rooms per width)."""
     max_len = model_config.max_len
-    # One program serves every platform: the most steps per check any of them wants.
-    per = max(beam.steps_per_check(p) for p in platforms or [jax.default_backend()])
-    search = {**search, "steps_per_check": per}
-    keys = ("beam_size", "n_best", "vocab_limit", "length_penalty", "stop", "steps_per_check")
-    rule = search_rule(*(search[k] for k in keys))
-    searcher = lambda flat: LiveSearch(live(flat), rule, search["alpha"])
+    rule = settings.rule(vocab_limit)
+    searcher = lambda flat: LiveSearch(live(flat), rule, settings.alpha)
     state_def = beam.state_treedef(model_config.num_decoder_layers)
 
     def whole(flat, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
-        return search_fn(live(flat), **search)(src)
+        return search_fn(live(flat), settings, vocab_limit)(src)
 
     def start(room):
         def fn(flat, src, keep, until):  # [P arrays], [B, W], [], [] -> state leaves, done [B]
@@ -228,18 +225,23 @@ def _with_room(state_def: Any, leaves: Sequence[Any], room: int) -> list[jax.Sha
 class ExportedTranslator:
     """An exported directory as a `Translator` (its programs are loaded on first use).
 
-    Beam size, alpha, n_best and the longest source are the export's (its metadata).
+    Its settings (beam size, alpha, n_best, length penalty, stop) and the longest source
+    are the export's (its metadata); only batch_tokens is the reader's.
     """
 
     def __init__(
         self, directory: str, metadata: dict, params: list[np.ndarray], batch_tokens: int = 4096
     ):
         self.directory, self.metadata, self.params = directory, metadata, params
-        self.batch_tokens = batch_tokens
-        self.max_len, self.n_best = metadata["max_len"], metadata["n_best"]
-        self.beam_size, self.alpha = metadata["beam_size"], metadata["alpha"]
-        self.length_penalty = metadata["length_penalty"]
-        self.stop = metadata.get("stop", "bound")  # exports before --stop: the exact rule
+        self.max_len = metadata["max_len"]
+        self.settings = SearchSettings(
+            beam_size=metadata["beam_size"],
+            alpha=metadata["alpha"],
+            n_best=metadata["n_best"],
+            length_penalty=metadata["length_penalty"],
+            stop=metadata.get("stop", "bound"),  # exports before --stop: the exact rule
+            batch_tokens=batch_tokens,
+        )
         self._state_def = beam.state_treedef(metadata["model"]["num_decoder_layers"])
         self._programs: dict[str, jax.export.Exported] = {}
 
@@ -266,6 +268,14 @@ class ExportedTranslator:
         with np.load(os.path.join(directory, PARAMS)) as npz:
             params = [npz[f"p{i:04d}"] for i in range(metadata["num_params"])]
         return cls(directory, metadata, params, batch_tokens)
+
+    @property
+    def n_best(self) -> int:  # search.stages.Search
+        return self.settings.n_best
+
+    @property
+    def beam_size(self) -> int:
+        return self.settings.beam_size
 
     @property
     def tokenizer_path(self) -> str:
@@ -303,7 +313,7 @@ class ExportedTranslator:
             self,
             sources,
             max_len=self.max_len,
-            batch_tokens=self.batch_tokens,
+            batch_tokens=self.settings.batch_tokens,
             progress=progress,
             skip=skip,
         )

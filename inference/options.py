@@ -22,6 +22,7 @@ from model.decoding import (
     DEFAULT_LENGTH_PENALTY,
     LENGTH_PENALTIES,
 )
+from search.settings import SearchSettings
 
 LONG_LINES = ("truncate", "split")
 OUTPUT_FORMATS = ("text", "jsonl")
@@ -79,11 +80,26 @@ class DecodeOptions:
     stats: str | None = None  # write where the wall time went (JSON) into this file
 
     @property
-    def search(self) -> tuple[int, float, int]:
+    def _search(self) -> tuple[int, float, int]:
         """(beam_size, alpha, n_best), defaults filled in."""
         beam = DEFAULT_BEAM_SIZE if self.beam_size is None else self.beam_size
         alpha = DEFAULT_ALPHA if self.alpha is None else self.alpha
         return beam, alpha, 1 if self.n_best is None else self.n_best
+
+    @property
+    def settings(self) -> SearchSettings:
+        """The search these options ask for, defaults filled in (once `check` passed)."""
+        beam_size, alpha, n_best = self._search
+        return SearchSettings(
+            beam_size=beam_size,
+            alpha=alpha,
+            n_best=n_best,
+            length_penalty=self.penalty,
+            stop=self.stop or "bound",
+            steps_per_check=self.steps_per_check,
+            batch_tokens=self.tokens_per_batch,
+            carry=self.carry_over,
+        )
 
     @property
     def penalty(self) -> str:
@@ -122,7 +138,7 @@ class DecodeOptions:
                 "--workdir is required (the directory train.py wrote), or --exported, --ct2 "
                 "or --marian"
             )
-        beam_size, alpha, n_best = self.search
+        beam_size, alpha, n_best = self._search
         if beam_size < 1 or alpha < 0 or (self.batch_tokens is not None and self.batch_tokens < 1):
             raise UserError("need --beam_size >= 1, --alpha >= 0 and --batch_tokens >= 1")
         if self.steps_per_check is not None and self.steps_per_check < 1:

@@ -77,24 +77,20 @@ def check_inputs(options: DecodeOptions) -> int | None:
 def export(loaded: Loaded, options: DecodeOptions) -> None:
     """--export: the live model as a self-contained translator (inference/export.py)."""
     t0 = time.perf_counter()
-    beam_size, alpha, n_best = options.search
+    s = options.settings
     meta = export_translator(
         loaded.model,
         loaded.tokenizer.files(),
         options.export,
-        beam_size=beam_size,
-        alpha=alpha,
-        n_best=n_best,
+        s,
         vocab_limit=loaded.translator.vocab_limit,
         config=loaded.config.to_dict() if loaded.config is not None else None,
         platforms=list(options.export_platforms) or None,
-        length_penalty=options.penalty,
-        stop=options.stop or "bound",
     )
     print(
         f"decode.py: exported {len(meta['widths'])} search programs (widths "
-        f"{meta['widths'][0]}..{meta['widths'][-1]}, beam {beam_size}, alpha "
-        f"{alpha}, n_best {n_best}, {'+'.join(meta['platforms'])}) and "
+        f"{meta['widths'][0]}..{meta['widths'][-1]}, beam {s.beam_size}, alpha "
+        f"{s.alpha}, n_best {s.n_best}, {'+'.join(meta['platforms'])}) and "
         f"{meta['num_params']} parameter arrays to {options.export} in "
         f"{time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
@@ -106,7 +102,6 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
     from inference.ct2_export import export_ct2 as write
 
     t0 = time.perf_counter()
-    beam_size, alpha, _ = options.search
     tokenizer = loaded.tokenizer
     pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     source = {"checkpoint": loaded.description, "average_last": options.average_last}
@@ -121,8 +116,8 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
             tokenizer.files(),
             options.export_ct2,
             quantization=options.quantization,
-            alpha=alpha,
-            beam_size=beam_size,
+            alpha=options.settings.alpha,
+            beam_size=options.settings.beam_size,
             source=source,
         )
     except (ImportError, OSError, ValueError) as e:
@@ -163,13 +158,12 @@ def describe_job(
     if inputs is None:
         return None
     settings = {k: v for k, v in dataclasses.asdict(options).items() if k not in _NOT_SETTINGS}
-    t = loaded.translator
+    t = loaded.translator.settings
     plots = options.plot_attention and os.path.abspath(options.plot_attention)
     settings.update(
         beam_size=t.beam_size, alpha=t.alpha, n_best=t.n_best, max_length=max_length,
         plot_attention=plots, read_lines=options.chunk_lines,
-        batch_tokens=options.tokens_per_batch,
-        length_penalty=getattr(t, "length_penalty", None), stop=getattr(t, "stop", None),
+        batch_tokens=options.tokens_per_batch, length_penalty=t.length_penalty, stop=t.stop,
     )  # fmt: skip
     model = loaded.identity or {"translator": loaded.description}
     return {"inputs": inputs, "model": model, "settings": settings, "jax": jax.__version__}
@@ -301,7 +295,8 @@ def _translate(
             raise
         raise UserError(
             f"the device ran out of memory for batches of {options.tokens_per_batch} source "
-            f"tokens (x beam {loaded.translator.beam_size}): lower --batch_tokens{_kept(out)}"
+            f"tokens (x beam {loaded.translator.settings.beam_size}): lower --batch_tokens"
+            f"{_kept(out)}"
         ) from e
     finally:
         meter.close()
@@ -319,11 +314,11 @@ def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: i
         how = "split" if options.long_lines == "split" else "truncated"
         _warn(f"{totals.long} line(s) over {max_length} tokens {how}")
     seconds = max(totals.seconds, 1e-9)
-    translator = loaded.translator
-    stop = ", heuristic stop" if getattr(translator, "stop", None) == "heuristic" else ""
+    search = loaded.translator.settings
+    stop = ", heuristic stop" if search.stop == "heuristic" else ""
     print(
         f"decode.py: {totals.lines} lines ({totals.empty} empty) from {loaded.description}, "
-        f"beam {translator.beam_size}, alpha {translator.alpha}{stop}: {seconds:.1f} s, "
+        f"beam {search.beam_size}, alpha {search.alpha}{stop}: {seconds:.1f} s, "
         f"{totals.segments / seconds:.1f} sentences/s, {totals.tokens / seconds:.0f} tokens/s",
         file=sys.stderr,
     )

@@ -74,20 +74,8 @@ def open_translator(options: DecodeOptions) -> Loaded:
 
 def _live(options: DecodeOptions, model: Transformer, tokenizer: Any, rows: Any) -> LiveTranslator:
     """The JAX model's translator, set as the options say."""
-    beam_size, alpha, n_best = options.search
-    return LiveTranslator(
-        model,
-        beam_size=beam_size,
-        alpha=alpha,
-        n_best=n_best,
-        batch_tokens=options.tokens_per_batch,
-        vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
-        length_penalty=options.penalty,
-        stop=options.stop or "bound",
-        steps_per_check=options.steps_per_check,
-        carry=options.carry_over,
-        sharding=rows,
-    )
+    limit = vocab_limit(tokenizer.vocab_size, model.config)
+    return LiveTranslator(model, options.settings, vocab_limit=limit, sharding=rows)
 
 
 def _open_exported(options: DecodeOptions) -> Loaded:
@@ -97,7 +85,7 @@ def _open_exported(options: DecodeOptions) -> Loaded:
     except (OSError, ValueError, UserError) as e:
         raise UserError(str(e)) from e
     for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop"):
-        asked, exported = getattr(options, name), getattr(translator, name)
+        asked, exported = getattr(options, name), getattr(translator.settings, name)
         if asked is not None and asked != exported:
             raise UserError(
                 f"{options.exported} was exported with {name}={exported}; export again to change it"
@@ -112,9 +100,8 @@ def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
     """--dry_run: `loaded` with a translator that plans and fills its batches but runs no
     model (each line comes out as its own tokens, detokenized)."""
     t = loaded.translator
-    stand_in = PlanOnlyTranslator(
-        t.max_len, t.beam_size, t.alpha, t.n_best, options.tokens_per_batch
-    )
+    settings = t.settings.replace(batch_tokens=options.tokens_per_batch)
+    stand_in = PlanOnlyTranslator(t.max_len, settings)
     return dataclasses.replace(
         loaded, translator=stand_in, description=f"{loaded.description} (dry run: no model)"
     )
@@ -129,7 +116,7 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
             options.ct2,
             beam_size=options.beam_size,
             alpha=options.alpha,
-            n_best=options.search[2],
+            n_best=options.settings.n_best,
             device=options.device or "cpu",
             threads=options.threads,
             batch_tokens=options.tokens_per_batch,
@@ -137,7 +124,7 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
         tokenizer = load_tokenizer(options.ct2)
     except (ImportError, OSError, ValueError, UserError) as e:
         raise UserError(str(e)) from e
-    int8 = str(translator.settings.get("quantization", "")).startswith("int8")
+    int8 = str(translator.decoding.get("quantization", "")).startswith("int8")
     if int8 and (options.device or "cpu") == "cpu" and int8_saturates():
         _warn(
             "this CPU has no VNNI: CTranslate2's int8 matrix products can saturate here "

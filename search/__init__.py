@@ -1,6 +1,8 @@
 """Token ids in, hypotheses out: the layer between the model and its two users,
 training's evaluation and decode.py's application (inference/).
 
+    settings.py    `SearchSettings`: beam, alpha, n_best, length penalty, stop, batch
+                   tokens: one object from decode.py's flags to the programs
     translate.py   the Translator interface, the live model's (`LiveTranslator`,
                    `translate_ids`) and the batching every backend shares
     hypothesis.py  `Hypothesis` (ids and score), what every translator returns per source

@@ -3,7 +3,7 @@
 The one path from token ids to hypotheses, taken by decode.py and by the
 dev-set evaluation during training:
 
-    hyps = translate_ids(model, sources, beam_size=4, alpha=0.6, batch_tokens=4096)
+    hyps = translate_ids(model, sources, SearchSettings(beam_size=4, alpha=0.6))
     hyps[i][0].tokens, hyps[i][0].score      # the best translation of sources[i]
 
 A `Translator` is what decode.py translates with: the live model of a workdir
@@ -31,11 +31,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from data.plans import MIN_ROWS, plan_translation
+from data.plans import plan_translation
 from model import Transformer, beam
-from model.scoring import DEFAULT_LENGTH_PENALTY, decode_shape
+from model.scoring import decode_shape
 from search import programs
 from search.hypothesis import Hypothesis, hypotheses
+from search.settings import SearchSettings
 from search.stages import (
     Progress,
     batch_of,
@@ -60,9 +61,7 @@ class Translator(Protocol):
     """
 
     max_len: int  # the longest source, in tokens with EOS
-    beam_size: int
-    alpha: float
-    n_best: int
+    settings: SearchSettings  # beam, alpha, n_best, length penalty, stop, batch tokens
 
     def translate(
         self,
@@ -79,26 +78,6 @@ def vocab_limit(tokenizer_size: int, config: Any) -> int | None:
 
 
 # --- Search over one batch --------------------------------------------------------------
-
-
-def search_rule(
-    beam_size: int,
-    n_best: int = 1,
-    vocab_limit: int | None = None,
-    length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    stop: str = "bound",
-    steps_per_check: int | None = None,
-) -> beam.Rule:
-    """model/beam.py's settings for what decode.py asks: beam search that stops a source
-    once its n_best best are final ("bound") or no live beam would beat them if it
-    ended next ("heuristic"), or for beam_size 1 greedy search (the first hypothesis
-    that ends), scored the same way; testing whether to stop every `steps_per_check`
-    steps (None: the platform's, model/beam.py `steps_per_check`)."""
-    if stop not in beam.BEAM_STOPS:
-        raise ValueError(f"stop must be one of {beam.BEAM_STOPS}, got {stop!r}")
-    per = beam.steps_per_check() if steps_per_check is None else steps_per_check
-    stop = "first" if beam_size == 1 else stop
-    return beam.Rule(beam_size, n_best, stop, length_penalty, vocab_limit, per)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,22 +150,14 @@ class LiveSearch:
 
 
 def search_fn(
-    model: Transformer,
-    *,
-    beam_size: int,
-    alpha: float,
-    n_best: int = 1,
-    vocab_limit: int | None = None,
-    length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    stop: str = "bound",
-    steps_per_check: int | None = None,
+    model: Transformer, settings: SearchSettings, vocab_limit: int | None = None
 ) -> WholeSearch:
     """One batch's whole search as one program: src [B, S] -> tokens [B, n_best, L],
     scores [B, n_best] (L = S + 50; what inference/export.py exports for plain JAX).
 
     The same search as `LiveSearch`, its stages in one program (model/beam.py `search`).
     """
-    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty, stop, steps_per_check)
+    rule, alpha, n_best = settings.rule(vocab_limit), settings.alpha, settings.n_best
 
     def search(src: jax.Array) -> tuple[jax.Array, jax.Array]:
         length, extra = decode_shape(model, src, None)
@@ -203,19 +174,11 @@ def search_fn(
 def translate_ids(
     model: Transformer,
     sources: Sequence[Sequence[int]],
+    settings: SearchSettings = SearchSettings(),
     *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    n_best: int = 1,
-    batch_tokens: int = 4096,
     vocab_limit: int | None = None,
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
-    length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    min_rows: int = MIN_ROWS,
-    stop: str = "bound",
-    steps_per_check: int | None = None,
-    carry: bool | None = None,
     skip: Collection[int] = (),
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
@@ -225,41 +188,28 @@ def translate_ids(
       sources: id lists as the model was trained on (EOS-terminated), each at most
         `config.max_len` long; an empty list gives no hypotheses without running
         the model. With several processes, every process passes the same list.
-      beam_size: K (1 = greedy search); alpha: the length-penalty exponent.
-      n_best: hypotheses kept per source (<= beam_size), best first.
-      batch_tokens: padded source tokens per batch (beam search holds K times as many).
+      settings: beam size, alpha, n_best, length penalty, stop rule, batch tokens...
+        (search/settings.py).
       vocab_limit: never emit ids >= this (a tokenizer smaller than the vocabulary).
       sharding: how each batch's [B, S] rows are placed (rows split over devices);
         None = on the default device.
       progress: called after each batch with the indices of the sources it finished
         and their hypotheses (search/stages.py `Progress`).
-      length_penalty: "gnmt" or "average" (model.decoding.length_penalty).
-      min_rows: the fewest rows of a batch (data.plans.plan_translation): 1 for a
-        dev set translated again and again, where 8 rows of filler cost 8x the search.
-      stop: "bound" (exact) or "heuristic" (about half the steps; model/beam.py `Rule`).
-      steps_per_check: steps between tests of the stopping condition (the same results
-        for any value); None = the platform's (model/beam.py `steps_per_check`).
-      carry: carry a batch's unfinished sources over to smaller batches (True) or run
-        each batch's whole search in one program (False; fewer programs to compile);
-        None = the platform's (search/stages.py `carries_over`). The same results.
       skip: indices of sources not to translate (they get no hypotheses); the batches
         keep the shapes they would have had (search/stages.py `run_stages`).
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
       beam found fewer distinct ones).
     """
-    if not 1 <= n_best <= beam_size:
-        raise ValueError(f"n_best must be in [1, beam_size={beam_size}], got {n_best}")
-    rule = search_rule(beam_size, n_best, vocab_limit, length_penalty, stop, steps_per_check)
     return run_stages(
-        LiveSearch(model, rule, alpha),
+        LiveSearch(model, settings.rule(vocab_limit), settings.alpha),
         sources,
         max_len=model.config.max_len,
-        batch_tokens=batch_tokens,
+        batch_tokens=settings.batch_tokens,
         sharding=sharding,
         progress=progress,
-        min_rows=min_rows,
-        carry=carry,
+        min_rows=settings.min_rows,
+        carry=settings.carry,
         skip=skip,
     )
 
@@ -269,15 +219,8 @@ class LiveTranslator:
     """The `Translator` of a model in memory (e.g. restored from a training workdir)."""
 
     model: Transformer
-    beam_size: int = 4
-    alpha: float = 0.6
-    n_best: int = 1
-    batch_tokens: int = 4096
+    settings: SearchSettings = dataclasses.field(default_factory=SearchSettings)
     vocab_limit: int | None = None
-    length_penalty: str = DEFAULT_LENGTH_PENALTY
-    stop: str = "bound"
-    steps_per_check: int | None = None
-    carry: bool | None = None
     sharding: NamedSharding | None = None  # each batch's rows over devices (None: one)
 
     @property
@@ -293,17 +236,10 @@ class LiveTranslator:
         return translate_ids(
             self.model,
             sources,
-            beam_size=self.beam_size,
-            alpha=self.alpha,
-            n_best=self.n_best,
-            batch_tokens=self.batch_tokens,
+            self.settings,
             vocab_limit=self.vocab_limit,
-            progress=progress,
-            length_penalty=self.length_penalty,
-            stop=self.stop,
-            steps_per_check=self.steps_per_check,
-            carry=self.carry,
             sharding=self.sharding,
+            progress=progress,
             skip=skip,
         )
 
@@ -318,10 +254,7 @@ class PlanOnlyTranslator:
     """
 
     max_len: int
-    beam_size: int = 4
-    alpha: float = 0.6
-    n_best: int = 1
-    batch_tokens: int = 4096
+    settings: SearchSettings = dataclasses.field(default_factory=SearchSettings)
 
     def translate(
         self,
@@ -330,7 +263,10 @@ class PlanOnlyTranslator:
         skip: Collection[int] = (),
     ) -> list[list[Hypothesis]]:
         return echo_batches(
-            sources, max_len=self.max_len, batch_tokens=self.batch_tokens, progress=progress
+            sources,
+            max_len=self.max_len,
+            batch_tokens=self.settings.batch_tokens,
+            progress=progress,
         )
 
 

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 from model import EOS_ID, Transformer, TransformerConfig, beam
+from search.settings import SearchSettings
 from tests.conftest import model_fields
 from tests.test_decode_cli import (
     ROOT,
@@ -80,13 +81,13 @@ def test_both_batch_plans_and_skipped_sources_give_the_same_hypotheses(model):
 
     sources = _sources(30, seed=5)
     args = dict(beam_size=4, n_best=2, batch_tokens=96, min_rows=1)
-    want = translate_ids(model, sources, carry=True, **args)
+    want = translate_ids(model, sources, SearchSettings(carry=True, **args))
     assert all(want)
     skip = {0, 3, 4, 5, 17, 29}
     for carry in (True, False):
         if not carry:
-            assert translate_ids(model, sources, carry=carry, **args) == want
-        got = translate_ids(model, sources, carry=carry, skip=skip, **args)
+            assert translate_ids(model, sources, SearchSettings(carry=carry, **args)) == want
+        got = translate_ids(model, sources, SearchSettings(carry=carry, **args), skip=skip)
         assert all(got[i] == ([] if i in skip else want[i]) for i in range(len(sources)))
 
 

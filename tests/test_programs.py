@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from search import programs
+from search.settings import SearchSettings
 from search.translate import translate_ids
 from tests.test_decoding import make
 from tests.test_stages import sources_of
@@ -38,7 +39,7 @@ SOURCES = sources_of([3, 5, 9, 14, 2, 7, 11, 6], seed=4)  # widths 8 and 16
 
 
 def search(model):
-    hyps = translate_ids(model, SOURCES, beam_size=3, n_best=2, batch_tokens=64)
+    hyps = translate_ids(model, SOURCES, SearchSettings(beam_size=3, n_best=2, batch_tokens=64))
     return [[(h.tokens, h.score) for h in hs] for hs in hyps]
 
 
@@ -162,7 +163,7 @@ def test_a_program_xla_cannot_serialize_goes_through_jit_later(model, kept, monk
 def test_programs_differ_by_shape_and_settings(model, kept):
     search(model)
     n = len(os.listdir(kept))
-    translate_ids(model, SOURCES[:2], beam_size=2, n_best=1, batch_tokens=64)
+    translate_ids(model, SOURCES[:2], SearchSettings(beam_size=2, n_best=1, batch_tokens=64))
     assert len(os.listdir(kept)) > n  # another beam size: other programs, other files
 
 

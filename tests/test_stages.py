@@ -11,7 +11,8 @@ import pytest
 
 from model import EOS_ID, beam, carry, decoding
 from search import stages
-from search.translate import search_fn, search_rule, translate_ids
+from search.settings import SearchSettings
+from search.translate import search_fn, translate_ids
 from tests.test_decoding import make, ragged_src
 
 
@@ -57,7 +58,7 @@ def test_stage_rooms_grow_to_every_sources_limit():
         pytest.param(4, 1, 1, 512, "bound", marks=pytest.mark.slow),
         pytest.param(3, 3, 1, 512, "bound", marks=pytest.mark.slow),
         (1, 1, 1, 96, "bound"),
-        # (Beam 1 is greedy search whatever the rule: search.translate.search_rule.)
+        # (Beam 1 is greedy search whatever the rule: SearchSettings.rule.)
         (3, 3, 8, 64, "heuristic"),
         pytest.param(4, 1, 1, 512, "heuristic", marks=pytest.mark.slow),
     ],
@@ -87,18 +88,20 @@ def test_staged_translation_equals_one_program(
     staged = translate_ids(
         model,
         sources,
-        beam_size=beam_size,
-        n_best=n_best,
-        batch_tokens=batch_tokens,
-        min_rows=min_rows,
-        stop=stop,
+        SearchSettings(
+            beam_size=beam_size,
+            n_best=n_best,
+            batch_tokens=batch_tokens,
+            min_rows=min_rows,
+            stop=stop,
+        ),
     )
     # Some sources went on with more room (stages); with batches that can shrink, some
     # went on in fewer rows as soon as half of their batch was finished.
     assert carried
     assert all(after < before for before, after in shrunk)
     assert bool(shrunk) == (min_rows == 1)
-    whole = search_fn(model, beam_size=beam_size, alpha=0.6, n_best=n_best, stop=stop)
+    whole = search_fn(model, SearchSettings(beam_size=beam_size, n_best=n_best, stop=stop))
     src = np.zeros((len(sources), 12), np.int32)  # all in one batch, one stage
     for i, ids in enumerate(sources):
         src[i, : len(ids)] = ids
@@ -193,10 +196,13 @@ def test_sources_taken_and_joined_keep_their_state(model):
         carry.join_sources([a, a._replace(step=np.int32(9))], width=12, rows=8)
 
 
-def test_search_rule_is_greedy_for_beam_one():
-    assert search_rule(1).stop == "first" and search_rule(4, 2).n_best == 2
+def test_the_search_rule_is_greedy_for_beam_one():
+    assert SearchSettings(beam_size=1).rule().stop == "first"
+    assert SearchSettings(beam_size=4, n_best=2).rule().n_best == 2
     with pytest.raises(ValueError, match="n_best must be in"):
         beam.Rule(2, n_best=3)
+    with pytest.raises(ValueError, match="n_best must be in"):
+        SearchSettings(beam_size=2, n_best=3)
 
 
 @pytest.mark.slow  # exports 8 widths' programs: ~45 s on 2 cores
@@ -213,13 +219,12 @@ def test_an_exported_translator_shrinks_batches_as_the_live_model(model, tmp_pat
         return more
 
     monkeypatch.setattr(stages._Stages, "finish", finish)
-    export_translator(
-        model, {"tokenizer.model": b"unused"}, str(tmp_path), beam_size=4, alpha=0.6, n_best=2
-    )
+    settings = SearchSettings(beam_size=4, alpha=0.6, n_best=2)
+    export_translator(model, {"tokenizer.model": b"unused"}, str(tmp_path), settings)
     sources = sources_of(np.random.default_rng(2).integers(1, 13, 30))
     exported = ExportedTranslator.load(str(tmp_path), batch_tokens=512).translate(sources)
     assert any(shrunk)  # some batch went on in fewer rows through the exported programs
-    live = translate_ids(model, sources, beam_size=4, n_best=2, batch_tokens=512)
+    live = translate_ids(model, sources, SearchSettings(beam_size=4, n_best=2, batch_tokens=512))
     for got, want in zip(exported, live, strict=True):
         assert [h.tokens for h in got] == [h.tokens for h in want]
         np.testing.assert_allclose([h.score for h in got], [h.score for h in want], atol=1e-5)

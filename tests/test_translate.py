@@ -14,6 +14,7 @@ import pytest
 
 from data.plans import plan_translation
 from model import EOS_ID, decoding
+from search.settings import SearchSettings
 from search.translate import translate_ids
 from tests.test_decoding import as_list, full_logp, make
 
@@ -66,8 +67,8 @@ def test_min_rows_pads_a_few_sources_only_to_a_power_of_two():
 @pytest.mark.slow  # ~20 s; test_stages covers min_rows 1 and 8 in make test
 def test_min_rows_does_not_change_the_translations(model):
     sources = sources_of([5, 8, 3, 12, 6, 2, 9], seed=5)
-    padded = translate_ids(model, sources, beam_size=3, n_best=2)
-    tight = translate_ids(model, sources, beam_size=3, n_best=2, min_rows=1)
+    padded = translate_ids(model, sources, SearchSettings(beam_size=3, n_best=2))
+    tight = translate_ids(model, sources, SearchSettings(beam_size=3, n_best=2, min_rows=1))
     assert [[h.tokens for h in hs] for hs in tight] == [[h.tokens for h in hs] for hs in padded]
     for a, b in zip(tight, padded, strict=True):
         np.testing.assert_allclose([h.score for h in a], [h.score for h in b], rtol=1e-5)
@@ -79,7 +80,10 @@ def test_translate_ids_keeps_input_order(model):
     sources.insert(4, [])  # empty: no model call, no hypotheses
     seen = []
     outs = translate_ids(
-        model, sources, beam_size=2, batch_tokens=32, progress=lambda i, h: seen.append((i, h))
+        model,
+        sources,
+        SearchSettings(beam_size=2, batch_tokens=32),
+        progress=lambda i, h: seen.append((i, h)),
     )
     assert len(outs) == len(sources) and outs[4] == []
     # progress: each non-empty source once, with the hypotheses it ends with
@@ -99,8 +103,8 @@ def test_translate_ids_keeps_input_order(model):
 @pytest.mark.slow  # ~28 s; test_decode_cli checks n-best lists
 def test_n_best_is_sorted_and_its_first_is_the_1_best(model):
     sources = sources_of([5, 8, 3, 12, 6], seed=4)
-    one = translate_ids(model, sources, beam_size=4, n_best=1)
-    four = translate_ids(model, sources, beam_size=4, n_best=4)
+    one = translate_ids(model, sources, SearchSettings(beam_size=4, n_best=1))
+    four = translate_ids(model, sources, SearchSettings(beam_size=4, n_best=4))
     for a, b in zip(one, four, strict=True):
         assert len(a) == 1 and 1 <= len(b) <= 4
         assert b[0] == a[0]
@@ -113,7 +117,9 @@ def test_n_best_is_sorted_and_its_first_is_the_1_best(model):
 def test_scores_are_length_normalized_log_probabilities(model, beam_size, alpha):
     """score = log P(tokens + EOS) / ((5 + len) / 6)^alpha, from full forward passes."""
     sources = sources_of([6, 9, 4], seed=5)
-    hyps = translate_ids(model, sources, beam_size=beam_size, alpha=alpha, n_best=beam_size)
+    hyps = translate_ids(
+        model, sources, SearchSettings(beam_size=beam_size, alpha=alpha, n_best=beam_size)
+    )
     for src, src_hyps in zip(sources, hyps, strict=True):
         for h in src_hyps:
             out = [*h.tokens, EOS_ID]
@@ -126,9 +132,11 @@ def test_scores_are_length_normalized_log_probabilities(model, beam_size, alpha)
 @pytest.mark.parametrize("beam_size", [1, pytest.param(3, marks=pytest.mark.slow)])  # 3: ~34 s
 def test_vocab_limit_is_never_exceeded(model, beam_size):
     sources = sources_of([7, 3, 10, 5, 9, 6], seed=6)
-    free = translate_ids(model, sources, beam_size=beam_size, n_best=beam_size)
+    free = translate_ids(model, sources, SearchSettings(beam_size=beam_size, n_best=beam_size))
     assert any(t >= 8 for hs in free for h in hs for t in h.tokens)  # the limit matters here
-    limited = translate_ids(model, sources, beam_size=beam_size, n_best=beam_size, vocab_limit=8)
+    limited = translate_ids(
+        model, sources, SearchSettings(beam_size=beam_size, n_best=beam_size), vocab_limit=8
+    )
     assert all(t < 8 for hs in limited for h in hs for t in h.tokens)
 
 
@@ -137,6 +145,7 @@ import json, sys
 import jax, numpy as np
 from model import EOS_ID
 from tests.test_decoding import make
+from search.settings import SearchSettings
 from search.translate import translate_ids
 from training.mesh import batch_sharding
 rng = np.random.default_rng(7)
@@ -146,13 +155,12 @@ out = {}
 for shape in [(1, 1, 1), (4, 2, 1), (2, 2, 2)]:
     auto = (jax.sharding.AxisType.Auto,) * 3  # as training.mesh.make_mesh
     mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=auto)
-    hyps = translate_ids(
-        model, sources, beam_size=3, n_best=2, batch_tokens=64, sharding=batch_sharding(mesh)
-    )
+    settings = SearchSettings(beam_size=3, n_best=2, batch_tokens=64)
+    hyps = translate_ids(model, sources, settings, sharding=batch_sharding(mesh))
     out[str(shape)] = [[(h.tokens, h.score) for h in hs] for hs in hyps]
 out["none"] = [
     [(h.tokens, h.score) for h in hs]
-    for hs in translate_ids(model, sources, beam_size=3, n_best=2, batch_tokens=64)
+    for hs in translate_ids(model, sources, SearchSettings(beam_size=3, n_best=2, batch_tokens=64))
 ]
 print(json.dumps(out))
 """

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from data import Tokenizer
 from model import EOS_ID, Transformer
 from search.bleu import bleu_chrf
+from search.settings import SearchSettings
 from search.translate import translate_ids, vocab_limit
 from training.input import eval_batches
 from training.mesh import batch_divisor, batch_sharding, shard_batch
@@ -62,17 +63,15 @@ def translate_corpus(
     ids = [[*x[: max_length - 1], EOS_ID] for x in tokenizer.encode_batch(list(sources))]
     # Beam search holds K hypotheses per source: keep the batch's tokens near batch_tokens.
     budget = max(batch_tokens // beam_size, 256)
+    # The same sources at every evaluation, so the same few shapes: a bucket's last
+    # batch needs no filler rows beyond a power of two (one source: one row).
+    settings = SearchSettings(beam_size=beam_size, alpha=alpha, batch_tokens=budget, min_rows=1)
     hyps = translate_ids(
         model,
         ids,
-        beam_size=beam_size,
-        alpha=alpha,
-        batch_tokens=budget,
+        settings,
         vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
         sharding=batch_sharding(mesh),
-        # The same sources at every evaluation, so the same few shapes: a bucket's last
-        # batch needs no filler rows beyond a power of two (one source: one row).
-        min_rows=1,
     )
     return [tokenizer.decode(h[0].tokens) if h else "" for h in hyps]
 
