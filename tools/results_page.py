@@ -1,13 +1,17 @@
-"""docs/results.md from bench/results/: every measured number, as tables, newest first.
+"""docs/results.md and the README's results table, both from bench/results/.
 
-    python tools/results_page.py            # writes docs/results.md
-    python tools/results_page.py --check    # exit 1 if docs/results.md is out of date
+    python tools/results_page.py            # writes docs/results.md and the README's table
+    python tools/results_page.py --check    # exit 1 if either is out of date
 
 A results file is named MACHINE-YYYYMMDD-COMMIT[-LABEL].{jsonl,json}: a benchmark's
 JSON lines (one object a run, its rows under "results" when it has several), a
 train run's metrics.jsonl (summed up: steps, losses, throughput, BLEU), or a GPU
-suite's summary (its steps and their outcome). tests/test_results_page.py keeps
-the page up to date.
+suite's summary (its steps and their outcome).
+
+docs/results.md shows every file, grouped by machine, newest first: one line per
+run, its rows inline. The README's table shows the `HEADLINES` below, each a value
+picked from one file, with the file's command, hardware, commit and date.
+tests/test_results_page.py keeps both current.
 """
 
 from __future__ import annotations
@@ -22,22 +26,54 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 PAGE = os.path.join(ROOT, "docs", "results.md")
+README = os.path.join(ROOT, "README.md")
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 NAME = re.compile(
     r"^(?P<machine>.+?)-(?P<date>\d{8})-(?P<commit>[0-9a-f]{7,})(?:-(?P<label>.+?))?$"
 )
-# Long or nested fields that say how a run was set up rather than what it measured.
-SKIP = {"device", "configs", "xla_flags", "env", "results", "note", "machine", "date"}
-SKIP |= {"benchmark", "command"}  # in the line above each table
-MAX_COLUMNS = 9
+# Fields that say where and how a run was made, not what it measured.
+SETUP = {"device", "configs", "xla_flags", "env", "machine", "date", "commit", "jax"}
+SETUP |= {"benchmark", "command", "note", "results", "platform", "num_devices"}
 BLEU_KEYS = ("eval_bleu", "dev_bleu", "bleu")
+MACHINE_ORDER = ("nvidia", "cpu-zen5")  # GPUs first, then today's CPU box, then older ones
 
 HEADER = """# Results
 
 Every number measured for this project, generated from the JSON lines in
-`bench/results/` by `python tools/results_page.py` (do not edit by hand). Each
-section is one file: the machine, the date and the commit are in its name, the
-command in its lines. Newest first.
+`bench/results/` by `python tools/results_page.py` (do not edit by hand). Files
+are grouped by machine, newest first; each line is one run: its benchmark, its
+command, then what it measured (several rows separated by `·`). The machine,
+date, commit and label are in the file's name, which each entry links.
 """
+
+# The README's table: (what, file stem, the run's fields to match, result index, format).
+HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
+    ("`make train` (tiny on Ding), then `make decode`", "cpu-zen5-20261126-8b11d1d-make-train",
+     {"benchmark": "make train"}, None, "{wall_s} s; dev BLEU {dev_bleu}, test BLEU {test_bleu}"),
+    ("`make decode`, first run after `make train`", "cpu-zen5-20261127-1c29c1a-pace",
+     {"benchmark": "make decode"}, None, "{wall_s} s for {lines} lines"),
+    ("`make decode`, again", "cpu-zen5-20261127-1c29c1a-pace",
+     {"command": "make decode (again, warm)"}, None, "{wall_s} s for {lines} lines"),
+    ("decode.py on 10,000 lines, programs compiled", "cpu-zen5-20261127-1c29c1a-pace",
+     {"benchmark": "decode.py", "run": "warm"}, None,
+     "{target_tokens_per_s} target tokens/s; host share {host_share_after_programs}"),
+    ("decode.py killed at 60% and re-run, 12,000 lines", "cpu-zen5-20261127-1c29c1a-pace",
+     {"benchmark": "decode_resume", "lines": 12000}, None,
+     "the re-run takes {rerun_share} of the whole job's time"),
+    ("beam search, base, beam 4, 128 sentences", "nvidia-h200-20261127-190dd07-pace",
+     {"benchmark": "decode"}, 0, "{tokens_per_s} target tokens/s"),
+    ("train step, base, 8,192-token packed batches", "nvidia-h200-20261127-190dd07-pace",
+     {"benchmark": "train"}, 0, "{tgt_tokens_per_s} target tokens/s, {step_ms} ms"),
+    ("train.py, base on Ding, 8,192-token packed batches", "nvidia-h200-20261127-190dd07-pace",
+     {"benchmark": "train.py_ding_base"}, None,
+     "{steps_per_sec} steps/s, {tokens_per_sec} target tokens/s"),
+    ("base on Ding, 5,050 steps (6.5 min), test set", "nvidia-h100-20261126-c02d827-ding-base",
+     {"benchmark": "ding_base_decode", "split": "test"}, None, "BLEU {bleu}, chrF {chrf}"),
+    ("importing an OPUS-MT-sized model", "cpu-zen5-20261127-6a5831d-marian",
+     {"benchmark": "marian_import"}, 2, "{load_s} s"),
+    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261127-12f4869-ci",
+     {"benchmark": ".ci/run"}, None, "{wall_s} s"),
+]  # fmt: skip
 
 
 def _cell(value: Any) -> str:
@@ -47,25 +83,16 @@ def _cell(value: Any) -> str:
         return f"{value:,}"
     if isinstance(value, (dict, list)):
         value = json.dumps(value, separators=(",", ":"))
-    text = str(value).replace("|", "\\|").replace("\n", " ")
-    return text if len(text) <= 80 else text[:77] + "..."
+    return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def table(rows: list[dict[str, Any]]) -> list[str]:
-    """A markdown table of the rows' scalar fields, in their first-seen order."""
-    columns: list[str] = []
-    for row in rows:
-        columns += [k for k in row if k not in SKIP and k not in columns]
-    columns = columns[:MAX_COLUMNS]
-    if not columns:
-        return []
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
-    return lines
+def _fields(row: dict[str, Any]) -> str:
+    """`key value, key value` of a row's measured fields, in its order."""
+    return ", ".join(f"{k} {_cell(v)}" for k, v in row.items() if k not in SETUP)
 
 
-def _metrics(rows: list[dict[str, Any]]) -> list[str]:
-    """A train run's metrics.jsonl, summed up."""
+def _metrics(rows: list[dict[str, Any]]) -> str:
+    """A train run's metrics.jsonl, summed up in one line."""
     train = [r for r in rows if "train_loss" in r]
     evals = [r for r in rows if any(r.get(k) is not None for k in BLEU_KEYS)]
     summary: dict[str, Any] = {"rows": len(rows)}
@@ -80,76 +107,138 @@ def _metrics(rows: list[dict[str, Any]]) -> list[str]:
     if evals:
         bleus = [next(r[k] for k in BLEU_KEYS if r.get(k) is not None) for r in evals]
         summary.update(best_dev_bleu=max(bleus), last_dev_bleu=bleus[-1])
-    return table([summary])
+    return f"  - **train metrics**: {_fields(summary)}"
 
 
 def _suite(data: dict[str, Any]) -> list[str]:
-    """A GPU suite's summary: each step and its outcome."""
-    steps = data.get("steps", [])
-    rows = [{k: v for k, v in s.items() if not isinstance(v, (dict, list))} for s in steps]
-    versions = data.get("env", {}).get("versions", {})
-    head = [f"jax {versions['jax']}"] if "jax" in versions else []
-    return [*head, "", *table(rows)] if rows else head
-
-
-def _benchmark_lines(rows: list[dict[str, Any]]) -> list[str]:
-    out: list[str] = []
-    for row in rows:
-        name = row.get("benchmark", "run")
-        what = ", ".join(f"{k} {_cell(v)}" for k, v in row.items() if k in ("command", "note"))
-        out += [f"**{name}**" + (f": {what}" if what else ""), ""]
-        out += table([row]) if "results" not in row else table(row["results"])
-        out.append("")
+    """A GPU suite's summary: one line per step and its outcome."""
+    out = []
+    for step in data.get("steps", []):
+        scalars = {k: v for k, v in step.items() if not isinstance(v, (dict, list))}
+        out.append(f"  - {_fields(scalars)}")
     return out
 
 
-def section(path: str) -> list[str]:
-    """The markdown of one results file."""
+def _runs(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per run: benchmark, command, note, then its fields or its rows."""
+    out = []
+    for row in rows:
+        head = f"  - **{row.get('benchmark', 'run')}**"
+        if row.get("command"):
+            head += f" `{_cell(row['command']).replace('`', '')}`"
+        if row.get("note"):
+            head += f" ({_cell(row['note'])})"
+        body = _fields(row)
+        if "results" in row:
+            body = "; ".join(x for x in [body, " · ".join(map(_fields, row["results"]))] if x)
+        out.append(f"{head}: {body}" if body else head)
+    return out
+
+
+def _stem(name: str) -> str:
+    return re.sub(r"\.(metrics\.jsonl|suite\.json|jsonl|json)$", "", name)
+
+
+def entry(path: str) -> list[str]:
+    """The lines of one results file: a bullet with its date, commit and label, then
+    one sub-bullet per run."""
     base = os.path.basename(path)
-    stem = re.sub(r"\.(metrics\.jsonl|suite\.json|jsonl|json)$", "", base)
-    m = NAME.match(stem)
-    title = base if m is None else (
-        f"{m['machine']}, {m['date'][:4]}-{m['date'][4:6]}-{m['date'][6:]}, commit {m['commit']}"
-        + (f": {m['label']}" if m["label"] else "")
-    )  # fmt: skip
-    lines = [f"## {title}", "", f"`bench/results/{base}`", ""]
+    m = NAME.match(_stem(base))
+    when = f"{m['date'][:4]}-{m['date'][4:6]}-{m['date'][6:]}, {m['commit']}" if m else base
+    label = f", {m['label']}" if m and m["label"] else ""
+    lines = [f"- {when}{label}: [`{base}`](../bench/results/{base})"]
     with open(path, encoding="utf-8") as f:
         if base.endswith(".json"):
-            body = _suite(json.load(f))
-        else:
-            rows = [json.loads(line) for line in f if line.strip()]
-            body = _metrics(rows) if base.endswith(".metrics.jsonl") else _benchmark_lines(rows)
-    return lines + body + [""]
+            return lines + _suite(json.load(f))
+        rows = [json.loads(line) for line in f if line.strip()]
+    return lines + ([_metrics(rows)] if base.endswith(".metrics.jsonl") else _runs(rows))
+
+
+def _machine_key(machine: str) -> tuple[int, str]:
+    for rank, prefix in enumerate(MACHINE_ORDER):
+        if machine.startswith(prefix):
+            return rank, machine
+    return len(MACHINE_ORDER), machine
 
 
 def render(directory: str = RESULTS) -> str:
-    """The whole page, newest file first (by the date in its name, then its name)."""
-    names = [n for n in os.listdir(directory) if n.endswith((".jsonl", ".json"))]
-
-    def key(name: str) -> tuple[str, str]:
-        m = NAME.match(name.split(".")[0])
-        return (m["date"] if m else "", name)
-
+    """The whole page: a section per machine, its files newest first."""
+    by_machine: dict[str, list[str]] = {}
+    for name in os.listdir(directory):
+        if name.endswith((".jsonl", ".json")):
+            m = NAME.match(_stem(name))
+            by_machine.setdefault(m["machine"] if m else "other", []).append(name)
     parts = [HEADER]
-    for name in sorted(names, key=key, reverse=True):
-        parts.append("\n".join(section(os.path.join(directory, name))).rstrip() + "\n")
+    for machine in sorted(by_machine, key=_machine_key):
+        names = sorted(by_machine[machine], key=lambda n: (_date(n), n), reverse=True)
+        lines = [f"## {machine}", ""]
+        for name in names:
+            lines += entry(os.path.join(directory, name))
+        parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
+
+
+def _date(name: str) -> str:
+    m = NAME.match(_stem(name))
+    return m["date"] if m else ""
+
+
+# --- The README's table ----------------------------------------------------------------
+
+
+def _record(directory: str, stem: str, match: dict[str, Any], index: int | None) -> dict:
+    """The first run in bench/results/STEM.jsonl whose fields equal `match`'s, merged with
+    its results[index] when given (KeyError naming what is missing)."""
+    with open(os.path.join(directory, f"{stem}.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line) if line.strip() else {}
+            if row and all(row.get(k) == v for k, v in match.items()):
+                return {**row, **(row["results"][index] if index is not None else {})}
+    raise KeyError(f"{stem}.jsonl has no run with {match}")
+
+
+def headline_table(directory: str = RESULTS) -> str:
+    """The README's results table (markdown), from `HEADLINES`."""
+    lines = ["| what | result | hardware | command | commit, date |", "|---|---|---|---|---|"]
+    for what, stem, match, index, fmt in HEADLINES:
+        row = _record(directory, stem, match, index)
+        m = NAME.match(stem)
+        result = fmt.format(**{k: _cell(v) for k, v in row.items()})
+        machine = _cell(row.get("machine") or row.get("device") or m["machine"])
+        date = f"{m['date'][:4]}-{m['date'][4:6]}-{m['date'][6:]}"
+        command = _cell(row.get("command", "")).replace("`", "")
+        command = f"`{command}`" if command else ""
+        link = f"[{m['commit']}, {date}](bench/results/{stem}.jsonl)"
+        lines.append(f"| {what} | {result} | {machine} | {command} | {link} |")
+    return "\n".join(lines) + "\n"
+
+
+def with_table(readme: str, table: str) -> str:
+    """README.md's text with the table between its BEGIN and END markers replaced."""
+    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    return readme[:start] + "\n" + table + readme[end:]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if either is stale")
     args = parser.parse_args()
-    page = render()
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    wanted = {PAGE: render(), README: with_table(readme, headline_table())}
+    stale = []
+    for path, text in wanted.items():
+        with open(path, encoding="utf-8") as f:
+            if f.read() != text:
+                stale.append(path)
+        if not args.check:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
     if args.check:
-        with open(PAGE, encoding="utf-8") as f:
-            stale = f.read() != page
-        if stale:
-            print("docs/results.md is out of date: run python tools/results_page.py")
-        return int(stale)
-    with open(PAGE, "w", encoding="utf-8") as f:
-        f.write(page)
-    print(f"wrote {PAGE}")
+        for path in stale:
+            print(f"{os.path.relpath(path, ROOT)} is out of date: run python tools/results_page.py")
+        return int(bool(stale))
+    print(f"wrote {os.path.relpath(PAGE, ROOT)} and the table in README.md")
     return 0
 
 
