@@ -1,29 +1,78 @@
-"""decode.py end to end on a file: target tokens/s after start-up, start-up, and where the
-time went, with an empty compilation cache ("cold") and then with the one it filled ("warm").
+"""decode.py end to end on files: its pace, its memory, and what a killed job costs to finish.
+
+Every measure runs `python decode.py` in processes of its own on an input file made
+in a scratch directory; flags after `--` go to decode.py.
+
+--measure=pace (the default): target tokens/s after start-up, start-up, and where the
+time went, with an empty compilation cache ("cold") and then with the one it filled
+("warm"). The input is --input, or the sources of a split of the workdir's dataset,
+cycled to --lines lines if given; each run is `decode.py ... --stats` (search/timing.py:
+start-up, programs, host phases, device busy and idle). One JSON line per run
+("benchmark": "decode.py"), then a table.
 
     python bench/decode_file.py --workdir=workdir/tiny --split=test            # make decode's
     python bench/decode_file.py --workdir=W --split=train --lines=100000 -- --beam_size=4
     python bench/decode_file.py --workdir=W --input=big.de --runs=warm
 
-The input is --input, or the sources of a split of the workdir's dataset written to a
-file, repeated to --lines lines if given. Each run is `python decode.py ... --stats`
-in a process of its own (search/timing.py: start-up, programs, host phases,
-device busy and idle); flags after `--` go to decode.py. Prints one JSON object
-per run, each with "benchmark": "decode.py", then a table.
+--measure=memory: peak RSS and throughput of the whole process, per input size. Inputs
+are the Ding sources (data/corpora.py: the training split's German side, repeated up to
+each of --sizes; or the test split). Peak RSS is the kernel's ru_maxrss of the child
+(os.wait4); wall_s covers start-up to exit, as does cpu_s (the CPU seconds of all its
+threads, the measure to compare when other processes share the cores); the translation
+rates are decode.py's own summary line (encoding, translating, writing; no start-up).
+Runs are repeated (--repeats) and the median wall time and rates kept, with the largest
+RSS. --read_lines=0 means one chunk for the whole input (the batches decode.py made
+before it streamed); --plans counts the batches that chunks make, without decode.py.
+One JSON object ("benchmark": "decode_stream" or "decode_stream_plans"), then a table.
+
+    # memory: read, tokenize, plan and write 10k and 1M lines without the model
+    python bench/decode_file.py --measure=memory --workdir=workdir/tiny --dry_run \
+        --sizes=10000,1000000
+    # throughput on the Ding test set for some --read_lines (and one chunk for all of it)
+    python bench/decode_file.py --measure=memory --test_set --read_lines=250,1000,0
+    # ... or of another decode.py (e.g. a checkout of the code before it streamed)
+    python bench/decode_file.py --measure=memory --test_set --decode_py=/tmp/old/decode.py
+    # the batches chunks make (no decode.py run): filler rows and padding per --read_lines
+    python bench/decode_file.py --measure=memory --plans --sizes=100000 \
+        --read_lines=1000,10000,0
+
+--measure=resume: decode.py killed at 60% of a job and run again: what the re-run costs
+against the whole job, and whether the output is the uninterrupted run's. Per input size
+(--lines, the split's sources cycled): a run that fills the compilation cache (not
+timed), the whole job timed, then the same command killed (SIGKILL) once the output's
+record and journal (inference/resume.py) count 60% of the lines, and run again, timed.
+One JSON line per size ("benchmark": "decode_resume"), then a table.
+
+    python bench/decode_file.py --measure=resume --workdir=workdir/tiny --split=train \
+        --lines=5000,12000
+
+The "benchmark" names are those of the scripts these measures came from (decode_stream.py,
+decode_resume.py), so that new results line up with the old ones in bench/results/.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import signal
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench import common  # noqa: E402
+
+MEASURES = ("pace", "memory", "resume")
+
+
+# --- inputs -----------------------------------------------------------------------------------
 
 
 def split_sources(workdir: str, split: str) -> list[str]:
@@ -35,16 +84,47 @@ def split_sources(workdir: str, split: str) -> list[str]:
     return [corpus[i][0] for i in range(len(corpus))]
 
 
-def write_input(path: str, lines: list[str], count: int | None) -> int:
-    """`lines` (cycled to `count` lines when given) into `path`; returns how many."""
-    if count:
-        lines = [lines[i % len(lines)] for i in range(count)]
+def ding_sources(split: str) -> list[str]:
+    """The German side of a split of the Ding corpus (parsed once, cached by data/)."""
+    from data.corpora import prepare_ding
+
+    return [de for de, _ in prepare_ding()[split]]
+
+
+def write_input(path: str, lines: list[str], count: int | None = None) -> int:
+    """`lines` cycled to `count` lines (all once when None) into `path`; returns how many.
+
+    Written a block of all `lines` at a time: the memory measure asks for 1M lines.
+    """
+    count = len(lines) if count is None else count
+    block = "".join(line.replace("\n", " ") + "\n" for line in lines)
+    full, rest = divmod(count, len(lines)) if lines else (0, 0)
     with open(path, "w", encoding="utf-8") as f:
-        f.writelines(line.replace("\n", " ") + "\n" for line in lines)
-    return len(lines)
+        for _ in range(full):
+            f.write(block)
+        f.writelines(line.replace("\n", " ") + "\n" for line in lines[:rest])
+    return count
 
 
-def run_decode(args, input_path: str, cache: str, scratch: str, name: str, extra: list[str]):
+def decode_flags(rest: list[str]) -> list[str]:
+    """The flags meant for decode.py: what argparse left, without the `--` before them."""
+    return [a for a in rest if a != "--"]
+
+
+# --- pace: cold and warm runs with --stats ------------------------------------------------
+
+
+def pace_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--input", default=None, help="a file of source lines")
+    p.add_argument("--split", default=None, choices=["train", "dev", "test"])
+    p.add_argument("--lines", type=int, default=None, help="cycle the input to this many")
+    p.add_argument("--runs", default="cold,warm", help="cold (empty cache), warm, or both")
+    p.add_argument("--scratch", default=None, help="where inputs, outputs, caches go")
+    p.add_argument("--jsonl", default=None, help="also append each run's JSON line here")
+
+
+def stats_run(args, input_path: str, cache: str, scratch: str, name: str, extra: list[str]):
     """One decode.py process; its --stats breakdown with the run's facts."""
     stats = os.path.join(scratch, f"{name}.stats.json")
     output = os.path.join(scratch, f"{name}.out")
@@ -53,24 +133,17 @@ def run_decode(args, input_path: str, cache: str, scratch: str, name: str, extra
     process_s = common.run_decode(flags)["wall_s"]
     with open(stats) as f:
         row = json.load(f)
-    with open(output, "rb") as f:
-        row["output_bytes"] = len(f.read())
+    row["output_bytes"] = os.path.getsize(output)
     return {"run": name, "process_s": round(process_s, 3), **row}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--input", default=None, help="a file of source lines")
-    p.add_argument("--split", default=None, choices=["train", "dev", "test"])
-    p.add_argument("--lines", type=int, default=None, help="cycle the input to this many")
-    p.add_argument("--runs", default="cold,warm", help="cold (empty cache), warm, or both")
-    p.add_argument("--scratch", default=None, help="where inputs, outputs, caches go")
-    p.add_argument("--jsonl", default=None, help="also append each run's JSON line here")
-    args, extra = p.parse_known_args(argv)
-    extra = [a for a in extra if a != "--"]
+def pace(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
+    """Cold and warm decode.py runs with --stats: one JSON line each, then a table."""
     if (args.input is None) == (args.split is None):
         p.error("give one of --input and --split")
+    runs = args.runs.split(",")
+    if bad := [r for r in runs if r not in ("cold", "warm")]:
+        p.error(f"--runs: cold or warm, not {bad[0]!r}")
     scratch = args.scratch or tempfile.mkdtemp(prefix="decode-file-")
     os.makedirs(scratch, exist_ok=True)
     source = os.path.join(scratch, "input.txt")
@@ -82,14 +155,10 @@ def main(argv=None) -> None:
     count = write_input(source, lines, args.lines)
     cache = os.path.join(scratch, "cache")
     rows = []
-    for name in args.runs.split(","):
-        if name not in ("cold", "warm"):
-            p.error(f"--runs: cold or warm, not {name!r}")
-        if name == "cold" and os.path.exists(cache):
-            import shutil
-
-            shutil.rmtree(cache)
-        row = run_decode(args, source, cache, scratch, name, extra)
+    for name in runs:
+        if name == "cold":
+            shutil.rmtree(cache, ignore_errors=True)
+        row = stats_run(args, source, cache, scratch, name, extra)
         row.update(
             benchmark="decode.py",
             input=args.input or f"{args.split} sources",
@@ -107,6 +176,225 @@ def main(argv=None) -> None:
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print("  ".join(f"{r[c]:>14}" for c in cols))
+
+
+# --- memory: peak RSS and throughput per input size; the batches chunks make ---------------
+
+
+def memory_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", default="workdir/tiny")
+    p.add_argument("--dry_run", action="store_true", help="decode.py --dry_run (no model)")
+    p.add_argument("--sizes", default="10000,1000000", help="input lines (training sources)")
+    p.add_argument("--test_set", action="store_true", help="the Ding test set, not --sizes")
+    p.add_argument("--read_lines", default="", help="chunk sizes; 0 = one chunk; '' = default")
+    p.add_argument("--beam_size", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--decode_py", default=common.DECODE_PY)
+    p.add_argument("--scratch", default=None, help="where inputs and outputs go (default: tmp)")
+    p.add_argument("--plans", action="store_true", help="count the batches of each chunk size")
+    p.add_argument("--batch_tokens", type=int, default=4096)
+
+
+def repeated_run(decode_py: str, flags: list[str], repeats: int) -> dict:
+    """decode.py run `repeats` times: the median of each figure, the largest peak RSS."""
+    runs = []
+    for _ in range(repeats):
+        row = common.run_decode(flags, decode_py=decode_py)
+        runs.append({k: v for k, v in row.items() if k not in ("stdout", "stderr")})
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "peak_rss_mb"}
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    out["lines"] = int(out["lines"])
+    return out
+
+
+def plan_costs(workdir: str, sources: list[str], chunks: list[int], batch_tokens: int) -> list:
+    """Per chunk size, the batches `data.plans.plan_translation` makes of the sources read
+    in chunks of that many lines: batches, rows (with the filler that pads a width's last
+    batch), padded source tokens; compared with one chunk for everything."""
+    from data import Tokenizer
+    from data.plans import plan_translation
+    from training.config import load_config
+
+    max_len = load_config(workdir).model.max_len
+    tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))
+    lengths = [min(len(ids) + 1, max_len) for ids in tokenizer.encode_batch(sources)]
+    rows = []
+    for chunk in chunks:
+        size = chunk or len(lengths)
+        batches = filled = slots = 0
+        for start in range(0, len(lengths), size):
+            plan = plan_translation(
+                lengths[start : start + size], batch_tokens=batch_tokens, max_len=max_len
+            )
+            batches += len(plan)
+            filled += sum(r for _, _, r in plan)
+            slots += sum(r * w for _, w, r in plan)
+        rows.append(
+            {"read_lines": chunk, "batches": batches, "rows": filled, "padded_tokens": slots}
+        )
+    whole = rows[-1] if chunks[-1] == 0 else None
+    for r in rows:
+        r["filler_rows_pct"] = 100 * (r["rows"] - len(lengths)) / r["rows"]
+        if whole:
+            r["rows_vs_one_chunk_pct"] = 100 * (r["rows"] / whole["rows"] - 1)
+    return rows
+
+
+def memory(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
+    """Peak RSS and rates per input size and --read_lines (or, with --plans, the batches
+    of each chunk size): one JSON object, then a table."""
+    if args.plans:
+        size = int(args.sizes.split(",")[0])
+        sources = ding_sources("test" if args.test_set else "train")
+        sources = (sources * (size // len(sources) + 1))[:size]
+        chunks = [int(x) for x in (args.read_lines or "1000,10000,0").split(",")]
+        rows = plan_costs(args.workdir, sources, chunks, args.batch_tokens)
+        columns = ["read_lines", "batches", "rows", "filler_rows_pct", "rows_vs_one_chunk_pct"]
+        meta = {"input_lines": len(sources), "batch_tokens": args.batch_tokens}
+        return common.report("decode_stream_plans", meta, rows, [*columns, "padded_tokens"])
+
+    scratch = args.scratch or tempfile.mkdtemp(prefix="decode-memory-")
+    os.makedirs(scratch, exist_ok=True)
+    sources = ding_sources("test" if args.test_set else "train")
+    sizes = [len(sources)] if args.test_set else [int(s) for s in args.sizes.split(",")]
+    chunks = [int(x) for x in args.read_lines.split(",")] if args.read_lines else [None]
+    rows = []
+    for size in sizes:
+        src = os.path.join(scratch, f"in_{size}.de")
+        if not os.path.isfile(src) or os.path.getsize(src) == 0:
+            write_input(src, sources, size)
+        for chunk in chunks:
+            out = os.path.join(scratch, f"out_{size}.txt")
+            flags = [
+                f"--workdir={os.path.abspath(args.workdir)}",
+                f"--input={src}",
+                f"--output={out}",
+                f"--beam_size={args.beam_size}",
+            ]
+            if chunk is not None:
+                flags.append(f"--read_lines={chunk or max(size, 1)}")
+            flags += ["--dry_run"] if args.dry_run else []
+            r = repeated_run(args.decode_py, [*flags, *extra], args.repeats)
+            rows.append({"input_lines": size, "read_lines": chunk, **r})
+            print(f"# {size} lines, read_lines={chunk}: {r}", file=sys.stderr)
+    meta = {
+        "decode_py": os.path.abspath(args.decode_py),
+        "workdir": args.workdir,
+        "dry_run": args.dry_run,
+        "input": "ding test sources" if args.test_set else "ding training sources, repeated",
+        "beam_size": args.beam_size,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+    }
+    columns = ["input_lines", "read_lines", "peak_rss_mb", "wall_s", "cpu_s", "translate_s"]
+    common.report("decode_stream", meta, rows, [*columns, "sentences_per_s", "tokens_per_s"])
+
+
+# --- resume: killed at 60% and run again ------------------------------------------------------
+
+
+def resume_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--split", default="train", choices=["train", "dev", "test"])
+    p.add_argument("--lines", default="5000,12000", help="input sizes, comma-separated")
+    p.add_argument("--at", type=float, default=0.6, help="kill once this share is done")
+    p.add_argument("--scratch", default="/tmp/decode-resume")
+
+
+def lines_done(output: str) -> int:
+    """Lines the output's record counts, plus the sources its journal holds."""
+    done = 0
+    try:
+        with open(output + ".partial.json") as f:
+            done = json.load(f).get("done", {}).get("lines", 0)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(output + ".partial.journal") as f:
+            for line in f:
+                with contextlib.suppress(ValueError, KeyError):  # a torn line
+                    done += len(json.loads(line)["i"])
+    except OSError:
+        pass
+    return done
+
+
+def timed_run(cmd: list[str], kill_at: int | None = None, output: str = "") -> float:
+    """Run cmd to its end (or SIGKILL it once `kill_at` lines are done); seconds."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if kill_at is None:
+        _, err = proc.communicate()
+        if proc.returncode:
+            sys.exit(f"decode.py failed:\n{err[-2000:]}")
+        return time.perf_counter() - t0
+    while proc.poll() is None and lines_done(output) < kill_at:
+        time.sleep(0.05)
+    if proc.poll() is not None:
+        sys.exit(f"decode.py ended before {kill_at} lines were done")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return time.perf_counter() - t0
+
+
+def resume(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
+    """Whole job, killed job and its re-run per input size: one JSON line each, a table."""
+    os.makedirs(args.scratch, exist_ok=True)
+    sources = split_sources(args.workdir, args.split)
+    rows = []
+    for n in (int(x) for x in args.lines.split(",")):
+        source = os.path.join(args.scratch, f"in{n}.txt")
+        write_input(source, sources, n)
+        out = os.path.join(args.scratch, f"out{n}.txt")
+        cache = os.path.join(args.scratch, "cache")
+        cmd = [sys.executable, common.DECODE_PY, f"--workdir={args.workdir}"]
+        cmd += [f"--input={source}", f"--output={out}", f"--compilation_cache={cache}", *extra]
+        timed_run([*cmd, "--restart"])  # fills the compilation cache
+        whole_s = timed_run([*cmd, "--restart"])
+        with open(out, "rb") as f:
+            whole = f.read()
+        os.remove(out)
+        killed_s = timed_run(cmd, kill_at=int(args.at * n), output=out)
+        at = lines_done(out)
+        rerun_s = timed_run(cmd)
+        with open(out, "rb") as f:
+            same = f.read() == whole
+        row = {
+            "benchmark": "decode_resume",
+            "lines": n,
+            "killed_at_lines": at,
+            "whole_s": round(whole_s, 2),
+            "killed_after_s": round(killed_s, 2),
+            "rerun_s": round(rerun_s, 2),
+            "rerun_share": round(rerun_s / whole_s, 3),
+            "identical_output": same,
+            "decode_flags": extra,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    cols = ["lines", "killed_at_lines", "whole_s", "killed_after_s", "rerun_s", "rerun_share"]
+    print("  ".join(f"{c:>15}" for c in [*cols, "identical_output"]))
+    for r in rows:
+        print("  ".join(f"{r[c]!s:>15}" for c in [*cols, "identical_output"]))
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    # --measure first: each measure keeps the flags (and defaults) of the script it was.
+    choose = argparse.ArgumentParser(add_help=False)
+    choose.add_argument("--measure", choices=MEASURES, default="pace", help="see the docstring")
+    measure = choose.parse_known_args(argv)[0].measure
+    add_flags, run = {
+        "pace": (pace_flags, pace),
+        "memory": (memory_flags, memory),
+        "resume": (resume_flags, resume),
+    }[measure]
+    p = argparse.ArgumentParser(description=run.__doc__.splitlines()[0], parents=[choose])
+    add_flags(p)
+    args, rest = p.parse_known_args(argv)
+    run(p, args, decode_flags(rest))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Where a train step's time goes: nested pieces timed separately, plus an optional trace.
+"""Where a train step's time goes: nested pieces timed separately, plus an optional trace;
+with --host, the host's share (the batch's copy and the step's call).
 
     python bench/profile.py --config=tiny [--batch_tokens=2048] [--length=32] [--trace_dir=DIR]
+    python bench/profile.py --host --config=base [--batch_tokens=8192] [--length=256] [--iters=20]
 
 Times, on one fixed batch shape: the encoder forward; the whole forward with
 the loss; the output projection + loss alone (forward and backward); forward
@@ -13,6 +15,19 @@ cuBLAS and cuDNN calls, so it is far lower). With --trace_dir, one step is
 also recorded with `jax.profiler.trace` and, on a GPU or TPU, summarized by
 `tools/trace_summary.py` (kernel time by kind; open the trace itself in
 TensorBoard's profile plugin or Perfetto). Prints JSON objects and tables.
+
+--host times the host's work per train step, outside the device's: copying the batch
+to the device, and calling the compiled step until it returns (dispatch). Each call
+waits for the step before the next one, so the device is idle while the host works and
+the two are measured apart. The step is called three ways: on the `TrainState` pytree
+(`steps.make_train_step`), on its leaves in a list, and on the state packed into a few
+buffers (`steps.make_packed_train_step`, what train.py's loop calls; training/packed.py).
+When the host's time per step (this, plus the input pipeline's next batch) exceeds the
+device's, the device waits: small batches on a GPU. The call's time does not grow with
+the batch: on a CPU, where a base step of 8,192 tokens computes for ~30 s, use
+`--batch_tokens=256 --length=32`. Its defaults are --config=base --batch_tokens=8192
+--length=256. Prints one JSON object ("benchmark": "host_step", the name of the script
+it was), then a table.
 """
 
 from __future__ import annotations
@@ -21,23 +36,43 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common
 
+# Defaults of the two modes: the pieces of a tiny step; the host's time at base's shape.
+DEFAULTS = {
+    False: {"config": "tiny", "batch_tokens": 0, "length": 32},
+    True: {"config": "base", "batch_tokens": 8192, "length": 256},
+}
 
-def main(argv=None) -> None:
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="tiny")
-    p.add_argument("--batch_tokens", type=int, default=0, help="0 = the config's")
-    p.add_argument("--length", type=int, default=32, help="padded length of both sides")
+    p.add_argument("--host", action="store_true", help="the host's time per step instead")
+    p.add_argument("--config", default=None, help="tiny (--host: base)")
+    p.add_argument("--batch_tokens", type=int, default=None, help="0 = the config's (--host: 8192)")
+    p.add_argument(
+        "--length", type=int, default=None, help="both sides' padded length: 32 (--host: 256)"
+    )
     p.add_argument("--dtype", default="", help="'' = bfloat16 on accelerators, float32 on CPU")
     p.add_argument("--trace_dir", default="")
     p.add_argument("--step_only", action="store_true", help="time the train step alone")
+    p.add_argument("--iters", type=int, default=20, help="--host: calls timed")
     args = p.parse_args(argv)
+    if args.host and (args.trace_dir or args.step_only):
+        p.error("--trace_dir and --step_only time the pieces, not --host")
+    for flag, value in DEFAULTS[args.host].items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
     common.set_gpu_flags()
+    (host if args.host else pieces)(args)
 
+
+def pieces(args: argparse.Namespace) -> None:
+    """Times the nested pieces of a train step and the step; prints the "profile" report."""
     import jax
     import numpy as np
     from flax import nnx
@@ -144,6 +179,78 @@ def _differences(times: dict[str, float]) -> list[dict[str, float | str]]:
         }
     )
     return rows
+
+
+def _host_ms(call, block, iters: int) -> float:
+    """Mean ms from calling `call()` to its return, the device idle at each call."""
+    block(call())  # compiled
+    total = 0.0
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = call()
+        total += time.perf_counter() - t0
+        block(out)
+    return 1e3 * total / iters
+
+
+def host(args: argparse.Namespace) -> None:
+    """Times the batch's copy and the step's call three ways; prints the "host_step" report."""
+    import jax
+    import numpy as np
+
+    from training import mesh as mesh_lib
+    from training import steps
+    from training.packed import Packing
+
+    config = importlib.import_module(f"configs.{args.config}").get_config()
+    config.batch_tokens = args.batch_tokens or config.batch_tokens
+    if args.dtype or jax.default_backend() == "cpu":
+        config.model.dtype = args.dtype or "float32"
+    mesh, setup, state, tree_step = common.build_train_step(config)
+    per, div = config.batch_tokens // args.length, mesh_lib.batch_divisor(mesh)
+    rows = max(div, per - per % div)
+    rng = np.random.default_rng(0)
+    ids = lambda: rng.integers(4, 1000, (rows, args.length), dtype=np.int32)
+    on_host = {"src": ids(), "tgt_in": ids(), "tgt_out": ids()}
+    batch = mesh_lib.shard_batch(on_host, mesh)
+
+    box = {"state": state}
+
+    def on_tree():
+        box["state"], m = tree_step(box["state"], batch)
+        return m
+
+    calls = {}
+    for name, pack in (("leaves", False), ("packed", True)):
+        start = steps.init_train_state(setup)
+        leaves, treedef = jax.tree.flatten(start)
+        packing = Packing.of(leaves, pack=pack)
+        box[name] = steps.make_pack(setup, treedef, packing)(start)
+        del start, leaves
+        step_fn = steps.make_packed_train_step(setup, treedef, packing)
+
+        def call(name=name, step_fn=step_fn):
+            box[name], m = step_fn(box[name], batch)
+            return m
+
+        calls[name] = call, packing.num_buffers
+
+    copy = lambda: mesh_lib.shard_batch(on_host, mesh)
+    rows_out = [
+        {"part": "batch to device (shard_batch)", "ms": _host_ms(copy, common.block, args.iters)},
+        {"part": "step call, TrainState", "ms": _host_ms(on_tree, common.block, args.iters)},
+    ]
+    for name, (call, buffers) in calls.items():
+        part = f"step call, {name} ({buffers} arrays)"
+        rows_out.append({"part": part, "ms": _host_ms(call, common.block, args.iters)})
+    meta = {
+        "device": common.device_info(),
+        "config": args.config,
+        "batch": [rows, args.length],
+        "state_arrays": len(jax.tree.leaves(state)),
+        "iters": args.iters,
+    }
+    common.report("host_step", meta, rows_out, ["part", "ms"])
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ SPLITS = ("train", "dev", "test")
 # Lines per chunk of a streamed job, by default: enough that the batches of a chunk
 # (data/plans.py: a width's last batch is padded with filler rows) cost ~2% more than
 # those of the whole file, measured on Ding sources for --batch_tokens from 1k to 32k
-# (docs/decoding.md, bench/decode_stream.py --plans).
+# (docs/decoding.md, bench/decode_file.py --measure=memory --plans).
 READ_LINES_PER_BATCH_TOKEN = 2.5
 MIN_READ_LINES = 10_000
 # Padded source tokens per batch when --batch_tokens is not given, by platform: a

@@ -1,8 +1,7 @@
-"""bench/profile.py and bench/host_step.py on CPU. profile.py: every piece is timed, the
-step-only mode times the step alone, and the model's FLOP formula
-(training.metrics.train_flops) agrees with XLA's own count of the compiled train step (on
-CPU XLA counts every dot; on a GPU cuBLAS calls are left out). host_step.py: both ways of
-calling the step are timed."""
+"""bench/profile.py on CPU: every piece is timed, the step-only mode times the step alone,
+and the model's FLOP formula (training.metrics.train_flops) agrees with XLA's own count of
+the compiled train step (on CPU XLA counts every dot; on a GPU cuBLAS calls are left
+out). --host: the batch's copy and every way of calling the step are timed."""
 
 import json
 
@@ -31,11 +30,10 @@ def test_profile_times_the_pieces_and_counts_the_step_flops(capsys, step_only):
     assert report["xla_flops_per_step"] == pytest.approx(report["model_flops_per_step"], rel=0.05)
 
 
-def test_host_step_reports_every_way_of_calling_the_step(capsys):
-    from bench import host_step
-
-    host_step.main(["--config=tiny", "--batch_tokens=64", "--length=8", "--iters=2"])
+def test_host_mode_reports_every_way_of_calling_the_step(capsys):
+    profile.main(["--host", "--config=tiny", "--batch_tokens=64", "--length=8", "--iters=2"])
     (report,) = _reports(capsys.readouterr().out)
+    assert report["benchmark"] == "host_step"
     parts = [r["part"] for r in report["results"]]
     assert parts[:2] == ["batch to device (shard_batch)", "step call, TrainState"]
     leaves, packed = (int(p.split("(")[1].split()[0]) for p in parts[2:])
