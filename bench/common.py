@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -12,6 +11,8 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from tools.report import report  # noqa: F401  (the benchmarks print through bench.common)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE_PY = os.path.join(ROOT, "decode.py")
@@ -101,28 +102,6 @@ def measure_matmul_peak(n: int = 8192, dtype: str = "bfloat16", *, chain: int = 
 
     seconds = time_fn(products, warmup=1, iters=5) / chain
     return 2 * n**3 / seconds
-
-
-def report(name: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]], columns: Sequence[str]):
-    """Print one JSON object (machine-readable) then an aligned table (for people)."""
-    print(json.dumps({"benchmark": name, **meta, "results": list(rows)}))
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths, strict=True)))
-    sys.stdout.flush()
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if abs(v) >= 1e5:
-            return f"{v:,.0f}"
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
-    return str(v)
 
 
 def _children(root: int) -> list[int]:

@@ -107,6 +107,39 @@ def segment_mask(q_segments: jax.Array, k_segments: jax.Array) -> jax.Array:
     return same & (q_segments > 0)[:, None, :, None] & (k_segments > 0)[:, None, None, :]
 
 
+# --- The model's three masks (dense, plus lengths for cuDNN) -----------------------
+
+
+def _lengths(tokens: jax.Array) -> jax.Array:
+    return (tokens != PAD_ID).sum(axis=-1).astype(jnp.int32)  # [B]
+
+
+def source_mask(src: jax.Array, src_segments: jax.Array | None) -> Mask:
+    """The encoder's self-attention mask: padding, or a packed row's pairs."""
+    if src_segments is None:
+        n = _lengths(src)
+        return Mask(padding_mask(src, src), q_lengths=n, kv_lengths=n)
+    return Mask(segment_mask(src_segments, src_segments))
+
+
+def target_source_mask(
+    tgt: jax.Array, src: jax.Array, tgt_segments: jax.Array | None, src_segments: jax.Array | None
+) -> Mask:
+    """Cross-attention: target positions to source positions of the same pair."""
+    if tgt_segments is None or src_segments is None:
+        return Mask(padding_mask(tgt, src), q_lengths=_lengths(tgt), kv_lengths=_lengths(src))
+    return Mask(segment_mask(tgt_segments, src_segments))
+
+
+def target_mask(tgt: jax.Array, tgt_segments: jax.Array | None) -> Mask:
+    """The decoder's self-attention mask: causal, within a packed row's pair."""
+    if tgt_segments is None:
+        n = _lengths(tgt)
+        return Mask(causal_mask(tgt), q_lengths=n, kv_lengths=n, causal=True)
+    dense = causal_mask(tgt) & segment_mask(tgt_segments, tgt_segments)
+    return Mask(dense, causal=True)
+
+
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """softmax(q k^T / sqrt(H)) in float32: q [B, T, N, H], k [B, S, N, H] -> [B, N, T, S].
 

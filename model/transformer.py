@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from model.attention import Mask, causal_mask, padding_mask, resolve_config, segment_mask
+from model.attention import Mask, resolve_config, source_mask, target_mask, target_source_mask
 from model.config import TransformerConfig
 from model.layers import DecoderLayer, Embed, EncoderLayer, KVCache, LayerNorm, Unembed
 from model.sharding import EMBED, VOCAB
@@ -94,33 +94,6 @@ class DecodeCache:
         """
         take = lambda x: jnp.take(x, rows, axis=0)  # [B*K, N, L, H] -> [B*K, N, L, H]
         return self.replace(self_kv=jax.tree.map(take, self.self_kv))
-
-
-def _lengths(tokens: jax.Array) -> jax.Array:
-    return (tokens != PAD_ID).sum(axis=-1).astype(jnp.int32)  # [B]
-
-
-def _source_mask(src: jax.Array, src_segments: jax.Array | None) -> Mask:
-    if src_segments is None:
-        n = _lengths(src)
-        return Mask(padding_mask(src, src), q_lengths=n, kv_lengths=n)
-    return Mask(segment_mask(src_segments, src_segments))
-
-
-def _cross_mask(
-    tgt: jax.Array, src: jax.Array, tgt_segments: jax.Array | None, src_segments: jax.Array | None
-) -> Mask:
-    if tgt_segments is None or src_segments is None:
-        return Mask(padding_mask(tgt, src), q_lengths=_lengths(tgt), kv_lengths=_lengths(src))
-    return Mask(segment_mask(tgt_segments, src_segments))
-
-
-def _target_mask(tgt: jax.Array, tgt_segments: jax.Array | None) -> Mask:
-    if tgt_segments is None:
-        n = _lengths(tgt)
-        return Mask(causal_mask(tgt), q_lengths=n, kv_lengths=n, causal=True)
-    dense = causal_mask(tgt) & segment_mask(tgt_segments, tgt_segments)
-    return Mask(dense, causal=True)
 
 
 class Transformer(nnx.Module):
@@ -301,7 +274,7 @@ class Transformer(nnx.Module):
 
     def _encode(self, src, rows, src_segments, src_positions, deterministic: bool) -> jax.Array:
         """`encode` from the source's embedding rows [B, S, D]."""
-        mask = _source_mask(src, src_segments)  # [B, 1, S, S]
+        mask = source_mask(src, src_segments)  # [B, 1, S, S]
         x = self._embed(rows, src_positions, deterministic)
         for layer in self.encoder_layers:
             x = self._run(layer, x, mask, deterministic=deterministic)
@@ -332,8 +305,8 @@ class Transformer(nnx.Module):
         """Final decoder states [B, T, D] from the target's embedding rows [B, T, D];
         segments = (src, tgt) segment ids."""
         src_segments, tgt_segments = segments
-        self_mask = _target_mask(tgt_in, tgt_segments)  # [B, 1, T, T]
-        cross_mask = _cross_mask(tgt_in, src, tgt_segments, src_segments)  # [B, 1, T, S]
+        self_mask = target_mask(tgt_in, tgt_segments)  # [B, 1, T, T]
+        cross_mask = target_source_mask(tgt_in, src, tgt_segments, src_segments)  # [B, 1, T, S]
         y = self._embed(self._start(tgt_in, rows), tgt_positions, deterministic)
         cross_kv = self._cross_kv(encoded)
         y, _, _ = self._decoder_stack(
@@ -439,8 +412,8 @@ class Transformer(nnx.Module):
         Rows are independent: any batch (e.g. a source repeated for n hypotheses) works.
         """
         encoded = self.encode(src)
-        self_mask = _target_mask(tgt_in, None)  # [B, 1, T, T]
-        cross_mask = _cross_mask(tgt_in, src, None, None)  # [B, 1, T, S]
+        self_mask = target_mask(tgt_in, None)  # [B, 1, T, T]
+        cross_mask = target_source_mask(tgt_in, src, None, None)  # [B, 1, T, S]
         y = self._embed(self._start(tgt_in, self.tgt_embed(tgt_in)), None, True)
         _, _, weights = self._decoder_stack(
             y, self._cross_kv(encoded), self_mask, cross_mask, return_cross_weights=True

@@ -55,7 +55,7 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
     ("`make decode`, again", "cpu-zen5-20261127-1c29c1a-pace",
      {"command": "make decode (again, warm)"}, None, "{wall_s} s for {lines} lines"),
     ("decode.py on 10,000 lines, programs compiled", "cpu-zen5-20261127-1c29c1a-pace",
-     {"benchmark": "decode.py", "run": "warm"}, None,
+     {"run": "warm", "lines": 10000}, None,
      "{target_tokens_per_s} target tokens/s; host share {host_share_after_programs}"),
     ("decode.py killed at 60% and re-run, 12,000 lines", "cpu-zen5-20261127-1c29c1a-pace",
      {"benchmark": "decode_resume", "lines": 12000}, None,

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common
+from tools.report import report
 
 # First match wins; names are lower-cased kernel names (XLA fusion or library kernel).
 KINDS = (
@@ -108,8 +108,8 @@ def main(argv=None) -> None:
         sys.exit(f"trace_summary.py: {e}")
     meta = {k: summary[k] for k in ("span_ms", "busy_ms", "idle_ms", "kernels")}
     meta["plane"] = plane
-    common.report("trace_summary", meta, summary["kinds"], ["kind", "ms", "share", "count"])
-    common.report("trace_top", {"plane": plane}, summary["top"], ["kernel", "kind", "ms", "count"])
+    report("trace_summary", meta, summary["kinds"], ["kind", "ms", "share", "count"])
+    report("trace_top", {"plane": plane}, summary["top"], ["kernel", "kind", "ms", "count"])
 
 
 if __name__ == "__main__":
