@@ -16,7 +16,7 @@ import pytest
 from configs import default
 from data import TrainIterator, cache, files, get_tokenizer, load_split
 from data.cache import ShardSpec, tokenized_shard
-from data.corpora import ParallelCorpus, TfdsCorpus, read_pairs
+from data.corpora import ParallelCorpus, TfdsCorpus
 from data.tokenized import FIELDS
 from tests.conftest import write_reversal_tsv
 
@@ -304,34 +304,6 @@ def test_worker_processes_give_the_same_arrays(corpus_tsv, tokenizer, monkeypatc
         pooled = tokenized_shard(corpus, tokenizer, spec, cache_dir=None, workers=2)
     same_arrays(pooled, alone)
     assert any("pairs/s" in r.getMessage() for r in caplog.records)
-
-
-def test_an_opus_mt_tokenizer_cuts_targets_with_its_target_model_in_workers_too(
-    corpus_tsv, tokenizer, monkeypatch
-):
-    """A MarianTokenizer (two SentencePiece models, one vocabulary) rebuilt in the worker
-    processes from its files: the same arrays as in-process, targets cut by target.spm."""
-    from data.tokenizer import MarianTokenizer, train_tokenizer
-
-    corpus = load_split(config(corpus_tsv), "train")
-    pairs = read_pairs(corpus, np.arange(len(corpus)))
-    target = train_tokenizer([t for _, t in pairs], 1000)  # whole words: cuts otherwise
-    marian = MarianTokenizer(tokenizer.proto, target, [])
-    pieces = ["<pad>", "</s>", "<s>", "<unk>"]
-    for sp in (marian._source, marian._target):
-        pieces += [
-            p for p in (sp.id_to_piece(i) for i in range(sp.get_piece_size())) if p not in pieces
-        ]
-    marian = MarianTokenizer(tokenizer.proto, target, pieces)
-    spec = ShardSpec(0, 1, 16, "drop")
-    alone = tokenized_shard(corpus, marian, spec, cache_dir=None, workers=1)
-    monkeypatch.setattr(cache, "PARALLEL_MIN_PAIRS", 0)
-    monkeypatch.setattr(cache, "CHUNK_PAIRS", 200)
-    same_arrays(tokenized_shard(corpus, marian, spec, cache_dir=None, workers=2), alone)
-    text = pairs[alone.index[0]][1]
-    want = [pieces.index(p) for p in marian._target.encode(text, out_type=str)]
-    assert alone.tgt_flat[: alone.tgt_len[0]].tolist() == want
-    assert want != marian.encode_batch([text])[0]  # the source model cuts it otherwise
 
 
 def test_resume_from_a_mapped_cache_is_exact(corpus_tsv, tokenizer, tmp_path):

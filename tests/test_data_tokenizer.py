@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer: special ids, round trips, deterministic training, reuse."""
+"""SentencePiece tokenizers (ours and OPUS-MT's): special ids, round trips, deterministic
+training, reuse, and encoding in the cache's worker processes."""
 
 import os
 
@@ -124,3 +125,33 @@ def test_bpe_option(tmp_path):
     tok = get_tokenizer(config(tokenizer_type="bpe"), str(tmp_path), corpus())
     assert tok.decode(tok.encode("Grüße 😀")) == "Grüße 😀"
     # An unknown tokenizer_type is caught by training.config.validate (tests/test_configs.py).
+
+
+def test_an_opus_mt_tokenizer_cuts_targets_with_its_target_model_in_workers_too(
+    tmp_path, monkeypatch
+):
+    """A MarianTokenizer (two SentencePiece models, one vocabulary) rebuilt in the worker
+    processes from its files: the same arrays as in-process, targets cut by target.spm."""
+    from data import cache
+    from data.cache import ShardSpec, tokenized_shard
+    from data.tokenizer import MarianTokenizer, train_tokenizer
+
+    pairs = corpus()
+    source = train_tokenizer(pairs.sources, 320)
+    target = train_tokenizer(pairs.targets, 1000)  # whole words: it cuts otherwise
+    probe = MarianTokenizer(source, target, [])
+    pieces = ["<pad>", "</s>", "<s>", "<unk>"]
+    for sp in (probe._source, probe._target):
+        pieces += [p for p in map(sp.id_to_piece, range(sp.get_piece_size())) if p not in pieces]
+    marian = MarianTokenizer(source, target, pieces)
+    spec = ShardSpec(0, 1, 32, "drop")
+    alone = tokenized_shard(pairs, marian, spec, cache_dir=None, workers=1)
+    monkeypatch.setattr(cache, "PARALLEL_MIN_PAIRS", 0)
+    monkeypatch.setattr(cache, "CHUNK_PAIRS", 50)
+    pooled = tokenized_shard(pairs, marian, spec, cache_dir=None, workers=2)
+    for field in ("src_flat", "src_len", "tgt_flat", "tgt_len", "index"):
+        assert getattr(pooled, field).tolist() == getattr(alone, field).tolist(), field
+    text = pairs.targets[alone.index[0]]
+    want = [pieces.index(p) for p in marian._target.encode(text, out_type=str)]
+    assert alone.tgt_flat[: alone.tgt_len[0]].tolist() == want
+    assert want != marian.encode_batch([text])[0]  # the source model cuts it otherwise
