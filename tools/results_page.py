@@ -35,7 +35,7 @@ NAME = re.compile(
 SETUP = {"device", "configs", "xla_flags", "env", "machine", "date", "commit", "jax"}
 SETUP |= {"benchmark", "command", "note", "results", "platform", "num_devices"}
 BLEU_KEYS = ("eval_bleu", "dev_bleu", "bleu")
-MACHINE_ORDER = ("nvidia", "cpu-zen5")  # GPUs first, then today's CPU box, then older ones
+MACHINE_ORDER = ("nvidia", "cpu-zen5")  # GPUs first, then the CPU box of CI, then the rest
 
 HEADER = """# Results
 

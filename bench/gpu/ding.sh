@@ -7,8 +7,8 @@
 # (CONFIG: the config file, default configs/base.py; the flags after the output dir go
 # to train.py after the ones below, so they win)
 # Here, first: bash bench/gpu/fetch_wheels.sh; mkdir -p .data; cp /usr/share/trans/de-en .data/
-# Then run(carry=[".whl", ".data"]) with `bash bench/gpu/ding.sh 390 $OUT` (one H100,
-# 2026-11-26: 8.1 min of the call; results in README "Results"). Draw the curve here:
+# Then run(carry=[".whl", ".data"]) with `bash bench/gpu/ding.sh 390 $OUT` (about 8 min
+# of the call on one H100; its results go to bench/results/). Draw the curve here:
 #   python tools/learning_curve.py --metrics=OUT/metrics.jsonl --output=curve.png
 set -u
 [[ $# -ge 2 ]] || { sed -n 5,7p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
