@@ -315,7 +315,8 @@ def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: i
         _warn(f"{totals.long} line(s) over {max_length} tokens {how}")
     seconds = max(totals.seconds, 1e-9)
     search = loaded.translator.settings
-    stop = ", heuristic stop" if search.stop == "heuristic" else ""
+    # CTranslate2 (--ct2) stops on its own rule: only the JAX search's --stop is reported.
+    stop = ", heuristic stop" if search.stop == "heuristic" and not options.ct2 else ""
     print(
         f"decode.py: {totals.lines} lines ({totals.empty} empty) from {loaded.description}, "
         f"beam {search.beam_size}, alpha {search.alpha}{stop}: {seconds:.1f} s, "
