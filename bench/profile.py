@@ -132,10 +132,7 @@ def pieces(args: argparse.Namespace) -> None:
         with jax.profiler.trace(args.trace_dir):
             common.block(full_step())
 
-    compiled = train_step.lower(box["state"], batch).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    xla_flops = float(cost.get("flops", 0.0)) if cost else None
+    xla_flops = _xla_flops(train_step, box["state"], batch)
     model_flops = metrics.train_flops(
         cfg, b * args.length, b * args.length, args.length, args.length
     )
@@ -158,6 +155,13 @@ def pieces(args: argparse.Namespace) -> None:
         from tools import trace_summary
 
         trace_summary.main([args.trace_dir, "--top=15"])
+
+
+def _xla_flops(train_step, state, batch) -> float | None:
+    """The compiled step's FLOPs as XLA counts them (None where it does not say)."""
+    cost = train_step.lower(state, batch).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0)) if cost else None
 
 
 def _differences(times: dict[str, float]) -> list[dict[str, float | str]]:

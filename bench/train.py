@@ -76,14 +76,10 @@ def peak_memory_bytes() -> tuple[int | None, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_rss"
 
 
-def bench_config(name: str, args, matmul_peak: float) -> dict:
+def _config(name: str, args):
+    """configs/NAME.py with the benchmark's layout, lengths, batch, dtype and kernel, on
+    a data-parallel mesh of every device."""
     import jax
-    import numpy as np
-
-    from data.pipeline import TrainIterator
-    from training import config as config_lib
-    from training import mesh as mesh_lib
-    from training import metrics
 
     config = importlib.import_module(f"configs.{name}").get_config()
     on_cpu = jax.default_backend() == "cpu"
@@ -94,7 +90,19 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
     config.model.remat = args.remat
     config.model.attention_impl = args.attention_impl
     config.mesh_data, config.mesh_fsdp, config.mesh_tensor = -1, 1, 1
+    return config
 
+
+def bench_config(name: str, args, matmul_peak: float) -> dict:
+    import jax
+    import numpy as np
+
+    from data.pipeline import TrainIterator
+    from training import config as config_lib
+    from training import mesh as mesh_lib
+    from training import metrics
+
+    config = _config(name, args)
     mesh, _, state, train_step = common.build_train_step(config)
 
     corpus = synthetic_corpus(args.corpus_pairs, config.vocab_size, config.max_length)
