@@ -102,20 +102,26 @@ def test_a_fine_tune_starts_from_the_imported_model_learns_resumes_and_translate
     assert f"from step {STEPS + 10}" in out.stderr.decode()
 
 
-def test_a_fine_tune_without_a_model_or_into_another_workdir_is_one_clear_error(tmp_path):
+def test_a_fine_tune_without_a_model_is_one_clear_line(tmp_path):
     run = train(tmp_path / "a")
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "pass --config.init_from=DIR" in run.stderr
-    run = train(tmp_path / "b", f"--config.init_from={tmp_path / 'nowhere'}")
-    assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert "nowhere: not a directory" in run.stderr
-    directory, _, _ = opus_mt_directory(tmp_path)
+
+
+def test_a_missing_model_or_a_workdir_with_another_tokenizer_is_refused(tmp_path):
+    from common.errors import UserError
+    from configs import marian as marian_config
+    from training import init_from
+
+    config = marian_config.get_config()
+    config.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="nowhere: not a directory"):
+        init_from.adopt_model(config, str(tmp_path / "wd"))
+    config.init_from, _, _ = opus_mt_directory(tmp_path)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "tokenizer.model").write_bytes(
         (tmp_path / "opus" / "source.spm").read_bytes()
     )
-    (tmp_path / "pairs.tsv").write_text("eins\tone\nzwei\ttwo\n" * 20)
-    data = f"--config.dataset=tsv:{tmp_path / 'pairs.tsv'}"
-    run = train(tmp_path / "c", f"--config.init_from={directory}", data)
-    assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert "holds another tokenizer" in run.stderr and "fresh workdir" in run.stderr
+    with pytest.raises(UserError, match=r"holds another tokenizer.*fresh workdir"):
+        init_from.write_tokenizer(config, str(tmp_path / "c"))
+    assert os.listdir(tmp_path / "c") == ["tokenizer.model"]  # nothing written beside it
