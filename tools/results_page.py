@@ -73,7 +73,7 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
      {"benchmark": "marian_import"}, 2, "{load_s} s"),
     ("`make test` (the fast suite), empty caches", "cpu-zen5-20261127-15f65a8-make-train",
      {"benchmark": "make test"}, None, "{test_s} s: {tests}"),
-    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261127-12f4869-ci",
+    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261127-ca7767f-ci",
      {"benchmark": ".ci/run"}, None, "{wall_s} s"),
 ]  # fmt: skip
 
