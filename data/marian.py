@@ -379,8 +379,9 @@ def load_marian(directory: str) -> tuple[Transformer, list[str]]:
     return model, pieces
 
 
-def load_tokenizer(directory: str) -> MarianTokenizer:
-    """The tokenizer of an OPUS-MT directory: source.spm, target.spm and its vocabulary."""
+def opus_tokenizer(directory: str) -> MarianTokenizer:
+    """The tokenizer of an OPUS-MT directory: source.spm, target.spm and its vocabulary
+    (data/tokenizer.py `load_tokenizer` reads the one a workdir or an export holds)."""
     return MarianTokenizer(*read_sentencepiece_models(directory), read_pieces(directory), directory)
 
 

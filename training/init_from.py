@@ -104,17 +104,17 @@ def write_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> None:
     model is fitted); a workdir with a tokenizer must hold that one."""
     if not config.init_from:
         return
-    if has_tokenizer(workdir):  # a resumed run's, or one that stopped before a checkpoint
-        if not os.path.isdir(config.init_from):
-            return
-        wanted = marian.load_tokenizer(config.init_from)
+    held = has_tokenizer(workdir)  # a resumed run's, or one that stopped before a checkpoint
+    if held and not os.path.isdir(config.init_from):
+        return
+    wanted = marian.opus_tokenizer(config.init_from)
+    if held:
         if load_tokenizer(workdir).fingerprint != wanted.fingerprint:
             raise UserError(
                 f"{workdir} holds another tokenizer than config.init_from={config.init_from}'s: "
                 "fine-tune into a fresh workdir"
             )
         return
-    wanted = marian.load_tokenizer(config.init_from)
     for name, contents in wanted.files().items():
         atomic_write_bytes(os.path.join(workdir, name), contents)
     _log.info(f"the tokenizer of {config.init_from} -> {workdir}")
