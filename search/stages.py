@@ -269,11 +269,16 @@ def _round_rows(n: int, limit: int, multiple: int, min_rows: int = MIN_ROWS) -> 
     return -(-rows // multiple) * multiple
 
 
-def _without(plan: list, skip: set[int]) -> list:
-    """The plan without the sources `skip` (indices into the planned lengths): every batch
-    keeps its shape, skipped rows are filler. A source's last bits may depend on the
-    width and rows of the batch it starts in, and a new shape is a new program."""
-    plan = [(np.array([j for j in c if j not in skip], int), w, r) for c, w, r in plan]
+def without_sources(plan: list, nonempty: Sequence[int], skip: Collection[int]) -> list:
+    """The plan of the sources `nonempty` without the sources `skip` (both indices into
+    all sources): every batch keeps its shape, skipped rows are filler. A source's last
+    bits may depend on the width and rows of the batch it starts in, and a new shape is
+    a new program."""
+    if not skip:
+        return plan
+    skipped = set(skip)
+    drop = {j for j, i in enumerate(nonempty) if i in skipped}  # positions in the plan
+    plan = [(np.array([j for j in c if j not in drop], int), w, r) for c, w, r in plan]
     return [(c, w, r) for c, w, r in plan if c.size]
 
 
@@ -320,7 +325,7 @@ def run_stages(
     whole search, every room, in one program (a search without `whole` always
     carries). None: `carries_over()` for this platform. The results are the same.
     skip: sources not to translate (they get no hypotheses), e.g. those a killed run's
-    journal holds; the batches keep the shapes they have with them (`_without`).
+    journal holds; the batches keep the shapes they have with them (`without_sources`).
     """
     check_lengths(sources, max_len)
     if batch_tokens < 1:
@@ -338,9 +343,7 @@ def run_stages(
     )
     stages = _Stages(search, sources, nonempty, max_len, progress, sharding, min_rows)
     stages.batches = collections.Counter(width for _, width, _ in plan)
-    if skip:
-        skip = set(skip)
-        plan = _without(plan, {j for j, i in enumerate(nonempty) if i in skip})
+    plan = without_sources(plan, nonempty, skip)
     whole = None if carry else getattr(search, "whole", None)
     prepare = getattr(search, "prepare", None)
     if prepare is not None and sharding is None:  # every fresh batch's program, side by side

@@ -45,6 +45,7 @@ from search.stages import (
     place,
     run_stages,
     stage_rooms,
+    without_sources,
 )
 
 # A batch's whole search as one program: src [B, S] -> tokens [B, n_best, L], scores [B, n_best]
@@ -267,6 +268,7 @@ class PlanOnlyTranslator:
             max_len=self.max_len,
             batch_tokens=self.settings.batch_tokens,
             progress=progress,
+            skip=skip,
         )
 
 
@@ -276,14 +278,17 @@ def echo_batches(
     max_len: int,
     batch_tokens: int,
     progress: Progress | None = None,
+    skip: Collection[int] = (),
 ) -> list[list[Hypothesis]]:
     """`run_stages`'s batches (planned, filled, placed on the device, read back) with each
-    source 'translated' into itself, score 0: everything but the search."""
+    source 'translated' into itself, score 0: everything but the search. The sources
+    `skip` get no hypotheses and are not reported to `progress`, as in `run_stages`."""
     check_lengths(sources, max_len)
     nonempty = [i for i, s in enumerate(sources) if len(s)]
     plan = plan_translation(
         [len(sources[i]) for i in nonempty], batch_tokens=batch_tokens, max_len=max_len
     )
+    plan = without_sources(plan, nonempty, skip)
     results: list[list[Hypothesis]] = [[] for _ in sources]
     for chunk, width, rows in plan:
         src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)

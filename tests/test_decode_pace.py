@@ -91,6 +91,31 @@ def test_both_batch_plans_and_skipped_sources_give_the_same_hypotheses(model):
         assert all(got[i] == ([] if i in skip else want[i]) for i in range(len(sources)))
 
 
+def test_the_dry_run_skips_sources_as_the_search_does():
+    """decode.py --dry_run on a resumed chunk: the sources its journal holds get no
+    hypotheses and are not reported again, and the others are echoed in the batches
+    they would have had without the skip."""
+    from search.translate import PlanOnlyTranslator
+
+    sources = [*_sources(30, seed=6), []]
+    settings = SearchSettings(batch_tokens=64)
+
+    def run(skip):
+        reported = []
+        got = PlanOnlyTranslator(48, settings).translate(
+            sources, lambda done, found: reported.append(list(done)), skip=skip
+        )
+        return got, reported
+
+    whole, batches = run(())
+    assert [[h.tokens for h in hyps] for hyps in whole] == [[s[:-1]] if s else [] for s in sources]
+    skip = {1, 2, 8, 29}
+    got, reported = run(skip)
+    assert got == [[] if i in skip else whole[i] for i in range(len(sources))]
+    kept = [[i for i in b if i not in skip] for b in batches]
+    assert reported == [b for b in kept if b]
+
+
 def test_steps_per_check_is_checked():
     with pytest.raises(ValueError, match="steps_per_check must be >= 1"):
         beam.Rule(4, steps_per_check=0)
