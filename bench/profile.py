@@ -74,11 +74,9 @@ def main(argv: list[str] | None = None) -> None:
 def pieces(args: argparse.Namespace) -> None:
     """Times the nested pieces of a train step and the step; prints the "profile" report."""
     import jax
-    import numpy as np
     from flax import nnx
 
     from training import config as config_lib
-    from training import mesh as mesh_lib
     from training import metrics, steps
     from training.loss import chunked_loss_sums
 
@@ -89,13 +87,7 @@ def pieces(args: argparse.Namespace) -> None:
     cfg = config_lib.model_config(config)
     mesh, setup, state, train_step = common.build_train_step(config)
 
-    rows_per = config.batch_tokens // args.length
-    b = max(mesh_lib.batch_divisor(mesh), rows_per - rows_per % mesh_lib.batch_divisor(mesh))
-    rng = np.random.default_rng(0)
-    ids = lambda: rng.integers(4, cfg.vocab_size, (b, args.length), dtype=np.int32)
-    host = {"src": ids(), "tgt_in": ids(), "tgt_out": ids()}
-    host["tgt_in"][:, 0] = 2
-    batch = mesh_lib.shard_batch(host, mesh)
+    b, batch = _random_batch(mesh, cfg.vocab_size, config.batch_tokens, args.length)
     model = nnx.merge(setup.graphdef, state.params, state.rngs)
 
     def head_loss(model, y, batch):  # the train step's loss (training.steps._forward_sums)
@@ -155,6 +147,23 @@ def pieces(args: argparse.Namespace) -> None:
         from tools import trace_summary
 
         trace_summary.main([args.trace_dir, "--top=15"])
+
+
+def _random_batch(mesh, vocab_size: int, batch_tokens: int, length: int) -> tuple[int, dict]:
+    """A train batch of random ids, [B, length] each, sharded over `mesh` (B rows: as many
+    as `batch_tokens` holds, a multiple of the mesh's batch divisor); returns (B, batch)."""
+    import numpy as np
+
+    from training import mesh as mesh_lib
+
+    divisor = mesh_lib.batch_divisor(mesh)
+    rows = batch_tokens // length
+    b = max(divisor, rows - rows % divisor)
+    rng = np.random.default_rng(0)
+    ids = lambda: rng.integers(4, vocab_size, (b, length), dtype=np.int32)
+    host = {"src": ids(), "tgt_in": ids(), "tgt_out": ids()}
+    host["tgt_in"][:, 0] = 2  # BOS
+    return b, mesh_lib.shard_batch(host, mesh)
 
 
 def _xla_flops(train_step, state, batch) -> float | None:

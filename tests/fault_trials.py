@@ -149,33 +149,47 @@ def trial(i: int, config: str, root: str, ref_seconds: float, max_kills: int, rn
                 "complete_steps": on_disk,
             }
         )
-        for step in on_disk:  # every complete checkpoint must restore
-            try:
-                full_state(workdir, step)
-            except Exception as e:
-                causes = [e]
-                while causes[-1].__cause__ is not None:
-                    causes.append(causes[-1].__cause__)
-                why = " <- ".join(f"{type(c).__name__}: {str(c)[:300]}" for c in causes)
-                record["problems"].append(f"step {step} unusable after kill: {why}")
+        record["problems"] += unusable_checkpoints(workdir, on_disk)
         expected_resume = on_disk[-1] if on_disk else None
     if not record["problems"]:
-        final = complete_steps(workdir)[-1]
-        leaves, data = full_state(workdir, final)
-        ref_leaves, ref_data = ref
-        diff = max(
-            float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
-            for a, b in zip(leaves, ref_leaves, strict=True)
-        )
-        record["final_step"], record["max_abs_diff"] = final, diff
-        record["data_position_equal"] = data["iterators"] == ref_data["iterators"]
-        if diff != 0.0 or not record["data_position_equal"]:
-            record["problems"].append(f"final state differs from the reference (max {diff})")
-        record["losses_equal"] = train_losses(workdir) == train_losses(os.path.join(root, "ref"))
-        if not record["losses_equal"]:
-            record["problems"].append("metrics.jsonl train losses differ from the reference")
+        compare_with_reference(record, workdir, root, ref)
     record["ok"] = not record["problems"]
     return record
+
+
+def unusable_checkpoints(workdir: str, steps: list[int]) -> list[str]:
+    """A problem line for each of `steps` whose checkpoint does not restore (with the
+    chain of causes): after a kill, every complete checkpoint must."""
+    problems = []
+    for step in steps:
+        try:
+            full_state(workdir, step)
+        except Exception as e:
+            causes = [e]
+            while causes[-1].__cause__ is not None:
+                causes.append(causes[-1].__cause__)
+            why = " <- ".join(f"{type(c).__name__}: {str(c)[:300]}" for c in causes)
+            problems.append(f"step {step} unusable after kill: {why}")
+    return problems
+
+
+def compare_with_reference(record: dict, workdir: str, root: str, ref) -> None:
+    """Adds to `record` how the killed trial's final state, data position and train losses
+    compare with the uninterrupted reference run's (all must be equal)."""
+    final = complete_steps(workdir)[-1]
+    leaves, data = full_state(workdir, final)
+    ref_leaves, ref_data = ref
+    diff = max(
+        float(np.max(np.abs(a.astype(np.float64) - b))) if a.size else 0.0
+        for a, b in zip(leaves, ref_leaves, strict=True)
+    )
+    record["final_step"], record["max_abs_diff"] = final, diff
+    record["data_position_equal"] = data["iterators"] == ref_data["iterators"]
+    if diff != 0.0 or not record["data_position_equal"]:
+        record["problems"].append(f"final state differs from the reference (max {diff})")
+    record["losses_equal"] = train_losses(workdir) == train_losses(os.path.join(root, "ref"))
+    if not record["losses_equal"]:
+        record["problems"].append("metrics.jsonl train losses differ from the reference")
 
 
 def main() -> int:
