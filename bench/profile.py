@@ -154,6 +154,7 @@ def _random_batch(mesh, vocab_size: int, batch_tokens: int, length: int) -> tupl
     as `batch_tokens` holds, a multiple of the mesh's batch divisor); returns (B, batch)."""
     import numpy as np
 
+    from model import BOS_ID
     from training import mesh as mesh_lib
 
     divisor = mesh_lib.batch_divisor(mesh)
@@ -162,7 +163,7 @@ def _random_batch(mesh, vocab_size: int, batch_tokens: int, length: int) -> tupl
     rng = np.random.default_rng(0)
     ids = lambda: rng.integers(4, vocab_size, (b, length), dtype=np.int32)
     host = {"src": ids(), "tgt_in": ids(), "tgt_out": ids()}
-    host["tgt_in"][:, 0] = 2  # BOS
+    host["tgt_in"][:, 0] = BOS_ID
     return b, mesh_lib.shard_batch(host, mesh)
 
 
