@@ -13,6 +13,7 @@ hypotheses is search/'s, below this and training/).
     ct2.py         translating with one (`CT2Translator`)
     restore.py     a trained model back from a training workdir (the one import of training/)
     options.py     `DecodeOptions`, decode.py's settings, and their checks
+    cli.py         decode.py's flags (one per DecodeOptions field) -> `DecodeOptions`
     run.py         decode.py's command: `run(options)`
 
 Nothing is imported here, so that importing one module loads only what it needs.

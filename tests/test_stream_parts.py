@@ -264,27 +264,26 @@ def test_the_journal_keeps_its_chunks_batches_and_skips_a_torn_line(tmp_path):
 
 
 def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choices():
-    """decode.py declares its flags; DecodeOptions its fields: one setting each, the same
+    """decode.py's flags (inference/cli.py) and DecodeOptions' fields: one setting each, the same
     name, default and accepted values (the search settings are None until given)."""
     import dataclasses
 
     from absl import flags
 
-    import decode
-    from inference import options
+    from inference import cli, options
     from inference.ct2_export import DEVICES, QUANTIZATIONS
     from model.beam import BEAM_STOPS
     from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY
     from model.scoring import LENGTH_PENALTIES
 
-    job = {name: flags.FLAGS[name] for name in decode.job_flags()}
+    job = {name: flags.FLAGS[name] for name in cli.job_flags()}
     fields = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}
     assert sorted(job) == sorted(fields)
     shown = {
         "beam_size": DEFAULT_BEAM_SIZE, "alpha": DEFAULT_ALPHA, "n_best": 1,
         "length_penalty": DEFAULT_LENGTH_PENALTY, "stop": BEAM_STOPS[0],
     }  # fmt: skip
-    assert sorted(shown) == sorted(decode._SEARCH)
+    assert sorted(shown) == sorted(cli._SEARCH)
     for name, flag in job.items():
         want = shown[name] if name in shown else fields[name]
         got = tuple(flag.default) if name == "export_platforms" else flag.default
