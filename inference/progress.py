@@ -1,4 +1,5 @@
-"""Progress of a translation job on stderr: lines done, lines/s, tokens/s, ETA.
+"""Progress of a translation job on stderr: lines done, lines/s, tokens/s, ETA; and its
+warnings (`warn`).
 
     meter = Meter(total=1_000_000, done=30_000)     # 30k lines done by an earlier run
     meter.start_chunk(lines=10_000, segments=10_012)
@@ -22,6 +23,11 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
+
+
+def warn(msg: str) -> None:
+    """A warning of decode.py's job, as one `warning: ...` line on stderr."""
+    print(f"warning: {msg}", file=sys.stderr)
 
 
 def format_eta(seconds: float) -> str:

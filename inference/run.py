@@ -31,7 +31,7 @@ from inference import devices
 from inference.export import export_translator
 from inference.lines import CorpusScores, LineReader, count_lines
 from inference.options import DecodeOptions
-from inference.progress import Meter
+from inference.progress import Meter, warn
 from inference.resume import (
     PartialOutput,
     StreamOutput,
@@ -50,10 +50,6 @@ _NOT_SETTINGS = (
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
     "quantization", "steps_per_check", "carry_over", "stats",
 )  # fmt: skip
-
-
-def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr)
 
 
 def check_inputs(options: DecodeOptions) -> int | None:
@@ -104,11 +100,15 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
     t0 = time.perf_counter()
     tokenizer = loaded.tokenizer
     pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-    source = {"checkpoint": loaded.description, "average_last": options.average_last}
     if options.marian:
         source = {"marian": os.path.abspath(options.marian)}
     else:
-        source["workdir"] = os.path.abspath(options.workdir)
+        source = {
+            "workdir": os.path.abspath(options.workdir),
+            "checkpoint": loaded.description,
+            "average_last": options.average_last,
+        }
+    settings = options.settings
     try:
         write(
             loaded.model,
@@ -116,8 +116,8 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
             tokenizer.files(),
             options.export_ct2,
             quantization=options.quantization,
-            alpha=options.settings.alpha,
-            beam_size=options.settings.beam_size,
+            alpha=settings.alpha,
+            beam_size=settings.beam_size,
             source=source,
         )
     except (ImportError, OSError, ValueError) as e:
@@ -309,10 +309,10 @@ def _translate(
 def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: int) -> None:
     """Warnings, the summary line (stderr), scores and the plots written."""
     if totals.bad_utf8:
-        _warn(f"{totals.bad_utf8} line(s) had invalid UTF-8 (replaced)")
+        warn(f"{totals.bad_utf8} line(s) had invalid UTF-8 (replaced)")
     if totals.long:
         how = "split" if options.long_lines == "split" else "truncated"
-        _warn(f"{totals.long} line(s) over {max_length} tokens {how}")
+        warn(f"{totals.long} line(s) over {max_length} tokens {how}")
     seconds = max(totals.seconds, 1e-9)
     search = loaded.translator.settings
     # CTranslate2 (--ct2) stops on its own rule: only the JAX search's --stop is reported.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from typing import Any
 
 from common.errors import UserError
@@ -18,6 +17,7 @@ from data.tokenizer import load_tokenizer
 from inference import devices
 from inference.export import ExportedTranslator
 from inference.options import DecodeOptions
+from inference.progress import warn
 from inference.restore import load_workdir, workdir_identity
 from inference.resume import files_identity
 from model import Transformer
@@ -38,10 +38,6 @@ class Loaded:
     # What the translations depend on, for resuming a job (None: the description); a new
     # backend gives e.g. {"ct2": files_identity([directory])}.
     identity: dict[str, Any] | None = None
-
-
-def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr)
 
 
 def open_translator(options: DecodeOptions) -> Loaded:
@@ -126,7 +122,7 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
         raise UserError(str(e)) from e
     int8 = str(translator.decoding.get("quantization", "")).startswith("int8")
     if int8 and (options.device or "cpu") == "cpu" and int8_saturates():
-        _warn(
+        warn(
             "this CPU has no VNNI: CTranslate2's int8 matrix products can saturate here "
             "(oneDNN's u8s8 kernels), so int8 output strays further from float32's than "
             "8-bit weights alone would make it; set CT2_USE_MKL=1 for accurate int8 "
