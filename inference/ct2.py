@@ -40,11 +40,11 @@ from typing import Any
 import numpy as np
 
 from common.cpus import usable_cpus
+from data.tokenizer import tokenizer_names
 from inference.ct2_export import (
     DECODING_JSON,
     DEVICES,
     FORMAT_VERSION,
-    TOKENIZER,
     import_ctranslate2,
 )
 from model.tokens import EOS_ID
@@ -133,15 +133,9 @@ class CT2Translator:
             beam_size=decoding["beam_size"] if beam_size is None else beam_size,
             alpha=decoding["alpha"] if alpha is None else alpha,
             n_best=n_best,
-            length_penalty="average",
-            stop="heuristic",
             batch_tokens=batch_tokens,
         )
         return cls(directory, decoding, translator, settings)
-
-    @property
-    def tokenizer_path(self) -> str:
-        return os.path.join(self.directory, TOKENIZER)
 
     def translate(
         self,
@@ -256,8 +250,7 @@ def read_settings(directory: str) -> dict[str, Any]:
         settings = json.load(f)
     if settings.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: format version {settings.get('format_version')} unknown")
-    tokenizer = "source.spm" if os.path.isfile(os.path.join(directory, "source.spm")) else TOKENIZER
-    for name in ("model.bin", "shared_vocabulary.json", tokenizer):
+    for name in ("model.bin", "shared_vocabulary.json", *tokenizer_names(directory)):
         if not os.path.isfile(os.path.join(directory, name)):
             raise ValueError(f"{directory}/{name} is missing; export the model again")
     return settings

@@ -9,7 +9,8 @@ The directory holds
     config.json               CTranslate2's: layer_norm_epsilon, special tokens, and
                               add_source_eos (our sources end with EOS, as in training)
     shared_vocabulary.json    the SentencePiece pieces in id order (one vocabulary)
-    tokenizer.model           the SentencePiece model
+    tokenizer.model           the SentencePiece model (or an OPUS-MT model's source.spm,
+                              target.spm and marian_vocab.json: `tokenizer.files()`)
     decoding.json             what our decoder does that CTranslate2 must be told at
                               each call (inference/ct2.py reads it): the default beam,
                               alpha and length penalty, the length rule, the tokens
@@ -42,7 +43,6 @@ from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FORMAT_VERSION = 1
 DECODING_JSON = "decoding.json"
-TOKENIZER = "tokenizer.model"
 # Weight types CTranslate2 can store (its `quantization`); float32 = as trained.
 QUANTIZATIONS = (
     "float32",

@@ -5,7 +5,8 @@
     hyps = translator.translate(sources)                   # a Translator, as LiveTranslator
 
 The directory holds
-    tokenizer.model      the SentencePiece model (ids 0 pad, 1 EOS, 2 BOS, 3 unk)
+    tokenizer.model      the SentencePiece model (ids 0 pad, 1 EOS, 2 BOS, 3 unk), or an
+                         OPUS-MT model's source.spm, target.spm and marian_vocab.json
     params.npz           the parameters as arrays p0000, p0001, ... in the order the
                          programs take them (a flat list: no pytree classes needed)
     start_S{W}.jax,      `jax.export` serializations (StableHLO) of the staged search
@@ -57,7 +58,6 @@ from search.translate import LiveSearch, Progress, search_fn
 FORMAT_VERSION = 3
 METADATA = "metadata.json"
 PARAMS = "params.npz"
-TOKENIZER = "tokenizer.model"
 
 _log = logging.getLogger(__name__)
 
@@ -276,10 +276,6 @@ class ExportedTranslator:
     @property
     def beam_size(self) -> int:
         return self.settings.beam_size
-
-    @property
-    def tokenizer_path(self) -> str:
-        return os.path.join(self.directory, TOKENIZER)
 
     def _call(self, name: str, *args):
         if name not in self._programs:
