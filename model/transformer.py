@@ -118,10 +118,12 @@ class Transformer(nnx.Module):
         self.encoder_norm = LayerNorm(cfg, rngs=rngs) if pre else None
         self.decoder_norm = LayerNorm(cfg, rngs=rngs) if pre else None
         # Marian's options (model/config.py): a trained position table [max_len, D], a
-        # bias on the logits [V]; None without them.
-        table = _position_table(cfg.max_len, cfg.d_model)
+        # bias on the logits [V]; None without them. The table starts as the paper's sinusoids.
         self.position_table = (
-            nnx.Param(jnp.asarray(table, cfg.params_dtype), logical_axes=(None, EMBED))
+            nnx.Param(
+                jnp.asarray(_position_table(cfg.max_len, cfg.d_model), cfg.params_dtype),
+                logical_axes=(None, EMBED),
+            )
             if cfg.positions == "table"
             else None
         )
