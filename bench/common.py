@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tools.report import report  # noqa: F401  (the benchmarks print through bench.common)
+from tools.report import report, table  # noqa: F401  (the benchmarks print through bench.common)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE_PY = os.path.join(ROOT, "decode.py")

@@ -172,10 +172,7 @@ def pace(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
                 f.write(json.dumps(row) + "\n")
     print(f"{count} lines; scratch {scratch}")
     cols = ["run", "process_s", "startup_s", "programs_s", "device_busy_s", "host_bound_s"]
-    cols += ["target_tokens_per_s", "host_share_after_programs"]
-    print("  ".join(f"{c:>14}" for c in cols))
-    for r in rows:
-        print("  ".join(f"{r[c]:>14}" for c in cols))
+    common.table(rows, [*cols, "target_tokens_per_s", "host_share_after_programs"])
 
 
 # --- memory: peak RSS and throughput per input size; the batches chunks make ---------------
@@ -211,12 +208,12 @@ def plan_costs(workdir: str, sources: list[str], chunks: list[int], batch_tokens
     """Per chunk size, the batches `data.plans.plan_translation` makes of the sources read
     in chunks of that many lines: batches, rows (with the filler that pads a width's last
     batch), padded source tokens; compared with one chunk for everything."""
-    from data import Tokenizer
     from data.plans import plan_translation
+    from data.tokenizer import load_tokenizer
     from training.config import load_config
 
     max_len = load_config(workdir).model.max_len
-    tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.model"))
+    tokenizer = load_tokenizer(workdir)  # ours, or a fine-tuned OPUS-MT model's
     lengths = [min(len(ids) + 1, max_len) for ids in tokenizer.encode_batch(sources)]
     rows = []
     for chunk in chunks:
@@ -319,15 +316,11 @@ def lines_done(output: str) -> int:
     return done
 
 
-def timed_run(cmd: list[str], kill_at: int | None = None, output: str = "") -> float:
-    """Run cmd to its end (or SIGKILL it once `kill_at` lines are done); seconds."""
+def killed_run(flags: list[str], kill_at: int, output: str) -> float:
+    """decode.py with `flags`, SIGKILLed once `kill_at` lines of `output` are done; seconds."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if kill_at is None:
-        _, err = proc.communicate()
-        if proc.returncode:
-            sys.exit(f"decode.py failed:\n{err[-2000:]}")
-        return time.perf_counter() - t0
+    cmd = [sys.executable, common.DECODE_PY, *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None and lines_done(output) < kill_at:
         time.sleep(0.05)
     if proc.poll() is not None:
@@ -347,16 +340,16 @@ def resume(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
         write_input(source, sources, n)
         out = os.path.join(args.scratch, f"out{n}.txt")
         cache = os.path.join(args.scratch, "cache")
-        cmd = [sys.executable, common.DECODE_PY, f"--workdir={args.workdir}"]
-        cmd += [f"--input={source}", f"--output={out}", f"--compilation_cache={cache}", *extra]
-        timed_run([*cmd, "--restart"])  # fills the compilation cache
-        whole_s = timed_run([*cmd, "--restart"])
+        flags = [f"--workdir={args.workdir}", f"--input={source}", f"--output={out}"]
+        flags += [f"--compilation_cache={cache}", *extra]
+        common.run_decode([*flags, "--restart"])  # fills the compilation cache
+        whole_s = common.run_decode([*flags, "--restart"])["wall_s"]
         with open(out, "rb") as f:
             whole = f.read()
         os.remove(out)
-        killed_s = timed_run(cmd, kill_at=int(args.at * n), output=out)
+        killed_s = killed_run(flags, int(args.at * n), out)
         at = lines_done(out)
-        rerun_s = timed_run(cmd)
+        rerun_s = common.run_decode(flags)["wall_s"]
         with open(out, "rb") as f:
             same = f.read() == whole
         row = {
@@ -373,9 +366,7 @@ def resume(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = ["lines", "killed_at_lines", "whole_s", "killed_after_s", "rerun_s", "rerun_share"]
-    print("  ".join(f"{c:>15}" for c in [*cols, "identical_output"]))
-    for r in rows:
-        print("  ".join(f"{r[c]!s:>15}" for c in [*cols, "identical_output"]))
+    common.table(rows, [*cols, "identical_output"])
 
 
 # --- the command line -------------------------------------------------------------------------

@@ -15,6 +15,11 @@ from typing import Any
 def report(name: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]], columns: Sequence[str]):
     """Print one JSON object (machine-readable) then an aligned table (for people)."""
     print(json.dumps({"benchmark": name, **meta, "results": list(rows)}))
+    table(rows, columns)
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """The aligned table alone: a benchmark that prints a JSON line per run as it goes."""
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     line = "  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))
     print(line)
