@@ -1,0 +1,44 @@
+"""bench/decode_file.py on the trained digit workdir: the pace measure's cold and warm
+runs, and the resume measure's killed job, whose re-run must give the uninterrupted
+run's output. (--measure=memory reads the Ding corpus; `make train` installs it.)"""
+
+import json
+
+from bench import decode_file
+from tests.test_decode_cli import workdir  # noqa: F401 (a fixture)
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_pace_reports_where_the_time_went_cold_and_warm(workdir, tmp_path, capsys):  # noqa: F811
+    jsonl = tmp_path / "runs.jsonl"
+    decode_file.main(
+        [f"--workdir={workdir}", "--split=test", "--lines=300", f"--scratch={tmp_path}",
+         f"--jsonl={jsonl}", "--", "--beam_size=2"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    rows = _json_lines(out)
+    assert [r["run"] for r in rows] == ["cold", "warm"]
+    assert rows == [json.loads(line) for line in jsonl.read_text().splitlines()]
+    for r in rows:
+        assert r["benchmark"] == "decode.py" and r["decode_flags"] == ["--beam_size=2"]
+        assert r["process_s"] > 0 and r["target_tokens_per_s"] > 0 and r["output_bytes"] > 0
+    # The warm run finds the programs the cold one compiled.
+    assert rows[1]["programs_s"] < rows[0]["programs_s"]
+    header = [line.split() for line in out.splitlines() if line.split()[:1] == ["run"]]
+    assert header and header[0][-1] == "host_share_after_programs"  # then the table
+
+
+def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_path, capsys):  # noqa: F811
+    at = 0.5
+    decode_file.main(
+        ["--measure=resume", f"--workdir={workdir}", "--split=test", "--lines=800",
+         f"--at={at}", f"--scratch={tmp_path}", "--", "--read_lines=40", "--beam_size=2"]
+    )  # fmt: skip
+    (row,) = _json_lines(capsys.readouterr().out)
+    assert row["benchmark"] == "decode_resume" and row["lines"] == 800
+    assert at * 800 <= row["killed_at_lines"] < 800
+    assert row["identical_output"] is True
+    assert row["rerun_share"] > 0 and row["rerun_s"] > 0 and row["whole_s"] > 0
