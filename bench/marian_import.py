@@ -22,11 +22,11 @@ sys.path.insert(0, ROOT)
 from bench import common  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=58101)
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from data.marian import load_marian
     from tests.marian_files import write_marian
 
