@@ -48,7 +48,7 @@ date, commit and label are in the file's name, which each entry links.
 
 # The README's table: (what, file stem, the run's fields to match, result index, format).
 HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
-    ("`make train` (tiny on Ding), then `make decode`", "cpu-zen5-20261127-15f65a8-make-train",
+    ("`make train` (tiny on Ding), then `make decode`", "cpu-zen5-20261127-602fe35-make-train",
      {"benchmark": "make train"}, None, "{wall_s} s; dev BLEU {dev_bleu}, test BLEU {test_bleu}"),
     ("`make decode`, first run after `make train`", "cpu-zen5-20261127-1c29c1a-pace",
      {"benchmark": "make decode"}, None, "{wall_s} s for {lines} lines"),
@@ -71,9 +71,9 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
      {"benchmark": "ding_base_decode", "split": "test"}, None, "BLEU {bleu}, chrF {chrf}"),
     ("importing an OPUS-MT-sized model", "cpu-zen5-20261127-6a5831d-marian",
      {"benchmark": "marian_import"}, 2, "{load_s} s"),
-    ("`make test` (the fast suite), empty caches", "cpu-zen5-20261127-ca7767f-ci",
+    ("`make test` (the fast suite), empty caches", "cpu-zen5-20261127-602fe35-ci",
      {"benchmark": "make test"}, None, "{test_s} s: {tests}"),
-    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261127-ca7767f-ci",
+    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261127-602fe35-ci",
      {"benchmark": ".ci/run"}, None, "{wall_s} s"),
 ]  # fmt: skip
 
