@@ -34,7 +34,6 @@ import time
 
 _STARTED = time.perf_counter()  # --stats counts start-up from here
 
-import os  # noqa: E402
 import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
@@ -77,8 +76,7 @@ def main(argv: list[str]) -> None:
         from inference.run import run
         from search import programs
 
-        # The search programs whole, beside XLA's cache: a new process skips tracing them.
-        programs.enable(None if cache is None else os.path.join(cache, "programs"))
+        programs.enable_beside(cache)  # the search programs whole: a new process loads them
 
         run(options)
     except UserError as e:

@@ -149,11 +149,15 @@ def main(argv: list[str]) -> None:
     from common import xla
 
     xla.set_gpu_flags()  # before JAX initializes a backend
-    xla.enable_compilation_cache(xla.default_cache_dir() if _CACHE.value is None else _CACHE.value)
+    cache = xla.default_cache_dir() if _CACHE.value is None else _CACHE.value
+    cache = xla.enable_compilation_cache(cache)
     # Imported here so that `--help` and flag errors are fast and JAX-free.
     from common import log
     from common.errors import UserError
+    from search import programs
     from training import distributed, train_and_evaluate
+
+    programs.enable_beside(cache)  # the evaluation's search programs, as decode.py's
 
     log.setup()
 

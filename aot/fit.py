@@ -39,15 +39,15 @@ from aot.roofline import kernel_roofline
 from aot.targets import Target, abstract_devices, parse_target
 from common.errors import UserError
 from data.plans import length_buckets, rows_per_batch
-from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, beam_search
+from model.decoding import beam_search
+from model.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from search.defaults import default_batch_tokens
 from training import config as config_lib
 from training import steps
 from training.input import shard_multiple
 from training.mesh import AXES, batch_divisor, batch_sharding, make_mesh, mesh_shape
 from training.metrics import train_flops
 
-# decode.py's defaults: sources padded to batches of this many tokens, beam 4.
-DECODE_BATCH_TOKENS = 4096
 PACKING_KEYS = steps.PACKING_KEYS
 
 
@@ -327,9 +327,11 @@ def _train_and_eval(ctx: Context, all_buckets: bool) -> tuple[list[dict[str, Any
 
 
 def _decode(ctx: Context) -> dict[str, Any]:
-    """decode.py's beam search (beam 4, alpha 0.6) for its default batch, on one chip."""
+    """decode.py's beam search (its default beam and alpha) for its default batch on the
+    target's platform, on one chip."""
     width = int(ctx.config.max_length)
-    rows = 1 << (max(DECODE_BATCH_TOKENS // width, 1).bit_length() - 1)  # as decode.py plans
+    tokens = default_batch_tokens(ctx.target.platform)
+    rows = 1 << (max(tokens // width, 1).bit_length() - 1)  # as decode.py plans
     one = jax.sharding.SingleDeviceSharding(ctx.devices[0])
     place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
     params = jax.tree.map(place, ctx.setup.abstract.params)

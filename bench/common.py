@@ -203,7 +203,9 @@ def run_decode(args: Sequence[str], *, decode_py: str = DECODE_PY) -> dict[str, 
     stderr, and from its summary line lines, translate_s, sentences_per_s and
     tokens_per_s. Exits the benchmark with decode.py's error if it fails.
     """
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(decode_py))}
+    # The checkout first, then the caller's path (e.g. where a GPU machine's wheels are).
+    paths = [os.path.dirname(os.path.abspath(decode_py)), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, decode_py, *args], stdout=out, stderr=err, env=env)

@@ -171,8 +171,10 @@ def pace(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
             with open(args.jsonl, "a") as f:
                 f.write(json.dumps(row) + "\n")
     print(f"{count} lines; scratch {scratch}")
-    cols = ["run", "process_s", "startup_s", "programs_s", "device_busy_s", "host_bound_s"]
-    common.table(rows, [*cols, "target_tokens_per_s", "host_share_after_programs"])
+    for row in rows:
+        row["compiled"] = row["programs"]["compiled"]
+    cols = ["run", "process_s", "startup_s", "compiled", "programs_critical_s", "device_busy_s"]
+    common.table(rows, [*cols, "host_bound_s", "target_tokens_per_s", "host_share"])
 
 
 # --- memory: peak RSS and throughput per input size; the batches chunks make ---------------

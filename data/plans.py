@@ -250,15 +250,16 @@ def plan_bucketed(
 
 # Padded source widths for translation, powers of two: padding a source costs encoder
 # work and a slightly longer cache (a batch's first room is its width + 16), while
-# every width is more programs (each stage's room, each row count) that every process
-# traces and loads, ~0.4 s each for the tiny model on 2 cores. The Ding test's 1,000
-# sources, first call in a process (programs in the persistent cache, two search
-# threads): 10.9-11.6 s with these widths against 13.6-14.5 s with widths ~1.5x
-# apart (8, 12, 16, 24, ...); 900 lines of three Ding sentences each: 21.4 against
-# 20.8 s, 17.0 against 18.1 s once compiled. Same tokens; scores differ by up to 6e-6
-# (more padding).
+# every width is more programs that every process compiles or loads (on a GPU, tens
+# of seconds each to compile). The Ding test's 1,000 sources, first call in a process
+# (programs in the persistent cache, two search threads): 10.9-11.6 s with these
+# widths against 13.6-14.5 s with widths ~1.5x apart (8, 12, 16, 24, ...); 900 lines
+# of three Ding sentences each: 21.4 against 20.8 s, 17.0 against 18.1 s once
+# compiled. Same tokens; scores differ by up to 6e-6 (more padding).
 INFERENCE_WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)
-# The fewest rows of a batch: smaller last batches are padded up to it.
+# The rows of the batches of a small input (at most this many sources in all: a
+# one-line request), which would otherwise run full batches of filler rows; every
+# other batch is full.
 MIN_ROWS = 8
 
 
@@ -285,7 +286,7 @@ def plan_static(
     widest_first: bool = False,
     min_rows: int = MIN_ROWS,
 ) -> list[tuple[np.ndarray, Any, int]]:
-    """Batches of static shapes: items grouped by shape, cut into batches of few sizes.
+    """Batches of static shapes: items grouped by shape, each shape's batches of two sizes.
 
     Args:
       keys: per item, its padded shape (a width, or a tuple of widths).
@@ -294,23 +295,26 @@ def plan_static(
         a mesh's batch axes).
       order: the items in the order they fill batches (default: input order).
       widest_first: shapes in decreasing order (default: increasing).
-      min_rows: the fewest rows of a batch (see below).
+      min_rows: the rows of every batch of a small input (see below).
     Returns:
-      (item indices [n] int64, shape, rows B) per batch, n <= B. A shape's last batch
-      is padded up to a power of two (at least `min_rows`) rows, so each shape compiles
-      at most a few batch sizes.
+      (item indices [n] int64, shape, rows B) per batch, n <= B. Every batch of a shape
+      has full_rows(shape) rows (a last one filled up with filler rows), whatever the
+      number of items: the programs a stream of items needs depend on the shapes
+      present, never on how many items there are or how the stream is cut into calls.
+      Only an input of at most `min_rows` items in all (a one-line request) has batches
+      of `min_rows` rows (rounded up to `rows_multiple`; at most the full rows).
     """
     groups: dict[Any, list[int]] = {}
     for i in range(len(keys)) if order is None else order:
         groups.setdefault(keys[i], []).append(int(i))
+    small = _round_up(max(min_rows, 1), rows_multiple)
+    few = sum(len(items) for items in groups.values()) <= small
     batches = []
     for key in sorted(groups, reverse=widest_first):
         items, full = np.asarray(groups[key], np.int64), full_rows(key)
+        rows = min(small, full) if few else full
         for start in range(0, len(items), full):
-            chunk = items[start : start + full]
-            pow2 = 1 << (len(chunk) - 1).bit_length()
-            rows = min(full, _round_up(max(min_rows, pow2), rows_multiple))
-            batches.append((chunk, key, rows))
+            batches.append((items[start : start + full], key, rows))
     return batches
 
 
@@ -329,14 +333,14 @@ def plan_translation(
       batch_tokens: budget of padded source tokens per batch (rows * width).
       max_len: the model's longest position.
       rows_multiple: every batch's row count is a multiple of this.
-      min_rows: the fewest rows of a batch. MIN_ROWS bounds the programs a stream of
-        files compiles; a fixed set of sources (a dev set) can take 1: its shapes
-        are the same at every call, and a few sources run a few rows, not 8.
+      min_rows: the rows of the batches of an input of at most this many sources (a
+        one-line request runs MIN_ROWS rows, not a full batch).
     Returns:
       (indices into `lengths`, width S, rows B) per batch, with len(indices) <= B.
       Full batches have B = the largest power of two with B * S <= batch_tokens
-      (at least `rows_multiple`); see `plan_static` for the last ones. Equal
-      lengths keep their input order.
+      (at least `rows_multiple`); a width's last batch has those rows too, and
+      every batch of a small input `min_rows` (`plan_static`). Equal lengths keep
+      their input order.
     """
     lengths = np.asarray(lengths, np.int64)
 

@@ -14,6 +14,16 @@ from typing import TYPE_CHECKING
 
 from absl import flags
 
+from model.defaults import (
+    BEAM_STOPS,
+    DEFAULT_ALPHA,
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_LENGTH_PENALTY,
+    DEFAULT_STOP,
+    LENGTH_PENALTIES,
+)
+from search.defaults import BATCH_TOKENS, CT2_BATCH_TOKENS
+
 if TYPE_CHECKING:
     from inference.options import DecodeOptions
 
@@ -25,15 +35,15 @@ flags.DEFINE_string("input", "-", "Source text, one sentence a line; '-' = stdin
 flags.DEFINE_string(
     "output", "-", "Translations, one a line; '-' = stdout. A file appears when complete."
 )
-flags.DEFINE_integer("beam_size", 4, "Beam size K; 1 = greedy search.")
-flags.DEFINE_float("alpha", 0.6, "Length penalty exponent: score = log P / lp(len).")
+flags.DEFINE_integer("beam_size", DEFAULT_BEAM_SIZE, "Beam size K; 1 = greedy search.")
+flags.DEFINE_float("alpha", DEFAULT_ALPHA, "Length penalty exponent: score = log P / lp(len).")
 flags.DEFINE_enum(
-    "length_penalty", "gnmt", ["gnmt", "average"],
+    "length_penalty", DEFAULT_LENGTH_PENALTY, list(LENGTH_PENALTIES),
     "gnmt: lp = ((5 + len) / 6)^alpha (the default). average: lp = len^alpha (CTranslate2's; "
     "the default of --ct2). len counts EOS.",
 )  # fmt: skip
 flags.DEFINE_enum(
-    "stop", "bound", ["bound", "heuristic"],
+    "stop", DEFAULT_STOP, list(BEAM_STOPS),
     "When a source's beam search ends. bound: once no live beam can win, however long it "
     "grows (exact; the default). heuristic: once none would win if it ended at the next "
     "step (about half the steps; Hugging Face's default rule).",
@@ -50,8 +60,9 @@ flags.DEFINE_string("plot_attention", None, "Write cross-attention heatmaps (PNG
 flags.DEFINE_integer("num_plots", 4, "How many sentences --plot_attention draws.")
 flags.DEFINE_integer(
     "batch_tokens", None,
-    "Padded source tokens per batch (x beam in memory; default: 4096 on a CPU, 32768 on a "
-    "GPU or TPU).",
+    "Padded source tokens per batch (x beam in memory; default: "
+    f"{BATCH_TOKENS['cpu']} on a CPU, {BATCH_TOKENS['gpu']} on a GPU or TPU; --ct2: "
+    f"{CT2_BATCH_TOKENS['cpu']} on a CPU, {CT2_BATCH_TOKENS['cuda']} on CUDA).",
 )  # fmt: skip
 flags.DEFINE_integer("max_length", None, "Longest source in tokens incl. EOS (default: max_len).")
 flags.DEFINE_enum("long_lines", "truncate", ["truncate", "split"], "What to do with long lines.")
@@ -107,12 +118,6 @@ flags.DEFINE_integer(
     "Search steps between tests of whether every source is done, in a loop XLA:GPU runs "
     "without a host round trip (default: the platform's, model/beam.py STEPS_PER_CHECK). "
     "The output is the same for any value.",
-)  # fmt: skip
-flags.DEFINE_boolean(
-    "carry_over", None,
-    "Carry a batch's unfinished sentences over to smaller batches with more room (fewer "
-    "rows computed, more programs compiled; the default on a CPU) instead of running each "
-    "batch's whole search in one program (the default on a GPU or TPU). Same output.",
 )  # fmt: skip
 flags.DEFINE_string(
     "coordinator_address", None,

@@ -48,6 +48,7 @@ from inference.ct2_export import (
     import_ctranslate2,
 )
 from model.tokens import EOS_ID
+from search.defaults import CT2_BATCH_TOKENS
 from search.hypothesis import Hypothesis
 from search.settings import SearchSettings
 from search.stages import check_lengths
@@ -103,7 +104,7 @@ class CT2Translator:
         n_best: int = 1,
         device: str = "cpu",
         threads: int = 0,
-        batch_tokens: int = 4096,
+        batch_tokens: int | None = None,
     ) -> CT2Translator:
         """Open DIR (ValueError saying what is wrong; ImportError without ctranslate2).
 
@@ -133,7 +134,7 @@ class CT2Translator:
             beam_size=decoding["beam_size"] if beam_size is None else beam_size,
             alpha=decoding["alpha"] if alpha is None else alpha,
             n_best=n_best,
-            batch_tokens=batch_tokens,
+            batch_tokens=CT2_BATCH_TOKENS[device] if batch_tokens is None else batch_tokens,
         )
         return cls(directory, decoding, translator, settings)
 
@@ -187,7 +188,7 @@ class CT2Translator:
             num_hypotheses=s.n_best,
             max_decoding_length=most,
             max_input_length=0,  # sources were cut to max_len already
-            max_batch_size=s.batch_tokens,
+            max_batch_size=s.tokens_per_batch,
             batch_type="tokens",
             return_scores=True,
             suppress_sequences=self._never,
@@ -228,7 +229,7 @@ class CT2Translator:
         scored = self._ct2.score_batch(
             [pieces[r] for r, _ in cut],
             [[self.vocab[t] for t in hyps[r][h].tokens] for r, h in cut],
-            max_batch_size=self.settings.batch_tokens,
+            max_batch_size=self.settings.tokens_per_batch,
             batch_type="tokens",
             max_input_length=0,
         )

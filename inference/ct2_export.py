@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from model import Transformer, TransformerConfig
-from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, EXTRA_DECODE_LEN
+from model.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, EXTRA_DECODE_LEN
 from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FORMAT_VERSION = 1

@@ -9,21 +9,17 @@ The directory holds
                          OPUS-MT model's source.spm, target.spm and marian_vocab.json
     params.npz           the parameters as arrays p0000, p0001, ... in the order the
                          programs take them (a flat list: no pytree classes needed)
-    start_S{W}.jax,      `jax.export` serializations (StableHLO) of the staged search
-    resume_S{W}_C{C}.jax that decode.py runs (search/stages.py): encode sources
-                         padded to width W and search with room for the first
-                         stage's tokens; go on with room for C tokens. Each stops
-                         early once at most `keep` sources are unfinished before
-                         step `until` (int32 inputs). The state between them is a
-                         flat list of arrays.
-    search_S{W}.jax      the same search as one program, room for every token
-                         (src -> tokens, scores), for plain JAX (docs/decoding.md)
+    search_S{W}.jax      `jax.export` serializations (StableHLO) of the search that
+                         decode.py runs for a batch of sources padded to width W
+                         (search/stages.py), its stages of growing room included:
+                         (params, src) -> (tokens, scores); usable from plain JAX
+                         (docs/decoding.md)
     metadata.json        config, beam, alpha, n_best, length penalty, widths and each
                          width's rooms, vocab_limit, shapes, jax version and the
                          platforms the programs were lowered for
 
-One program per width W of data.plans.inference_widths(max_len) (and room); the
-batch dimension is symbolic, so any number of rows runs the same program. The
+One program per width W of data.plans.inference_widths(max_len); the batch
+dimension is symbolic, so any number of rows runs the same program. The
 programs are the live model's (search.translate.LiveSearch, search_fn) with
 the parameters as an argument, so the exported translator batches, searches and
 prints exactly as decode.py does with the checkpoint.
@@ -47,15 +43,16 @@ from flax import nnx
 from data.files import atomic_write, atomic_write_bytes
 from data.plans import inference_widths
 from model import Transformer, beam
-from model.decoding import EXTRA_DECODE_LEN
+from model.defaults import EXTRA_DECODE_LEN
 from search.hypothesis import Hypothesis
 from search.settings import SearchSettings
 from search.stages import run_stages, stage_rooms
-from search.translate import LiveSearch, Progress, search_fn
+from search.translate import Progress, search_fn
 
 # 2: staged programs (start_S*, resume_S*_C*) beside the one-program search_S*.
 # 3: the staged programs take `keep` and `until` and stop early; a resume for every room.
-FORMAT_VERSION = 3
+# 4: search_S* alone, the live search's program (its rooms in stages).
+FORMAT_VERSION = 4
 METADATA = "metadata.json"
 PARAMS = "params.npz"
 
@@ -64,14 +61,6 @@ _log = logging.getLogger(__name__)
 
 def _whole_name(width: int) -> str:
     return f"search_S{width}.jax"
-
-
-def _start_name(width: int) -> str:
-    return f"start_S{width}.jax"
-
-
-def _resume_name(width: int, room: int) -> str:
-    return f"resume_S{width}_C{room}.jax"
 
 
 def _serialize(fn, args, platforms) -> tuple[bytes, object]:
@@ -133,10 +122,6 @@ def export_translator(
         "program_bytes": sizes,
         "inputs": "flat params (params.npz p0000..), src int32 [b, W] (0 pad, EOS-terminated)",
         "outputs": "tokens int32 [b, n_best, L] (EOS-terminated, 0 after), scores f32 [b, n_best]",
-        "staged": "start_S{W}: (params, src, keep, until) -> (state, done [b]); "
-        "resume_S{W}_C{C}: (params, state, keep, until) -> (state, done); state: "
-        "model.beam.BeamState's leaves; keep, until: int32, stop once at most keep sources "
-        "are unfinished before step until (0, 0: when all are finished)",
         "output_length": {str(w): min(w + EXTRA_DECODE_LEN, max_len) for w in widths},
         "num_params": len(leaves),
         "param_paths": paths,
@@ -159,67 +144,25 @@ def _write_programs(
     vocab_limit: int | None,
     platforms: Sequence[str] | None,
 ) -> tuple[dict[str, int], dict[int, list[int]]]:
-    """Serialize each width's programs into `directory`: the whole search, and its stages
-    (start, then a resume per larger room). Returns (bytes per program, rooms per width)."""
+    """Serialize each width's search into `directory`. Returns (bytes per program, rooms
+    per width)."""
     max_len = model_config.max_len
-    rule = settings.rule(vocab_limit)
-    searcher = lambda flat: LiveSearch(live(flat), rule, settings.alpha)
-    state_def = beam.state_treedef(model_config.num_decoder_layers)
 
     def whole(flat, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
         return search_fn(live(flat), settings, vocab_limit)(src)
 
-    def start(room):
-        def fn(flat, src, keep, until):  # [P arrays], [B, W], [], [] -> state leaves, done [B]
-            state, done = searcher(flat).start(src, room, keep, until)
-            return jax.tree.leaves(state), done
-
-        return fn
-
-    def resume(room):
-        def fn(flat, state, keep, until):  # [P arrays], state leaves, [], [] -> ..., done [B]
-            state = jax.tree.unflatten(state_def, state)
-            state, done = searcher(flat).resume(state, room, keep, until)
-            return jax.tree.leaves(state), done
-
-        return fn
-
     (b,) = jax.export.symbolic_shape("b")
-    keep = jax.ShapeDtypeStruct((), jnp.int32)
     flat = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     sizes, rooms = {}, {}
     t0 = time.time()
     for width in inference_widths(max_len):
         src = jax.ShapeDtypeStruct((b, width), jnp.int32)
         rooms[width] = stage_rooms(width, max_len)
-        blob, _ = _serialize(whole, (flat, src), platforms)
-        programs = [(_whole_name(width), blob)]
-        blob, out = _serialize(start(rooms[width][0]), (flat, src, keep, keep), platforms)
-        programs.append((_start_name(width), blob))
-        for room in rooms[width]:
-            state = _with_room(state_def, out[:-1], room)
-            blob, _ = _serialize(resume(room), (flat, state, keep, keep), platforms)
-            programs.append((_resume_name(width, room), blob))
-        for name, blob in programs:
-            atomic_write_bytes(os.path.join(directory, name), blob)
-            sizes[name] = len(blob)
-        _log.info(f"exported the width-{width} programs ({time.time() - t0:.1f}s so far)")
+        name, (blob, _) = _whole_name(width), _serialize(whole, (flat, src), platforms)
+        atomic_write_bytes(os.path.join(directory, name), blob)
+        sizes[name] = len(blob)
+        _log.info(f"exported the width-{width} program ({time.time() - t0:.1f}s so far)")
     return sizes, rooms
-
-
-def _with_room(state_def: Any, leaves: Sequence[Any], room: int) -> list[jax.ShapeDtypeStruct]:
-    """The abstract state leaves of a search with room for `room` tokens (what a resume
-    program takes: stages.py grows a state to the next room before resuming it)."""
-    s = jax.tree.unflatten(state_def, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves])
-    roomy = lambda x: jax.ShapeDtypeStruct((*x.shape[:2], room, *x.shape[3:]), x.dtype)
-    self_kv = jax.tree.map(roomy, s.cache.self_kv)  # [b*K, N, C, H] -> [b*K, N, room, H]
-    return jax.tree.leaves(
-        s._replace(
-            live_seqs=roomy(s.live_seqs),  # [b, K, C] -> [b, K, room]
-            fin_seqs=roomy(s.fin_seqs),
-            cache=s.cache.replace(self_kv=self_kv),
-        )
-    )
 
 
 class ExportedTranslator:
@@ -230,7 +173,11 @@ class ExportedTranslator:
     """
 
     def __init__(
-        self, directory: str, metadata: dict, params: list[np.ndarray], batch_tokens: int = 4096
+        self,
+        directory: str,
+        metadata: dict,
+        params: list[np.ndarray],
+        batch_tokens: int | None = None,
     ):
         self.directory, self.metadata, self.params = directory, metadata, params
         self.max_len = metadata["max_len"]
@@ -242,11 +189,10 @@ class ExportedTranslator:
             stop=metadata.get("stop", "bound"),  # exports before --stop: the exact rule
             batch_tokens=batch_tokens,
         )
-        self._state_def = beam.state_treedef(metadata["model"]["num_decoder_layers"])
         self._programs: dict[str, jax.export.Exported] = {}
 
     @classmethod
-    def load(cls, directory: str, batch_tokens: int = 4096) -> ExportedTranslator:
+    def load(cls, directory: str, batch_tokens: int | None = None) -> ExportedTranslator:
         """Read metadata.json and params.npz (ValueError with the fix if they are missing)."""
         path = os.path.join(directory, METADATA)
         if not os.path.isfile(path):
@@ -277,26 +223,14 @@ class ExportedTranslator:
     def beam_size(self) -> int:
         return self.settings.beam_size
 
-    def _call(self, name: str, *args):
+    def whole(self, src: jax.Array, rooms: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+        """search.stages.Search: the exported search of sources of src's width (its rooms
+        are the export's: `load` checked they are `stage_rooms`)."""
+        name = _whole_name(src.shape[1])
         if name not in self._programs:
             with open(os.path.join(self.directory, name), "rb") as f:
                 self._programs[name] = jax.export.deserialize(bytearray(f.read()))
-        leaves, done = self._programs[name].call(self.params, *args)
-        return jax.tree.unflatten(self._state_def, leaves), done
-
-    def start(
-        self, src: jax.Array, room: int, keep: int = 0, until: int = 0
-    ) -> tuple[beam.BeamState, jax.Array]:
-        """search.stages.Search: the exported first stage of sources of src's width."""
-        return self._call(_start_name(src.shape[1]), src, np.int32(keep), np.int32(until))
-
-    def resume(
-        self, state: beam.BeamState, room: int, keep: int = 0, until: int = 0
-    ) -> tuple[beam.BeamState, jax.Array]:
-        """search.stages.Search: the exported search going on with room for `room` tokens."""
-        width = state.cache.src_valid.shape[1]
-        early = np.int32(keep), np.int32(until)
-        return self._call(_resume_name(width, room), jax.tree.leaves(state), *early)
+        return self._programs[name].call(self.params, src)
 
     def translate(
         self,
@@ -309,7 +243,7 @@ class ExportedTranslator:
             self,
             sources,
             max_len=self.max_len,
-            batch_tokens=self.settings.batch_tokens,
+            batch_tokens=self.settings.tokens_per_batch,
             progress=progress,
             skip=skip,
         )

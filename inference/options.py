@@ -15,13 +15,15 @@ import dataclasses
 
 from common.errors import UserError
 from inference.ct2_export import DEVICES, QUANTIZATIONS
-from model.beam import BEAM_STOPS
-from model.decoding import (
+from model.defaults import (
+    BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
+from search.defaults import CT2_BATCH_TOKENS, default_batch_tokens
 from search.settings import SearchSettings
 
 LONG_LINES = ("truncate", "split")
@@ -33,11 +35,6 @@ SPLITS = ("train", "dev", "test")
 # (docs/decoding.md, bench/decode_file.py --measure=memory --plans).
 READ_LINES_PER_BATCH_TOKEN = 2.5
 MIN_READ_LINES = 10_000
-# Padded source tokens per batch when --batch_tokens is not given, by platform: a
-# CPU's batches stay small (a search step's time grows with its rows), an
-# accelerator's are made big enough to keep it busy (beam search holds K x as many
-# tokens, each with a key and a value per layer in its cache).
-BATCH_TOKENS = {"cpu": 4096, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +52,7 @@ class DecodeOptions:
     n_best: int | None = None  # None: 1, or the export's
     checkpoint_step: int | None = None  # None: the newest checkpoint
     average_last: int = 1  # average the parameters of the last N checkpoints
-    batch_tokens: int | None = None  # padded source tokens per batch (None: BATCH_TOKENS)
+    batch_tokens: int | None = None  # padded source tokens per batch (None: the platform's)
     max_length: int | None = None  # longest source in tokens with EOS (None: the model's)
     long_lines: str = "truncate"  # or "split" into segments of max_length
     output_format: str = "text"  # or "jsonl": n-best texts, scores, tokens
@@ -76,7 +73,6 @@ class DecodeOptions:
     restart: bool = False  # ignore a partial output of an earlier run and start over
     dry_run: bool = False  # read, tokenize, plan and write without running the model
     steps_per_check: int | None = None  # search steps per stopping test (None: the platform's)
-    carry_over: bool | None = None  # unfinished sources to smaller batches (None: the platform's)
     stats: str | None = None  # write where the wall time went (JSON) into this file
 
     @property
@@ -95,10 +91,9 @@ class DecodeOptions:
             alpha=alpha,
             n_best=n_best,
             length_penalty=self.penalty,
-            stop=self.stop or "bound",
+            stop=self.stop or DEFAULT_STOP,
             steps_per_check=self.steps_per_check,
             batch_tokens=self.tokens_per_batch,
-            carry=self.carry_over,
         )
 
     @property
@@ -117,15 +112,13 @@ class DecodeOptions:
 
     @property
     def tokens_per_batch(self) -> int:
-        """--batch_tokens, or the default of the platform the search runs on (BATCH_TOKENS;
-        CTranslate2's: --device)."""
+        """--batch_tokens, or the default of the platform the search runs on
+        (search/settings.py BATCH_TOKENS; CTranslate2's for --ct2: inference/ct2.py)."""
         if self.batch_tokens is not None:
             return self.batch_tokens
         if self.ct2:
-            return BATCH_TOKENS[self.device or "cpu"]
-        import jax
-
-        return BATCH_TOKENS.get(jax.default_backend(), BATCH_TOKENS["cpu"])
+            return CT2_BATCH_TOKENS[self.device or "cpu"]
+        return default_batch_tokens()
 
     def check(self) -> None:
         """Combinations that cannot work, before anything slow happens (UserError)."""
@@ -147,8 +140,6 @@ class DecodeOptions:
             )
         if self.steps_per_check is not None and (self.ct2 or self.exported):
             raise UserError("--steps_per_check is for --workdir (an export fixes its own)")
-        if self.carry_over is not None and (self.ct2 or self.exported):
-            raise UserError("--carry_over is for --workdir (an export carries over)")
         if not 1 <= n_best <= beam_size:
             raise UserError(f"--n_best must be in [1, --beam_size={beam_size}]")
         if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):

@@ -48,7 +48,7 @@ from search import timing
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
-    "quantization", "steps_per_check", "carry_over", "stats",
+    "quantization", "steps_per_check", "stats",
 )  # fmt: skip
 
 

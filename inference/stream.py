@@ -8,9 +8,10 @@ the `Translator` as one list (which sorts them by length into batches of a few
 static shapes, data/plans.py), joined back into lines, given alignments and
 plots if asked, formatted and appended to the output in input order, with the
 record of everything counted so far (`Totals`). The next chunk is read and
-encoded in a thread of its own while one is translated, so memory holds at
-most two chunks' lines and one chunk's translations; BLEU and chrF keep only
-their summed statistics (`CorpusScores`). Each finished batch's results also
+encoded in a thread of its own while one is translated, and the programs its
+batches need start compiling or loading then (`LiveTranslator.prepare`), so
+memory holds at most two chunks' lines and one chunk's translations; BLEU and
+chrF keep only their summed statistics (`CorpusScores`). Each finished batch's results also
 go to the output's journal (inference/resume.py), so that a run killed
 mid-chunk loses only the batches in flight. An output that was started by an
 earlier run of the same job goes on from its record (inference/resume.py):
@@ -139,8 +140,8 @@ class _Read:
 
 
 def _read(job: StreamJob) -> _Read | None:
-    """The next chunk, read and encoded (in a thread of its own while the previous one is
-    translated); None at the end of the input."""
+    """The next chunk, read and encoded, and its programs being prepared (in a thread of
+    its own while the previous one is translated); None at the end of the input."""
     with timing.phase("read"):
         lines, bad_utf8 = job.source.read(job.read_lines)
     if not lines:
@@ -150,6 +151,9 @@ def _read(job: StreamJob) -> _Read | None:
         segments, line_tokens, num_long = encode_lines(
             job.tokenizer, lines, job.max_length, job.long_lines == "split"
         )
+    prepare = getattr(job.translator, "prepare", None)
+    if prepare is not None:  # its programs compile while the chunk before is translated
+        prepare([s.ids for s in segments])
     return _Read(lines, bad_utf8, offset, segments, line_tokens, num_long)
 
 

@@ -1,19 +1,15 @@
-"""Beam search in stages: the state between steps, one step, and the programs that start
-a batch and resume it with room for more tokens (pure, jit-compiled).
+"""Beam search: the state between steps, one step, and the program that searches a batch
+(pure, jit-compiled).
 
     rule = Rule(beam_size=4, n_best=1)
-    s, done = start(model, src, alpha=0.6, rule=rule, capacity=32)   # encode + <= 32 steps
-    s, done = resume(model, s, alpha=0.6, rule=rule, capacity=66)    # room for 66 tokens
-    tokens, scores = results(s)                                      # [B, K, C], [B, K]
+    tokens, scores = search(model, src, alpha=0.6, rule=rule, length=66, extra=50)
+    # [B, S] -> [B, 1, 66], [B, 1]: each source's best hypothesis and its score
 
-A batch starts with room for a few more tokens than its sources are long
-(model/scoring.py `rooms`), and goes on with twice the room while some of its
-sources are not done, so attention and the cache reorder read caches of about
-the length decoded so far, not of L = S + 50. search/translate.py runs each
-stage as its own program and moves the few sources not done into batches of
-their own, so that a batch's last slow source no longer keeps all the others
-computing; `search` (model.decoding.beam_search) runs a large batch's stages in
-one program.
+A batch's search grows its room for tokens in stages: it starts with room for a
+few more tokens than its sources are long (model/scoring.py `rooms`) and goes
+on with twice the room while some of its sources are not done, all in one
+program, so attention and the cache reorder read caches of about the length
+decoded so far, not of L = S + 50.
 
 Search: K hypotheses per source, in B*K rows (rows b*K .. b*K + K-1 are source
 b's). Each step takes the 2K best extensions; an EOS among the first K finishes
@@ -28,16 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.layers import KVCache
+from model.defaults import BEAM_STOPS, DEFAULT_LENGTH_PENALTY, DEFAULT_STOP
 from model.scoring import (
-    DEFAULT_LENGTH_PENALTY,
     NEG_INF,
     normalized_score,
     restrict,
@@ -47,7 +42,6 @@ from model.scoring import (
 from model.tokens import BOS_ID, EOS_ID, PAD_ID
 from model.transformer import DecodeCache, Transformer
 
-BEAM_STOPS = ("bound", "heuristic")  # what decode.py's --stop offers
 STOPS = (*BEAM_STOPS, "first")
 
 
@@ -71,7 +65,7 @@ class Rule:
 
     beam_size: int
     n_best: int | None = None
-    stop: str = "bound"
+    stop: str = DEFAULT_STOP
     penalty: str = DEFAULT_LENGTH_PENALTY
     vocab_limit: int | None = None
     steps_per_check: int = 1
@@ -136,14 +130,6 @@ def top_k(x: jax.Array, k: int, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
     values, pos = jax.lax.top_k(near.reshape(b, k * chunk), k)  # [B, k]
     index = jnp.take_along_axis(picked, pos // chunk, axis=1) * chunk + pos % chunk
     return values, index
-
-
-def state_treedef(num_layers: int) -> jax.tree_util.PyTreeDef:
-    """The pytree structure of a `BeamState` of a model with `num_layers` decoder layers
-    (to rebuild one from its leaves, e.g. an exported program's outputs)."""
-    kv = tuple(KVCache(0, 0) for _ in range(num_layers))
-    cache = DecodeCache(self_kv=kv, cross_kv=kv, src_valid=0, index=0)
-    return jax.tree.structure(BeamState(0, 0, 0, 0, 0, 0, cache))
 
 
 def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -244,19 +230,8 @@ def _large(model: Transformer, rows: Any, room: Any) -> bool:
     return not isinstance(nbytes, int) or nbytes >= LARGE_SEARCH_BYTES
 
 
-def run(
-    model: Transformer,
-    s: BeamState,
-    alpha: jax.Array,
-    rule: Rule,
-    keep: jax.Array | int = 0,
-    until: jax.Array | int = 0,
-) -> BeamState:
+def run(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
     """Steps until every source is finished or the room (C) is full: a `while_loop`.
-
-    It also stops once at most `keep` sources are unfinished, if that happens before
-    step `until`: the caller then goes on with those few in a smaller batch instead
-    of computing every row until the batch's slowest source ends.
 
     Each iteration takes `rule.steps_per_check` steps in a loop of that fixed trip
     count, which XLA:GPU runs without reading a condition back. A large search
@@ -270,9 +245,7 @@ def run(
     b, k, capacity = s.live_seqs.shape
 
     def cond(s: BeamState) -> jax.Array:
-        unfinished = jnp.sum(~finished(s, alpha, rule))
-        few = (unfinished <= keep) & (s.step < until)
-        return (s.step < capacity) & (unfinished > 0) & ~few
+        return (s.step < capacity) & jnp.any(~finished(s, alpha, rule))
 
     def steps(n: int) -> Callable[[BeamState], BeamState]:
         def body(s: BeamState) -> BeamState:
@@ -306,7 +279,7 @@ def results(s: BeamState) -> tuple[jax.Array, jax.Array]:
     return tokens, s.fin_scores
 
 
-# --- the compiled programs ------------------------------------------------------------------
+# --- the compiled program -------------------------------------------------------------------
 
 # call(fn, graphdef, args, static) = fn(graphdef, *args, **static): how a program runs
 Call = Callable[[Any, Any, tuple, dict], Any]
@@ -317,60 +290,37 @@ def jit_call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     return fn(graphdef, *args, **static)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "rule", "capacity", "length", "extra", "more")
-)
-def _start(graphdef, state, src, alpha, keep, until, *, rule, capacity, length, extra, more):
-    model = nnx.merge(graphdef, state)
-    s = init(model, src, row_limits(src, length, extra), rule.beam_size, capacity)
-    s = run(model, s, alpha, rule, keep, until)
-    for room in more:  # later stages in this program; a loop ends at once if all are done
-        s = run(model, grow(s, room), alpha, rule, keep, until)
-    return s, finished(s, alpha, rule)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "capacity"))
-def _resume(graphdef, state, s, alpha, keep, until, *, rule, capacity):
-    model = nnx.merge(graphdef, state)
-    s = run(model, grow(s, capacity), alpha, rule, keep, until)
-    return s, finished(s, alpha, rule)
-
-
-def start(
+def search_state(
     model: Transformer,
     src: jax.Array,
-    *,
-    alpha: float | jax.Array,
+    alpha: jax.Array,
     rule: Rule,
-    capacity: int,
+    rooms: Sequence[int],
     length: int,
     extra: int | None,
-    keep: int = 0,
-    until: int = 0,
-    more: tuple[int, ...] = (),
-    call: Call = jit_call,
-) -> tuple[BeamState, jax.Array]:
-    """Encode src [B, S] and search with room for `capacity` tokens.
+) -> BeamState:
+    """The state of src [B, S]'s search once every source is finished, grown through
+    `rooms` (pure; `search` runs it as one compiled program)."""
+    s = init(model, src, row_limits(src, length, extra), rule.beam_size, rooms[0])
+    s = run(model, s, alpha, rule)
+    for room in rooms[1:]:  # a stage's loop ends at once if every source is finished
+        s = run(model, grow(s, room), alpha, rule)
+    return s
 
-    length, extra: as `model.scoring.decode_shape` gives them (a source of n tokens
-    may produce min(n + extra, length) tokens; extra None: length each).
-    keep, until: stop early once at most `keep` sources are unfinished before step
-    `until` (`run`; 0, 0: never).
-    more: then with room for each of these many tokens in turn (increasing, at most
-      `length`), in the same program: what `resume` would do, for a caller that does
-      not look at the state in between (`search`).
-    call: runs the compiled program, call(fn, graphdef, args, static); the default
-      calls it (search/programs.py keeps executables on disk instead, and its
-      `prepare` compiles one ahead for src given as a `jax.ShapeDtypeStruct`).
-    Returns the state and [B] bool, the sources that are finished (whose results
-    are final); the others are not because the room is full, or they are few.
-    """
-    graphdef, state = nnx.split(model)
-    if not isinstance(src, jax.ShapeDtypeStruct):  # a shape alone: the program is only prepared
-        src = jnp.asarray(src, jnp.int32)
-    args = state, src, jnp.float32(alpha), jnp.int32(keep), jnp.int32(until)
-    static = dict(rule=rule, capacity=min(capacity, length), length=length, extra=extra)
-    return call(_start, graphdef, args, {**static, "more": tuple(more)})
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "rooms", "length", "extra"))
+def _search(graphdef, state, src, alpha, *, rule, rooms, length, extra):
+    model = nnx.merge(graphdef, state)
+    tokens, scores = results(search_state(model, src, alpha, rule, rooms, length, extra))
+    return tokens[:, : rule.n_best], scores[:, : rule.n_best]  # [B, K, C] -> [B, n, C]
+
+
+def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):
+    """The rooms `search` grows a batch of `rows` sources of width `width` through: in
+    stages (model/scoring.py `rooms`) for a large search, else all `length` at once."""
+    if _large(model, rows * beam_size, length):
+        return tuple(rooms(width, length))
+    return (length,)
 
 
 def search(
@@ -381,36 +331,31 @@ def search(
     rule: Rule,
     length: int,
     extra: int | None,
-) -> BeamState:
-    """A batch's whole search in one program: src [B, S] -> the state once every source is
-    finished (at its limit at the latest), with room for `length` tokens.
-
-    A large search (`LARGE_SEARCH_BYTES`) grows its room in stages
-    (`model.scoring.rooms`), so that attention and the cache reorder read caches
-    about as long as what was decoded; a small one has room for `length` tokens
-    from the start: one loop compiles faster.
-    """
-    room = [length]
-    if _large(model, src.shape[0] * rule.beam_size, length):
-        room = rooms(src.shape[1], length)
-    args = dict(alpha=alpha, rule=rule, length=length, extra=extra)
-    state, _ = start(model, src, capacity=room[0], more=tuple(room[1:]), **args)
-    return state
-
-
-def resume(
-    model: Transformer,
-    s: BeamState,
-    *,
-    alpha: float | jax.Array,
-    rule: Rule,
-    capacity: int,
-    keep: int = 0,
-    until: int = 0,
+    rooms: Sequence[int] | None = None,
     call: Call = jit_call,
-) -> tuple[BeamState, jax.Array]:
-    """Go on with room for `capacity` tokens (>= the current room); `call` and the
-    result as `start`'s."""
+) -> tuple[jax.Array, jax.Array]:
+    """A batch's whole search in one program: src [B, S] -> tokens [B, n, C] (no BOS,
+    EOS-terminated, 0 after; all 0 in a slot never filled) and scores [B, n] (-inf in
+    such a slot), best first, n = rule.n_best, C = `length`.
+
+    length, extra: as `model.scoring.decode_shape` gives them (a source of n tokens
+      may produce min(n + extra, length) tokens; extra None: length each).
+    rooms: the room for tokens, stage by stage (increasing, the last `length`): each
+      stage is a loop over the steps that fit, and the next one starts with the state
+      grown to its room, so attention and the cache reorder read caches about as long
+      as what was decoded. None: `search_rooms`. The results are the same for any.
+    call: runs the compiled program, call(fn, graphdef, args, static); the default
+      calls it (search/programs.py keeps executables on disk instead, and its
+      `prepare` compiles one ahead for src given as a `jax.ShapeDtypeStruct`).
+    """
+    if rooms is None:
+        rooms = search_rooms(model, src.shape[0], src.shape[1], length, rule.beam_size)
+    rooms = tuple(min(int(r), length) for r in rooms)
+    if list(rooms) != sorted(set(rooms)) or rooms[-1] != length:
+        raise ValueError(f"rooms must increase to the length {length}, got {rooms}")
     graphdef, state = nnx.split(model)
-    args = state, s, jnp.float32(alpha), jnp.int32(keep), jnp.int32(until)
-    return call(_resume, graphdef, args, dict(rule=rule, capacity=capacity))
+    if not isinstance(src, jax.ShapeDtypeStruct):  # a shape alone: the program is only prepared
+        src = jnp.asarray(src, jnp.int32)
+    args = state, src, jnp.float32(alpha)
+    static = dict(rule=rule, rooms=rooms, length=length, extra=extra)
+    return call(_search, graphdef, args, static)

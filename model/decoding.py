@@ -40,12 +40,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model import beam
-from model.scoring import (
+from model.defaults import (
+    BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_STOP,
     EXTRA_DECODE_LEN,
     LENGTH_PENALTIES,
+)
+from model.scoring import (
     NEG_INF,
     decode_shape,
     length_penalty,
@@ -56,7 +60,7 @@ from model.scoring import (
 from model.tokens import BOS_ID, EOS_ID, PAD_ID
 from model.transformer import DecodeCache, Transformer
 
-# The scoring names are model.decoding's too (model/scoring.py defines them).
+# The defaults (model/defaults.py) and scoring names (model/scoring.py) are model.decoding's too.
 __all__ = [
     "DEFAULT_ALPHA",
     "DEFAULT_BEAM_SIZE",
@@ -224,7 +228,7 @@ def beam_search(
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    stop: str = "bound",
+    stop: str = DEFAULT_STOP,
     steps_per_check: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's).
@@ -261,16 +265,15 @@ def beam_search(
         raise ValueError(
             f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
         )
-    if stop not in beam.BEAM_STOPS:
-        raise ValueError(f"stop must be one of {beam.BEAM_STOPS}, got {stop!r}")
+    if stop not in BEAM_STOPS:
+        raise ValueError(f"stop must be one of {BEAM_STOPS}, got {stop!r}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     per = beam.steps_per_check() if steps_per_check is None else steps_per_check
     rule = beam.Rule(
         beam_size, stop=stop, penalty=length_penalty, vocab_limit=vocab_limit, steps_per_check=per
     )
-    s = beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
-    return beam.results(s)
+    return beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
 
 
 def translate(
@@ -282,7 +285,7 @@ def translate(
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    stop: str = "bound",
+    stop: str = DEFAULT_STOP,
     steps_per_check: int | None = None,
 ) -> jax.Array:
     """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy).

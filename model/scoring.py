@@ -11,18 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from model.defaults import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN, LENGTH_PENALTIES
 from model.tokens import BOS_ID, EOS_ID, PAD_ID
 from model.transformer import Transformer
-
-# The paper (section 6.1) decodes with beam 4, length penalty alpha 0.6, and at
-# most source length + 50 output tokens.
-DEFAULT_BEAM_SIZE = 4
-DEFAULT_ALPHA = 0.6
-EXTRA_DECODE_LEN = 50
-# How scores are normalized by length: "gnmt" (the default, as the paper's setup) or
-# "average" (CTranslate2's and OpenNMT's; see `length_penalty`).
-LENGTH_PENALTIES = ("gnmt", "average")
-DEFAULT_LENGTH_PENALTY = "gnmt"
 
 NEG_INF = -jnp.inf
 # The first stage's room, beyond the batch's source width: on the Ding test set

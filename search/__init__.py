@@ -6,7 +6,7 @@ training's evaluation and decode.py's application (inference/).
     translate.py   the Translator interface, the live model's (`LiveTranslator`,
                    `translate_ids`) and the batching every backend shares
     hypothesis.py  `Hypothesis` (ids and score), what every translator returns per source
-    stages.py      the JAX backends' batch loop: beam search in stages of growing room
+    stages.py      the JAX backends' batch loop: one program per batch shape, planned ahead
     programs.py    the compiled programs a job needs: built ahead in threads, kept on disk
     timing.py      where decode.py's time goes (--stats): phases, programs, device busy
     bleu.py        corpus BLEU and chrF

@@ -1,34 +1,40 @@
 """Compiled search programs kept on disk, so a new process skips tracing and lowering.
 
     programs.enable("~/.cache/attention-jax/xla/programs")  # decode.py does this
-    out = programs.call(beam._start, graphdef, args, static)  # _start(graphdef, *args, **static)
+    out = programs.call(beam._search, graphdef, args, static)  # _search(graphdef, *args, **static)
 
 JAX's persistent compilation cache skips XLA's compilation, but every process
 still traces and lowers each program to find its cache entry: ~0.5 s per beam
 search program of the tiny model on the 2-core box (0.2-0.37 s tracing, 0.19 s
-lowering, 0.1 s loading), and a file of a few widths runs 10-15 of them. Here a
+lowering, 0.1 s loading), and a job runs one or two per source width. Here a
 program compiled once is serialized whole (`jax.experimental.serialize_executable`)
 under a key made of everything it was built from -- the code of model/, the
 versions of jax, jaxlib, flax and Python, the backend and device, $XLA_FLAGS, the
 model's structure and config, the static arguments and the shapes, dtypes and
 structure of the others -- and later processes load it in ~0.1 s.
 
-Only single-device calls are kept (a sharded evaluation goes through `jax.jit`
-as before), and only programs XLA can serialize: for one it cannot (XLA:CPU's
-small sorts) an empty `<key>.unkept` file sends later processes through
-`jax.jit` and XLA's own cache. A file that cannot be read or loaded is compiled
-again and replaced; a directory that cannot be written costs nothing but the speed-up.
-Executables are compiled here with JAX's own cache off: one that JAX's cache
-handed back cannot be serialized again on XLA:CPU (it runs, but its copy fails
-to find its kernels). The files are pickles (as `serialize_executable`'s payloads
+Only single-device calls are kept (a sharded evaluation goes through `jax.jit` as
+before), and only programs XLA can serialize: for one it cannot (XLA:CPU's small
+sorts) an empty `<key>.unkept` file sends later processes through `jax.jit` and
+XLA's own cache. A file that cannot be read or loaded is compiled again and
+replaced; a directory that cannot be written costs nothing but the speed-up.
+
+Programs are compiled with JAX's persistent cache on, as every other compile of the
+process. An executable that XLA's cache handed back (not compiled afresh; or one JAX
+held in memory, which may have come from there) is used but not kept: serialized
+again, it fails in the next process on XLA:CPU ("Function ... not found"). That
+happens only when the cache holds a program these files do not (they were deleted,
+or an edit of model/ changed their keys but not the program): such a program is
+then traced and read from XLA's cache in every process, as through `jax.jit`, until
+XLA's cache loses it. The files are pickles (as `serialize_executable`'s payloads
 are): keep the directory as private as the code you run.
 
 `prepare` starts loading or compiling a program in a background thread before it
 is first called, so that the programs a job will need (its batches' shapes are
-known once it is planned) compile side by side, on as many cores as the host
-has, while the first ones already run; a call of a program being prepared waits
-for it. On a GPU, where each search program of base's size takes ~10-15 s to
-compile, this is most of a first run's start.
+known once a chunk is read and planned) compile side by side, on as many cores as
+the host has, while the first ones already run; a call of a program being
+prepared waits for it. On a GPU, where each search program of base's size takes
+~10-15 s to compile, this is most of a first run's start.
 """
 
 from __future__ import annotations
@@ -43,11 +49,11 @@ import re
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 
+from common.cpus import usable_cpus
 from search import timing
 
 _directory: str | None = None
@@ -57,7 +63,6 @@ _loaded: dict[str, Any] = {}
 _pending: dict[str, concurrent.futures.Future] = {}
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _lock = threading.Lock()
-_cache_off_count = 0  # compiles under way with JAX's cache off (see `_jax_cache_off`)
 SUFFIX = ".jaxexe"
 # Part of every key. 2: files of format 1 may hold programs XLA's cache handed back,
 # which load but fail at run time ("Function ... not found"): never read them.
@@ -77,6 +82,12 @@ def enable(directory: str | None) -> str | None:
             directory = None
     _directory = directory
     return directory
+
+
+def enable_beside(cache: str | None) -> str | None:
+    """Keep programs in the `programs` directory of XLA's cache directory `cache` (as
+    train.py and decode.py do); None = off. Returns the directory in use."""
+    return enable(None if cache is None else os.path.join(cache, "programs"))
 
 
 @functools.cache
@@ -142,7 +153,9 @@ def _load(path: str) -> Any | None:
         with open(path, "rb") as f:
             payload, in_tree, out_tree = pickle.load(f)
         return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception:  # a torn, stale or foreign file: compile again and replace it
+    except Exception:  # a torn, stale or foreign file: compile again (and replace it)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
         return None
 
 
@@ -164,38 +177,36 @@ def _save(path: str, compiled: Any) -> None:
             os.unlink(tmp)
 
 
-@contextlib.contextmanager
-def _jax_cache_off() -> Iterator[None]:
-    """JAX's compilation cache off while any compile of ours runs (threads share it)."""
-    global _cache_off_count
-    from jax.experimental.compilation_cache import compilation_cache
-
-    with _lock:
-        if _cache_off_count == 0:
-            _cache_off_count_before[0] = jax.config.jax_enable_compilation_cache
-            # JAX decides once per process whether its cache is used; reset_cache() makes
-            # it look at the setting again, here and after.
-            jax.config.update("jax_enable_compilation_cache", False)
-            compilation_cache.reset_cache()
-        _cache_off_count += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _cache_off_count -= 1
-            if _cache_off_count == 0:
-                jax.config.update("jax_enable_compilation_cache", _cache_off_count_before[0])
-                compilation_cache.reset_cache()
+_events = threading.local()  # what XLA did for this thread's compiles (counts)
 
 
-_cache_off_count_before = [False]
+def _on_event(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _events.hits = getattr(_events, "hits", 0) + 1
 
 
-def _compile(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
-    """Compiled afresh, never handed back by XLA's cache (see the module docstring)."""
-    lowered = fn.trace(graphdef, *args, **static).lower()
-    with _jax_cache_off():
-        return lowered.compile()
+def _on_duration(event: str, seconds: float, **_: Any) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":  # compiled, or read from a cache
+        _events.compiles = getattr(_events, "compiles", 0) + 1
+
+
+def _compile(fn: Any, graphdef: Any, args: tuple, static: dict) -> tuple[Any, bool]:
+    """(the executable, whether XLA compiled it afresh: not read from its persistent cache,
+    nor an executable JAX already held in memory, which may have come from that cache)."""
+    global _listening
+    if not _listening:
+        import jax.monitoring
+
+        jax.monitoring.register_event_listener(_on_event)
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        _listening = True
+    before = getattr(_events, "hits", 0), getattr(_events, "compiles", 0)
+    compiled = fn.trace(graphdef, *args, **static).lower().compile()
+    after = getattr(_events, "hits", 0), getattr(_events, "compiles", 0)
+    return compiled, after[0] == before[0] and after[1] > before[1]
+
+
+_listening = False
 
 
 def _obtain(key: str, fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
@@ -208,8 +219,10 @@ def _obtain(key: str, fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     if compiled is not None:
         timing.count("loaded")
         return compiled
-    compiled = _compile(fn, graphdef, args, static)
-    _save(path, compiled)
+    compiled, fresh = _compile(fn, graphdef, args, static)
+    if fresh:  # one XLA's cache handed back would fail in the next process
+        _save(path, compiled)
+        timing.count("kept")
     return compiled
 
 
@@ -225,13 +238,25 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     key = _key(fn, graphdef, leaves, treedef, static)
     compiled = _loaded.get(key)
     if compiled is None:
-        future = _pending.pop(key, None)
-        if future is not None:
-            with timing.phase("programs_wait"):
-                compiled = future.result()
-        else:
-            compiled = _obtain(key, fn, graphdef, args, static)
-        _loaded[key] = compiled
+        with _lock:  # prepared by another thread, or obtained here (and `prepare` knows)
+            future = _pending.get(key)
+            mine = future is None
+            if mine:
+                future = _pending[key] = concurrent.futures.Future()
+        if mine:
+            try:
+                future.set_result(_obtain(key, fn, graphdef, args, static))
+            except BaseException as e:
+                future.set_exception(e)
+                with _lock:
+                    _pending.pop(key, None)
+                raise
+        with timing.phase("programs_wait"):
+            compiled = future.result()
+        with _lock:
+            _loaded[key] = compiled
+            _pending.pop(key, None)
+    timing.running()
     return compiled(*args)
 
 
@@ -251,6 +276,6 @@ def prepare(fn: Any, graphdef: Any, args: tuple, static: dict) -> None:
         if key in _loaded or key in _pending:
             return
         if _pool is None:
-            workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+            workers = max(1, min(8, usable_cpus() - 1))
             _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
         _pending[key] = _pool.submit(_obtain, key, fn, graphdef, args, static)

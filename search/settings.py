@@ -1,7 +1,7 @@
 """How a search runs, as one object from decode.py's flags or a training config to the
 batch loop and the compiled programs.
 
-    settings = SearchSettings(beam_size=4, alpha=0.6, n_best=2, batch_tokens=4096)
+    settings = SearchSettings(beam_size=4, alpha=0.6, n_best=2, batch_tokens=512)
     hyps = translate_ids(model, sources, settings)       # search/translate.py
     rule = settings.rule(vocab_limit=None)               # model/beam.py's static part
 """
@@ -12,7 +12,14 @@ import dataclasses
 
 from data.plans import MIN_ROWS
 from model import beam
-from model.scoring import DEFAULT_LENGTH_PENALTY
+from model.defaults import (
+    BEAM_STOPS,
+    DEFAULT_ALPHA,
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_LENGTH_PENALTY,
+    DEFAULT_STOP,
+)
+from search.defaults import default_batch_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,29 +32,31 @@ class SearchSettings:
     stop: "bound" (exact) or "heuristic" (about half the steps; model/beam.py `Rule`).
     steps_per_check: steps between tests of the stopping condition (the same results
       for any value); None = the platform's (model/beam.py `steps_per_check`).
-    batch_tokens: padded source tokens per batch (beam search holds K times as many).
-    carry: carry a batch's unfinished sources over to smaller batches (True) or run
-      each batch's whole search in one program (False; fewer programs to compile);
-      None = the platform's (search/stages.py `carries_over`). The same results.
-    min_rows: the fewest rows of a batch (data/plans.py `plan_translation`): 1 for a
-      dev set translated again and again, where 8 rows of filler cost 8x the search.
+    batch_tokens: padded source tokens per batch (beam search holds K times as many);
+      None = the platform's (search/defaults.py; `tokens_per_batch` resolves it).
+    min_rows: the rows of a width's small batch, for its last few sources (data/plans.py
+      `plan_translation`); every other batch is full.
     """
 
-    beam_size: int = 4
-    alpha: float = 0.6
+    beam_size: int = DEFAULT_BEAM_SIZE
+    alpha: float = DEFAULT_ALPHA
     n_best: int = 1
     length_penalty: str = DEFAULT_LENGTH_PENALTY
-    stop: str = "bound"
+    stop: str = DEFAULT_STOP
     steps_per_check: int | None = None
-    batch_tokens: int = 4096
-    carry: bool | None = None
+    batch_tokens: int | None = None
     min_rows: int = MIN_ROWS
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}]: {self.n_best}")
-        if self.stop not in beam.BEAM_STOPS:
-            raise ValueError(f"stop must be one of {beam.BEAM_STOPS}, got {self.stop!r}")
+        if self.stop not in BEAM_STOPS:
+            raise ValueError(f"stop must be one of {BEAM_STOPS}, got {self.stop!r}")
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """batch_tokens, or the platform's default."""
+        return default_batch_tokens() if self.batch_tokens is None else self.batch_tokens
 
     def rule(self, vocab_limit: int | None = None) -> beam.Rule:
         """model/beam.py's static settings: beam search that stops a source once its n_best

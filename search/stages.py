@@ -1,32 +1,29 @@
-"""The batch loop every JAX backend shares: plan batches, search them in stages, carry over.
+"""The batch loop every JAX backend shares: plan batches, search each in one program.
 
     results = run_stages(search, sources, max_len=256, batch_tokens=4096)
 
 Sources are cut into batches of a few static shapes (data/plans.py
-`plan_translation`). Each batch starts with room for a few tokens more than
-its width (`stage_rooms`), which most of its sources need; a source that is
-not done when the room is full waits in a pool with the others of its width
-and room, and those go on together, from any batches, with twice the room
-(model/carry.py `take_sources`, `join_sources`). So attention and the cache
-reorder read caches about as long as what was decoded, and one slow source no
-longer keeps a whole batch computing. Within a stage, once half of a batch's
-sources are finished, the others go on at once in half the rows (when that
-saves enough steps to pay for a program of a new shape: MIN_SAVED_ROW_STEPS),
-so finished sources stop costing steps. A source's results do not depend on
-the stage or batch it finishes in (model/beam.py).
+`plan_translation`): per source width, full batches and, for a width's last few
+sources, one small batch. So the programs a job runs are a function of its
+settings and of the widths present, never of its size, its chunks, its order or a
+resume, and a warm job compiles nothing. Each batch's whole search is one program
+(`Search.whole`) that grows the batch's room for tokens in stages (`stage_rooms`),
+so attention reads caches about as long as what was decoded, and ends when every
+source is finished. A source's results do not depend on the batch it is in
+(model/beam.py); filler rows (`batch_of`) are finished before the first step.
 
-Searches are dispatched before the previous one is read back, so the host work
-overlaps the device's. With a `sharding` of the rows, each batch's rows (and a
-carried-over state's) are spread over its devices; every process passes all
+The programs of a plan's shapes are prepared (compiled or loaded, side by side)
+before its first batch runs, and searches are dispatched before the previous one
+is read back, so the host's work overlaps the device's. With a `sharding` of the
+rows, each batch's rows are spread over its devices; every process passes all
 sources and gets all results.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import math
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -34,15 +31,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from data.plans import MIN_ROWS, plan_translation
-from model.beam import BeamState
-from model.carry import join_sources, take_sources
-from model.scoring import EXTRA_DECODE_LEN, FILLER, rooms
+from model.defaults import EXTRA_DECODE_LEN
+from model.scoring import FILLER, rooms
 from search import timing
 from search.hypothesis import hypotheses
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
 Progress = Callable[[Sequence[int], Sequence[list[Any]]], None]
+# (indices into the non-empty sources, width S, rows B) per batch
+Plan = list[tuple[np.ndarray, int, int]]
 
 
 def output_tokens(found: Sequence[list[Any]]) -> int:
@@ -58,27 +56,19 @@ def stage_rooms(width: int, max_len: int) -> list[int]:
 
 
 class Search(Protocol):
-    """One batch's search in stages: model/beam.py's programs, or exported ones.
+    """One batch's whole search: the live model's program, or an exported one.
 
-    start(src [B, S], room, keep, until) and resume(state, room, keep, until) search
-    until every source is finished or the room is full, or at most `keep` are not
-    before step `until` (model/beam.py `run`), and return the state and [B] bool,
-    the sources that are finished. A search may also have `whole(src, rooms)`: the
-    search through each of `rooms` in turn in one program, every source finished.
-    A done source's `fin_seqs[b, :n]`, `fin_scores[b, :n]` are its n best hypotheses,
-    best first (-inf: a slot never filled).
+    whole(src [B, S], rooms) searches through each of `rooms` in turn until every
+    source is finished, and returns tokens [B, n_best, C] (EOS-terminated, 0 after)
+    and scores [B, n_best] (-inf: a slot never filled), best first. A search may also
+    have `prepare(rows, width, rooms)`: start compiling or loading the program of
+    that shape in the background, before its first call.
     """
 
     n_best: int
     beam_size: int
 
-    def start(
-        self, src: jax.Array, room: int, keep: int, until: int
-    ) -> tuple[BeamState, jax.Array]: ...
-
-    def resume(
-        self, state: BeamState, room: int, keep: int, until: int
-    ) -> tuple[BeamState, jax.Array]: ...
+    def whole(self, src: jax.Array, rooms: list[int]) -> tuple[jax.Array, jax.Array]: ...
 
 
 # --- devices <-> host -------------------------------------------------------------------
@@ -143,137 +133,42 @@ def fetch(x: Any) -> Any:
     return jax.tree.map(one, x)
 
 
-# --- the loop -------------------------------------------------------------------------------
-
-# A batch goes on in half its rows once half of its sources are finished, only if the
-# rows it leaves behind would otherwise have computed at least this many beam-row steps
-# in its room: a smaller batch of a shape this process has not run yet is a new
-# program, and tracing and loading one costs ~0.3 s on the 2-core box, ~6,000
-# beam-row steps of the tiny model there (shared by the batches of that width in the
-# call); one it has run costs a copy of the state.
-MIN_SAVED_ROW_STEPS = {"new": 8192, "known": 512}
-# (search, rows, width, room) of the searches this process has run
-_SHAPES_RUN: set[tuple[Any, int, int, int]] = set()
-
-# One search of a batch on its way: (its output, the sources it holds, width, room, rows).
-_Job = tuple[tuple[BeamState, jax.Array], np.ndarray, int, int, int]
+# --- the plan ---------------------------------------------------------------------------
 
 
-class _Stages:
-    """The state of one `run_stages` call: results so far and the pools of carried sources."""
+def plan_batches(
+    sources: Sequence[Sequence[int]],
+    *,
+    max_len: int,
+    batch_tokens: int,
+    multiple: int = 1,
+    min_rows: int = MIN_ROWS,
+    skip: Collection[int] = (),
+) -> tuple[Plan, list[int]]:
+    """(the batches, the indices of the non-empty sources the plan's indices point into).
 
-    def __init__(self, search: Search, sources, nonempty, max_len, progress, sharding, min_rows):
-        self.search, self.sources, self.nonempty = search, sources, nonempty
-        self.max_len, self.progress = max_len, progress
-        self.sharding, self.multiple = sharding, rows_multiple(sharding)
-        self.min_rows = min_rows
-        # what identifies the search's compiled programs within this process
-        self.key = getattr(search, "program_key", id(search))
-        self.batches: dict[int, int] = {}  # fresh batches of each width in this call
-        self.results: list[list[Any]] = [[] for _ in sources]
-        # (width, room) -> [(indices into nonempty, their states)]
-        self.pools: dict[tuple[int, int], list[tuple[np.ndarray, BeamState]]] = {}
-
-    def early(self, rows: int, width: int, room: int) -> tuple[int, int]:
-        """(keep, until) for a search of `rows` rows with room for `room` tokens: it stops
-        when at most half its sources are unfinished, so they go on in half the rows, if
-        that happens early enough for the rows left behind to save MIN_SAVED_ROW_STEPS
-        beam-row steps of its room; (0, 0): it runs until all are finished."""
-        half = rows // 2
-        fewer = _round_rows(half, rows, self.multiple, self.min_rows)
-        if fewer >= rows:
-            return 0, 0
-        if (self.key, fewer, width, room) in _SHAPES_RUN:
-            least = MIN_SAVED_ROW_STEPS["known"]
-        else:  # a new program, run by about as many batches as this call has of the width
-            least = max(MIN_SAVED_ROW_STEPS["new"] // self.batches.get(width, 1), 1)
-        freed = (rows - fewer) * self.search.beam_size  # beam rows no longer computed
-        until = room - -(-least // freed)
-        return (half, until) if until > 0 else (0, 0)
-
-    def launch(self, chunk: np.ndarray, state: BeamState, width: int, room: int) -> _Job:
-        rows = state.live_seqs.shape[0]
-        _SHAPES_RUN.add((self.key, rows, width, room))
-        early = self.early(rows, width, room)
-        out = self.search.resume(place(state, self.sharding), room, *early)
-        timing.dispatched(out)
-        return out, chunk, width, room, rows
-
-    def finish(self, job: _Job) -> _Job | None:
-        """Read a search back: the results of its finished sources; the others go on now in
-        fewer rows (returned) if it stopped early, or wait in a pool for the next room."""
-        (state, done), chunk, width, room, rows = job
-        n = self.search.n_best
-        with timing.phase("fetch"):
-            done, step = fetch((done, state.step))
-            # Sliced on the host: a slice on the device is a small program per shape, each
-            # traced, lowered and loaded in every process (~0.1 s).
-            tokens, scores = (x[:, :n] for x in fetch((state.fin_seqs, state.fin_scores)))
-        indices, found = [], []
-        for r, j in enumerate(chunk):
-            if done[r]:
-                hyps = hypotheses(tokens[r], scores[r])
-                self.results[self.nonempty[j]] = hyps
-                indices.append(self.nonempty[j])
-                found.append(hyps)
-        carried = np.flatnonzero(~done[: len(chunk)])
-        if self.progress is not None and indices:
-            self.progress(indices, found)
-        if not carried.size:
-            return None
-        kept = take_sources(fetch(state), carried)
-        if int(step) < room:  # stopped at `keep`: the rest go on at once, in fewer rows
-            fewer = _round_rows(carried.size, rows, self.multiple, self.min_rows)
-            return self.launch(chunk[carried], join_sources([kept], width, fewer), width, room)
-        self.pools.setdefault((width, room), []).append((chunk[carried], kept))
-        return None
-
-    def drain(self, jobs: Iterator[Callable[[], _Job]]) -> None:
-        """Run jobs with one more queued behind the one read back, so the device never
-        waits for the host; a job's continuation goes to the back of the queue."""
-        queue: collections.deque[_Job] = collections.deque()
-        for launch in jobs:
-            queue.append(launch())
-            while len(queue) > 1:
-                more = self.finish(queue.popleft())
-                if more is not None:
-                    queue.append(more)
-        while queue:
-            more = self.finish(queue.popleft())
-            if more is not None:
-                queue.append(more)
-
-    def carried_batches(self, full_rows: Callable[[int], int]) -> Iterator[Callable[[], _Job]]:
-        """Launchers of the pooled sources' searches, earliest stage first, in batches of at
-        most full_rows(width) rows, with the next room."""
-        while self.pools:
-            width, room = min(self.pools, key=lambda key: (key[1], key[0]))
-            parts = self.pools.pop((width, room))
-            schedule = stage_rooms(width, self.max_len)
-            next_room = schedule[schedule.index(room) + 1]
-            chunks = np.concatenate([c for c, _ in parts])
-            state = parts[0][1] if len(parts) == 1 else None
-            limit = full_rows(width)
-            for lo in range(0, len(chunks), limit):
-                pick = np.arange(lo, min(lo + limit, len(chunks)))
-                rows = _round_rows(len(pick), limit, self.multiple, self.min_rows)
-                picked = _pick(parts, pick) if state is None else [take_sources(state, pick)]
-                joined = join_sources(picked, width, rows, next_room)
-                yield functools.partial(self.launch, chunks[pick], joined, width, next_room)
+    Empty sources are in no batch; the sources `skip` (indices into `sources`, e.g. those
+    a killed run's journal holds) leave their rows to filler: every batch keeps the
+    shape it has with them (`without_sources`).
+    """
+    check_lengths(sources, max_len)
+    if batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+    nonempty = [i for i, s in enumerate(sources) if len(s)]
+    plan = plan_translation(
+        [len(sources[i]) for i in nonempty],
+        batch_tokens=batch_tokens,
+        max_len=max_len,
+        rows_multiple=multiple,
+        min_rows=min_rows,
+    )
+    return without_sources(plan, nonempty, skip), nonempty
 
 
-def _round_rows(n: int, limit: int, multiple: int, min_rows: int = MIN_ROWS) -> int:
-    """Rows for n carried sources: a power of two >= n (at least `min_rows`), at most
-    `limit`, a multiple of `multiple`."""
-    rows = min(max(min_rows, 1 << (n - 1).bit_length()), max(limit, n))
-    return -(-rows // multiple) * multiple
-
-
-def without_sources(plan: list, nonempty: Sequence[int], skip: Collection[int]) -> list:
+def without_sources(plan: Plan, nonempty: Sequence[int], skip: Collection[int]) -> Plan:
     """The plan of the sources `nonempty` without the sources `skip` (both indices into
-    all sources): every batch keeps its shape, skipped rows are filler. A source's last
-    bits may depend on the width and rows of the batch it starts in, and a new shape is
-    a new program."""
+    all sources): every batch keeps its shape, skipped rows are filler, so a resumed
+    chunk runs the programs the uninterrupted one ran."""
     if not skip:
         return plan
     skipped = set(skip)
@@ -282,25 +177,17 @@ def without_sources(plan: list, nonempty: Sequence[int], skip: Collection[int]) 
     return [(c, w, r) for c, w, r in plan if c.size]
 
 
-def _pick(parts: list[tuple[np.ndarray, BeamState]], pick: np.ndarray) -> list[BeamState]:
-    """The states of positions `pick` of the concatenated parts."""
-    out, base = [], 0
-    for chunk, state in parts:
-        mine = pick[(pick >= base) & (pick < base + len(chunk))] - base
-        if mine.size:
-            out.append(take_sources(state, mine))
-        base += len(chunk)
-    return out
+def prepare_plan(search: Any, plan: Plan, max_len: int, sharding: Any = None) -> None:
+    """Start preparing the program of each shape of `plan` (a search with `prepare`, on
+    one device: a mesh's programs are compiled by their first call)."""
+    prepare = getattr(search, "prepare", None)
+    if prepare is None or sharding is not None:
+        return
+    for width, rows in dict.fromkeys((width, rows) for _, width, rows in plan):
+        prepare(rows, width, stage_rooms(width, max_len))
 
 
-def carries_over(platform: str | None = None) -> bool:
-    """Whether batches carry their unfinished sources over to smaller batches (the
-    default of `run_stages`'s `carry`): on a CPU, where a step's time grows with its
-    rows and a program compiles in a second or two; not on a GPU or TPU, where a
-    step costs about the same with half the rows and a program of base's size takes
-    ~10-15 s to compile (an H200's in-training evaluation of 500 sentences spent
-    most of 145 s compiling 10-20 staged programs)."""
-    return (platform or jax.default_backend()) == "cpu"
+# --- the loop -------------------------------------------------------------------------------
 
 
 def run_stages(
@@ -312,58 +199,51 @@ def run_stages(
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
     min_rows: int = MIN_ROWS,
-    carry: bool | None = None,
     skip: Collection[int] = (),
 ) -> list[list[Any]]:
     """Per source, in input order, its hypotheses (search.hypothesis.Hypothesis).
 
     sources: EOS-terminated id lists of at most max_len tokens; an empty one gets
-    no hypotheses without running the model. min_rows: the fewest rows of a batch
-    (data.plans.plan_translation): 1 for a dev set translated at every evaluation.
-    carry: carry unfinished sources over to batches of their own with more room (and
-    stop a batch early once half its sources are done); False: each batch runs its
-    whole search, every room, in one program (a search without `whole` always
-    carries). None: `carries_over()` for this platform. The results are the same.
-    skip: sources not to translate (they get no hypotheses), e.g. those a killed run's
-    journal holds; the batches keep the shapes they have with them (`without_sources`).
+    no hypotheses without running the model. min_rows: the rows of a width's small
+    batch (data.plans.plan_translation). skip: sources not to translate (they get no
+    hypotheses), e.g. those a killed run's journal holds; the batches keep the shapes
+    they have with them.
     """
-    check_lengths(sources, max_len)
-    if batch_tokens < 1:
-        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
-    if carry is None:
-        carry = carries_over()
-    nonempty = [i for i, s in enumerate(sources) if len(s)]
-    multiple = rows_multiple(sharding)
-    plan = plan_translation(
-        [len(sources[i]) for i in nonempty],
-        batch_tokens=batch_tokens,
+    plan, nonempty = plan_batches(
+        sources,
         max_len=max_len,
-        rows_multiple=multiple,
+        batch_tokens=batch_tokens,
+        multiple=rows_multiple(sharding),
         min_rows=min_rows,
+        skip=skip,
     )
-    stages = _Stages(search, sources, nonempty, max_len, progress, sharding, min_rows)
-    stages.batches = collections.Counter(width for _, width, _ in plan)
-    plan = without_sources(plan, nonempty, skip)
-    whole = None if carry else getattr(search, "whole", None)
-    prepare = getattr(search, "prepare", None)
-    if prepare is not None and sharding is None:  # every fresh batch's program, side by side
-        for width, rows in dict.fromkeys((width, rows) for _, width, rows in plan):
-            prepare(rows, width, stage_rooms(width, max_len) if whole is not None else None)
+    prepare_plan(search, plan, max_len, sharding)
+    results: list[list[Any]] = [[] for _ in sources]
 
-    def fresh(chunk: np.ndarray, width: int, rows: int) -> _Job:
-        src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)
-        rooms = stage_rooms(width, max_len)
-        if whole is not None:  # every room in one program: all finished at its end
-            out = whole(place(src, sharding), rooms)
-            timing.dispatched(out)
-            return out, chunk, width, rooms[-1], rows
-        room = rooms[0]
-        out = search.start(place(src, sharding), room, *stages.early(rows, width, room))
-        timing.dispatched(out)
-        return out, chunk, width, room, rows
+    def launch(chunk: np.ndarray, width: int, rows: int) -> tuple[Any, np.ndarray]:
+        src = place(batch_of(sources, [nonempty[j] for j in chunk], rows, width), sharding)
+        with timing.search_call() as call:
+            out = search.whole(src, stage_rooms(width, max_len))
+            call.dispatched(out)
+        return out, chunk
 
-    stages.drain(lambda c=c, w=w, r=r: fresh(c, w, r) for c, w, r in plan)
-    full_rows = lambda width: max(1 << (max(batch_tokens // width, 1).bit_length() - 1), min_rows)
-    while stages.pools:  # a search still running when the pools ran dry may fill one again
-        stages.drain(stages.carried_batches(full_rows))
-    return stages.results
+    def finish(job: tuple[Any, np.ndarray]) -> None:
+        out, chunk = job
+        with timing.phase("fetch"):
+            tokens, scores = fetch(out)  # [B, n, C], [B, n]
+        found = [hypotheses(tokens[r], scores[r]) for r in range(len(chunk))]
+        indices = [nonempty[j] for j in chunk]
+        for i, hyps in zip(indices, found, strict=True):
+            results[i] = hyps
+        if progress is not None:
+            progress(indices, found)
+
+    # One search queued behind the one read back, so the device never waits for the host.
+    queue: collections.deque = collections.deque()
+    for chunk, width, rows in plan:
+        queue.append(launch(chunk, width, rows))
+        if len(queue) > 1:
+            finish(queue.popleft())
+    while queue:
+        finish(queue.popleft())
+    return results

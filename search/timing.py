@@ -2,18 +2,20 @@
 
     timing.enable()                        # decode.py --stats=FILE does this first
     with timing.phase("tokenize"): ...     # host work, by name
-    timing.dispatched(out)                 # a search's outputs, just dispatched
+    with timing.search_call() as call:     # a search: from its launch ...
+        call.dispatched(out)               # ... until its outputs are ready
     breakdown = timing.breakdown(lines=1000, tokens=12345)   # a JSON-able dict
 
 Host phases are timed with the host's clock on the thread that runs them (they
-do not overlap one another). Compiling or loading programs is what JAX reports
-(`/jax/core/compile/...` events) plus search/programs.py's loading of kept
-executables. The device is timed without a profiler: a watcher thread waits
-for each dispatched search in turn and notes when it is ready; a search keeps
-the device busy from the later of its dispatch and the previous one's end until
-its own end (one device stream runs them in order). The rest of the wall time
-after start-up is device idle: the host compiling, or preparing the next batch.
-Off (the default), every call here costs a flag test.
+do not overlap one another). Programs: JAX's compile events (tracing, lowering,
+compiling or reading XLA's cache) and search/programs.py's loading of kept
+executables, on whatever thread runs them, and the main thread's waits for a
+program another thread prepares. The device is timed without a profiler: a search
+keeps the device busy from its launch (the later of the call, once its program is
+there, and the previous search's end: one device stream runs them in order) until
+a watcher thread sees its outputs ready. The rest of the wall time after start-up
+is device idle: the host compiling, or preparing the next batch. Off (the default),
+every call here costs a flag test.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from typing import Any
 _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
+    "/jax/core/compile/backend_compile_duration",  # an XLA compile, or a read of its cache
 )
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 class _State:
@@ -42,13 +45,14 @@ class _State:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.marks: dict[str, float] = {}
         self.counts: dict[str, int] = collections.defaultdict(int)
-        self.busy = 0.0  # device seconds
-        self.intervals: list[tuple[float, float]] = []  # device busy or compiling
-        self.searches = 0
+        self.device: list[tuple[float, float]] = []  # searches on the device
+        self.programs: list[tuple[float, float]] = []  # compiling or loading, any thread
+        self.waits: list[tuple[float, float]] = []  # the main thread waiting for programs
         self.last_end = 0.0
         self.queue: queue.Queue[tuple[float, Any] | None] = queue.Queue()
         self.watcher: threading.Thread | None = None
         self.listening = False
+        self.local = threading.local()  # the search call under way on this thread
 
 
 _state = _State()
@@ -68,21 +72,35 @@ def enable(origin: float | None = None) -> None:
     if not _state.listening:
         import jax.monitoring
 
-        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+        jax.monitoring.register_event_listener(_on_event)
         _state.listening = True
     _state.watcher = threading.Thread(target=_watch, name="device-timing", daemon=True)
     _state.watcher.start()
 
 
-def _on_event(event: str, seconds: float, **_: Any) -> None:
+def _on_main() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _on_duration(event: str, seconds: float, **_: Any) -> None:
     if _state.on and event in _COMPILE_EVENTS:
-        _state.seconds["programs"] += seconds
-        if threading.current_thread() is threading.main_thread():
-            _state.seconds["programs_main"] += seconds
-        if event == _COMPILE_EVENTS[-1]:
-            _state.counts["compiled_or_cached"] += 1
         now = time.perf_counter()
-        _state.intervals.append((now - seconds, now))
+        _program_time((now - seconds, now))
+        if event == _COMPILE_EVENTS[-1]:
+            _state.counts["xla_compiles_or_cache_reads"] += 1
+
+
+def _on_event(event: str, **_: Any) -> None:
+    if _state.on and event == _CACHE_HIT:
+        _state.counts["xla_cache_reads"] += 1
+
+
+def _program_time(interval: tuple[float, float]) -> None:
+    _state.seconds["programs"] += interval[1] - interval[0]
+    _state.programs.append(interval)
+    if _on_main():
+        _state.waits.append(interval)
 
 
 def mark(name: str) -> None:
@@ -93,7 +111,8 @@ def mark(name: str) -> None:
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Add the time spent in the block to `name`."""
+    """Add the time spent in the block to `name` ("programs": loading a kept program;
+    "programs_wait": waiting for one that another thread prepares)."""
     if not _state.on:
         yield
         return
@@ -102,11 +121,13 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         end = time.perf_counter()
-        _state.seconds[name] += end - t0
         if name == "programs":
-            _state.intervals.append((t0, end))
-            if threading.current_thread() is threading.main_thread():
-                _state.seconds["programs_main"] += end - t0
+            _program_time((t0, end))
+        elif name == "programs_wait":
+            _state.seconds[name] += end - t0
+            _state.waits.append((t0, end))
+        else:
+            _state.seconds[name] += end - t0
 
 
 def count(name: str, n: int = 1) -> None:
@@ -119,10 +140,35 @@ def counted(name: str) -> int:
     return _state.counts.get(name, 0)
 
 
-def dispatched(outputs: Any) -> None:
-    """A search whose `outputs` (device arrays) were just dispatched: time it on the device."""
-    if _state.on:
-        _state.queue.put((time.perf_counter(), outputs))
+class _Call:
+    """A search under way: launched at `start` (moved on by `running`), then dispatched."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def dispatched(self, outputs: Any) -> None:
+        """The search's `outputs` (device arrays), just returned: time it on the device."""
+        if _state.on:
+            _state.queue.put((self.start, outputs))
+
+
+@contextlib.contextmanager
+def search_call() -> Iterator[_Call]:
+    """A search call: the device is busy from its launch until its outputs are ready."""
+    call = _Call()
+    _state.local.call = call
+    try:
+        yield call
+    finally:
+        _state.local.call = None
+
+
+def running() -> None:
+    """The search call under way on this thread has its program and runs it now (what it
+    did before, compiling or waiting for its program, was not device time)."""
+    call = getattr(_state.local, "call", None)
+    if _state.on and call is not None:
+        call.start = time.perf_counter()
 
 
 def _watch() -> None:
@@ -133,11 +179,10 @@ def _watch() -> None:
         with contextlib.suppress(Exception):  # deleted: the search was read back already
             jax.block_until_ready(outputs)
         end = time.perf_counter()
-        begin = max(start, _state.last_end)
-        _state.busy += max(0.0, end - begin)
-        _state.intervals.append((begin, end))
+        begin = min(max(start, _state.last_end), end)
+        _state.device.append((begin, end))
         _state.last_end = end
-        _state.searches += 1
+        _state.counts["searches"] += 1
         _state.queue.task_done()
 
 
@@ -145,49 +190,60 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
     """Seconds by part since the process started, and rates (call at the end of a job).
 
     startup_s: until the first chunk was read (imports, restore, the output opened);
-    programs_s: compiling or loading programs (summed over the threads that compile
-    side by side, so it may exceed the wall time); device_busy_s / device_idle_s: after
-    start-up; host_bound_s: the device idle while no program was compiling (waiting
-    for the host); host phases by name (read, tokenize, search_host: planning, filling
-    and placing batches; fetch: waiting for results; detokenize, format, write);
-    target_tokens_per_s: tokens over the wall time after start-up.
+    work_s: the rest of the wall time. Programs: programs_s, compiling or loading them
+    summed over the threads that do it side by side (it may exceed the wall time);
+    programs_wall_s, the part of work_s during which any was; programs_critical_s,
+    the part the main thread spent on them, compiling or waiting (the compile time on
+    the critical path). device_busy_s + device_idle_s = work_s; host_bound_s: the
+    device idle while no program was compiling or loading (waiting for the host), and
+    host_share its share of work_s. Host phases by name (read, tokenize, search_host:
+    planning, filling and placing batches; fetch: waiting for results; detokenize,
+    format, write). target_tokens_per_s: tokens over work_s;
+    target_tokens_per_s_after_programs: over work_s less programs_critical_s (None
+    when that leaves less than 1% of work_s).
     """
     if _state.watcher is not None:
         _state.queue.join()
-    wall = time.perf_counter() - _state.origin
-    startup = _state.marks.get("started", 0.0)
-    work = max(wall - startup, 1e-9)
+    now = time.perf_counter()
+    wall = now - _state.origin
+    startup = min(_state.marks.get("started", 0.0), wall)
+    after = _state.origin + startup
+    work = wall - startup
     raw = dict(_state.seconds)
-    programs = raw.pop("programs", 0.0)  # summed over threads: compiles may run side by side
-    on_main = raw.pop("programs_main", 0.0)
-    # "search" holds the waits for results ("fetch"), for programs compiled ahead
-    # ("programs_wait") and the programs compiled in it
+    programs = raw.pop("programs", 0.0)
+    busy = _union(_state.device, after)
+    critical = _union(_state.waits, after)
+    # "search" holds the waits for results ("fetch") and for programs (`critical`)
     if "search" in raw:
-        waits = raw.get("fetch", 0.0) + raw.get("programs_wait", 0.0) + on_main
-        raw["search_host"] = max(0.0, raw.pop("search") - waits)
-    seconds = {k: round(v, 4) for k, v in sorted(raw.items())}
-    idle = max(0.0, work - _state.busy)
-    # compiling may overlap a search on the device (the next batch's program)
-    busy_or_compiling = _union(_state.intervals, _state.origin + startup)
+        raw["search_host"] = max(0.0, raw.pop("search") - raw.get("fetch", 0.0) - critical)
+    host_bound = max(0.0, work - _union(_state.device + _state.programs, after))
+    counts = dict(_state.counts)
+    searches = counts.pop("searches", 0)
+    compiles = counts.pop("xla_compiles_or_cache_reads", 0)
+    reads = counts.pop("xla_cache_reads", 0)
+    after_programs = work - critical
     return {
         "wall_s": round(wall, 3),
         "startup_s": round(startup, 3),
         "work_s": round(work, 3),
         "programs_s": round(programs, 3),
-        "device_busy_s": round(_state.busy, 3),
-        "device_idle_s": round(idle, 3),
-        # the device waiting for the host, neither busy nor waiting for a program
-        "host_bound_s": round(max(0.0, work - busy_or_compiling), 3),
-        "host_share_after_programs": round(
-            max(0.0, work - busy_or_compiling) / max(work - programs, 1e-9), 4
-        ),
-        "searches": _state.searches,
-        "programs": dict(_state.counts),
-        "phases_s": seconds,
+        "programs_wall_s": round(_union(_state.programs, after), 3),
+        "programs_critical_s": round(critical, 3),
+        "device_busy_s": round(busy, 3),
+        "device_idle_s": round(work - busy, 3),
+        "host_bound_s": round(host_bound, 3),
+        "host_share": round(host_bound / work, 4) if work > 0 else 0.0,
+        "searches": searches,
+        # XLA programs compiled, and read from XLA's cache; search programs loaded whole
+        # from search/programs.py's files, and written there
+        "programs": {"compiled": compiles - reads, "xla_cache": reads, **counts},
+        "phases_s": {k: round(v, 4) for k, v in sorted(raw.items())},
         "lines": lines,
         "target_tokens": tokens,
-        "target_tokens_per_s": round(tokens / work, 1),
-        "target_tokens_per_s_after_programs": round(tokens / max(work - programs, 1e-9), 1),
+        "target_tokens_per_s": round(tokens / work, 1) if work > 0 else None,
+        "target_tokens_per_s_after_programs": (
+            round(tokens / after_programs, 1) if after_programs > 0.01 * work else None
+        ),
     }
 
 
@@ -223,15 +279,25 @@ def report(path: str, lines: int, tokens: int, **facts: Any) -> dict[str, Any]:
 def table(b: dict[str, Any]) -> str:
     """The breakdown as a small table, one part a row, with its share of the wall time."""
     wall = max(b["wall_s"], 1e-9)
-    rows = [("start-up", b["startup_s"]), ("programs (all threads)", b["programs_s"])]
+    rows = [
+        ("start-up", b["startup_s"]),
+        ("programs, summed over threads", b["programs_s"]),
+        ("programs, wall", b["programs_wall_s"]),
+        ("programs, critical path", b["programs_critical_s"]),
+    ]
     rows += [(f"  host: {k}", v) for k, v in b["phases_s"].items()]
     rows += [("device busy", b["device_busy_s"]), ("device idle", b["device_idle_s"])]
     rows += [("  idle, waiting for the host", b["host_bound_s"])]
-    out = [f"{'part':<28} {'seconds':>9} {'share':>7}"]
-    out += [f"{name:<28} {v:>9.2f} {100 * v / wall:>6.1f}%" for name, v in rows]
-    out.append(f"{'wall':<28} {b['wall_s']:>9.2f}")
+    out = [f"{'part':<31} {'seconds':>9} {'share':>7}"]
+    out += [f"{name:<31} {v:>9.2f} {100 * v / wall:>6.1f}%" for name, v in rows]
+    out.append(f"{'wall':<31} {b['wall_s']:>9.2f}")
+    p = b["programs"]
+    out.append(
+        f"programs: {p['compiled']} compiled, {p['xla_cache']} from XLA's cache, "
+        f"{p.get('loaded', 0)} loaded whole; {b['searches']} searches"
+    )
     out.append(
         f"{b['lines']} lines, {b['target_tokens']} target tokens: "
-        f"{b['target_tokens_per_s']:.0f} tokens/s after start-up"
+        f"{b['target_tokens_per_s']} tokens/s after start-up"
     )
     return "\n".join(out)

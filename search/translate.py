@@ -9,10 +9,10 @@ dev-set evaluation during training:
 A `Translator` is what decode.py translates with: the live model of a workdir
 (`LiveTranslator`), an exported one (inference/export.py) or a CTranslate2
 model (inference/ct2.py). The JAX ones share one batch loop
-(search/stages.py): sources of any lengths in batches of a few static
-shapes (data/plans.py `plan_translation`), each searched in stages of growing
-room (model/beam.py; greedy search for beam 1), so a file of any size compiles
-a handful of search programs, not one per batch.
+(search/stages.py): sources of any lengths in batches of one static shape per
+width (data/plans.py `plan_translation`), each searched in one program that
+grows its room in stages (model/beam.py; greedy search for beam 1), so a job's
+programs depend on its settings and widths, never on its size.
 
 With a `sharding` of the rows (e.g. training's batch sharding over its mesh),
 each batch's rows are spread over the devices. Every process passes *all*
@@ -31,7 +31,6 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from data.plans import plan_translation
 from model import Transformer, beam
 from model.scoring import decode_shape
 from search import programs
@@ -40,12 +39,13 @@ from search.settings import SearchSettings
 from search.stages import (
     Progress,
     batch_of,
-    check_lengths,
     fetch,
     place,
+    plan_batches,
+    prepare_plan,
+    rows_multiple,
     run_stages,
     stage_rooms,
-    without_sources,
 )
 
 # A batch's whole search as one program: src [B, S] -> tokens [B, n_best, L], scores [B, n_best]
@@ -83,7 +83,7 @@ def vocab_limit(tokenizer_size: int, config: Any) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class LiveSearch:
-    """A model's search in stages (search.stages.Search)."""
+    """A model's search of one batch in one program (search.stages.Search)."""
 
     model: Transformer
     rule: beam.Rule
@@ -98,56 +98,26 @@ class LiveSearch:
     def beam_size(self) -> int:
         return self.rule.beam_size
 
-    @property
-    def program_key(self) -> tuple[int, beam.Rule]:
-        """Searches of the same model and rule run the same compiled programs."""
-        return id(self.model), self.rule
-
-    def start(
-        self, src: jax.Array, room: int, keep: int = 0, until: int = 0, more: tuple = ()
-    ) -> tuple[beam.BeamState, jax.Array]:
-        """model/beam.py `start` with this search's model, rule and alpha."""
+    def whole(self, src: jax.Array, rooms: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+        """model/beam.py `search` of src [B, S] through `rooms`: tokens [B, n, C] and
+        scores [B, n] (n = n_best), every source finished."""
         length, extra = decode_shape(self.model, src, None)
-        args = dict(alpha=self.alpha, rule=self.rule, length=length, extra=extra)
-        return beam.start(
+        return beam.search(
             self.model,
             src,
-            capacity=room,
-            keep=keep,
-            until=until,
-            more=more,
-            call=self.call,
-            **args,
-        )
-
-    def whole(self, src: jax.Array, rooms: list[int]) -> tuple[beam.BeamState, jax.Array]:
-        """The search through each of `rooms` in turn, in one program (every source done)."""
-        return self.start(src, rooms[0], more=tuple(rooms[1:]))
-
-    def prepare(self, rows: int, width: int, rooms: list[int] | None = None) -> None:
-        """Start compiling, in the background, the program that starts a batch of `rows`
-        sources of width `width`: with room for rooms[0] tokens (`start`), or with
-        `rooms`, through each of them (`whole`)."""
-        ahead = dataclasses.replace(self, call=programs.prepare)
-        src = jax.ShapeDtypeStruct((rows, width), np.int32)
-        if rooms is None:
-            ahead.start(src, stage_rooms(width, self.model.config.max_len)[0])
-        else:
-            ahead.whole(src, rooms)
-
-    def resume(
-        self, state: beam.BeamState, room: int, keep: int = 0, until: int = 0
-    ) -> tuple[beam.BeamState, jax.Array]:
-        return beam.resume(
-            self.model,
-            state,
             alpha=self.alpha,
             rule=self.rule,
-            capacity=room,
-            keep=keep,
-            until=until,
+            length=length,
+            extra=extra,
+            rooms=rooms,
             call=self.call,
         )
+
+    def prepare(self, rows: int, width: int, rooms: Sequence[int]) -> None:
+        """Start compiling or loading, in the background, the program of `whole` for a
+        batch of `rows` sources of width `width`."""
+        ahead = dataclasses.replace(self, call=programs.prepare)
+        ahead.whole(jax.ShapeDtypeStruct((rows, width), np.int32), rooms)
 
 
 def search_fn(
@@ -156,17 +126,12 @@ def search_fn(
     """One batch's whole search as one program: src [B, S] -> tokens [B, n_best, L],
     scores [B, n_best] (L = S + 50; what inference/export.py exports for plain JAX).
 
-    The same search as `LiveSearch`, its stages in one program (model/beam.py `search`).
+    The program `LiveSearch` runs for a batch of that width, its rooms included, so
+    its results are the same.
     """
-    rule, alpha, n_best = settings.rule(vocab_limit), settings.alpha, settings.n_best
-
-    def search(src: jax.Array) -> tuple[jax.Array, jax.Array]:
-        length, extra = decode_shape(model, src, None)
-        state = beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
-        tokens, scores = beam.results(state)  # [B, K, L], [B, K]
-        return tokens[:, :n_best], scores[:, :n_best]
-
-    return search
+    live = LiveSearch(model, settings.rule(vocab_limit), settings.alpha, beam.jit_call)
+    max_len = model.config.max_len
+    return lambda src: live.whole(src, stage_rooms(src.shape[1], max_len))
 
 
 # --- Many sources -----------------------------------------------------------------------
@@ -206,11 +171,10 @@ def translate_ids(
         LiveSearch(model, settings.rule(vocab_limit), settings.alpha),
         sources,
         max_len=model.config.max_len,
-        batch_tokens=settings.batch_tokens,
+        batch_tokens=settings.tokens_per_batch,
         sharding=sharding,
         progress=progress,
         min_rows=settings.min_rows,
-        carry=settings.carry,
         skip=skip,
     )
 
@@ -227,6 +191,22 @@ class LiveTranslator:
     @property
     def max_len(self) -> int:
         return self.model.config.max_len
+
+    def search(self) -> LiveSearch:
+        return LiveSearch(self.model, self.settings.rule(self.vocab_limit), self.settings.alpha)
+
+    def prepare(self, sources: Sequence[Sequence[int]], skip: Collection[int] = ()) -> None:
+        """Start compiling or loading, in the background, the programs `translate` of these
+        sources will run (e.g. as soon as a chunk is read, while another is translated)."""
+        plan, _ = plan_batches(
+            sources,
+            max_len=self.max_len,
+            batch_tokens=self.settings.tokens_per_batch,
+            multiple=rows_multiple(self.sharding),
+            min_rows=self.settings.min_rows,
+            skip=skip,
+        )
+        prepare_plan(self.search(), plan, self.max_len, self.sharding)
 
     def translate(
         self,
@@ -266,7 +246,7 @@ class PlanOnlyTranslator:
         return echo_batches(
             sources,
             max_len=self.max_len,
-            batch_tokens=self.settings.batch_tokens,
+            batch_tokens=self.settings.tokens_per_batch,
             progress=progress,
             skip=skip,
         )
@@ -283,12 +263,7 @@ def echo_batches(
     """`run_stages`'s batches (planned, filled, placed on the device, read back) with each
     source 'translated' into itself, score 0: everything but the search. The sources
     `skip` get no hypotheses and are not reported to `progress`, as in `run_stages`."""
-    check_lengths(sources, max_len)
-    nonempty = [i for i, s in enumerate(sources) if len(s)]
-    plan = plan_translation(
-        [len(sources[i]) for i in nonempty], batch_tokens=batch_tokens, max_len=max_len
-    )
-    plan = without_sources(plan, nonempty, skip)
+    plan, nonempty = plan_batches(sources, max_len=max_len, batch_tokens=batch_tokens, skip=skip)
     results: list[list[Hypothesis]] = [[] for _ in sources]
     for chunk, width, rows in plan:
         src = batch_of(sources, [nonempty[j] for j in chunk], rows, width)

@@ -25,10 +25,11 @@ def test_pace_reports_where_the_time_went_cold_and_warm(workdir, tmp_path, capsy
     for r in rows:
         assert r["benchmark"] == "decode.py" and r["decode_flags"] == ["--beam_size=2"]
         assert r["process_s"] > 0 and r["target_tokens_per_s"] > 0 and r["output_bytes"] > 0
-    # The warm run finds the programs the cold one compiled.
-    assert rows[1]["programs_s"] < rows[0]["programs_s"]
+    # The warm run finds the programs the cold one compiled, and compiles nothing.
+    assert rows[0]["programs"]["compiled"] > 0 and rows[1]["programs"]["compiled"] == 0
+    assert rows[1]["programs_critical_s"] < rows[0]["programs_critical_s"]
     header = [line.split() for line in out.splitlines() if line.split()[:1] == ["run"]]
-    assert header and header[0][-1] == "host_share_after_programs"  # then the table
+    assert header and header[0][-1] == "host_share"  # then the table
 
 
 def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_path, capsys):  # noqa: F811

@@ -1,16 +1,20 @@
 """Search programs kept on disk (search/programs.py): a loaded executable must search
 exactly as `jax.jit` does, a bad file must be compiled again, a program XLA cannot
-serialize must go through `jax.jit` later, and a directory that cannot be used must
-cost nothing but the speed-up."""
+serialize (or that XLA's cache handed back) must go through `jax.jit` later, JAX's
+own cache must stay on, and a directory that cannot be used must cost nothing but
+the speed-up."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from search import programs
 from search.settings import SearchSettings
@@ -28,11 +32,21 @@ def model():
 
 @pytest.fixture
 def kept(tmp_path, monkeypatch):
-    """programs.enable(tmp_path) for one test, with nothing loaded yet."""
+    """programs.enable(tmp_path) for one test, with nothing loaded yet, and an empty XLA
+    cache of the test's own (the tests' shared one may hold these programs already)."""
     monkeypatch.setattr(programs, "_loaded", {})
     monkeypatch.setattr(programs, "_directory", None)
+    before = jax.config.jax_compilation_cache_dir
+    least = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # as decode.py's
+    compilation_cache.reset_cache()
+    jax.clear_caches()  # nor in memory: an earlier test may have compiled the same programs
     yield programs.enable(str(tmp_path / "programs"))
     programs.enable(None)
+    jax.config.update("jax_compilation_cache_dir", before)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
+    compilation_cache.reset_cache()
 
 
 SOURCES = sources_of([3, 5, 9, 14, 2, 7, 11, 6], seed=4)  # widths 8 and 16
@@ -43,88 +57,121 @@ def search(model):
     return [[(h.tokens, h.score) for h in hs] for hs in hyps]
 
 
+def kept_files(directory):
+    return sorted(f for f in os.listdir(directory) if f.endswith(programs.SUFFIX))
+
+
 def test_kept_programs_search_as_jit_does(model, kept, monkeypatch):
+    got = search(model)  # compiled here (XLA's cache is empty) and written
+    files = kept_files(kept)
+    assert files and len(files) == len(os.listdir(kept))
     programs.enable(None)
-    # Plain jax.jit, compiled afresh: a program the tests' compilation cache handed back
-    # would leave XLA:CPU unable to serialize the same program compiled again in this
-    # process (decode.py never runs one program both ways: a single device's searches
-    # all go through the kept programs, a mesh's all through jax.jit).
-    with programs._jax_cache_off():
-        want = search(model)
+    assert search(model) == got  # plain jax.jit
     programs.enable(kept)
-    assert search(model) == want  # compiled here and written
-    files = os.listdir(kept)
-    assert files and all(f.endswith(programs.SUFFIX) for f in files)
 
     # As a new process would: nothing in memory, every program read from disk.
     monkeypatch.setattr(programs, "_loaded", {})
     compiled = []
     real_compile = programs._compile
     monkeypatch.setattr(programs, "_compile", lambda *a: compiled.append(a[0]) or real_compile(*a))
-    assert search(model) == want
+    assert search(model) == got
     assert compiled == []
-    assert sorted(os.listdir(kept)) == sorted(files)
+    assert kept_files(kept) == files
 
 
-@pytest.mark.slow  # 50-80 s each; test_kept_programs_search_as_jit_does is in make test
-@pytest.mark.parametrize("xla_cache", [False, True])
-def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path, xla_cache):
-    # With XLA's cache on (JAX decides once per process that it is used, at the first
-    # compile) and holding the programs (kept before under another key, e.g. before an
-    # edit of model/ that left them as they were), a program must still be compiled
-    # afresh to be kept: one XLA's cache hands back, serialized again, fails in the
-    # next process ("Function ... not found"; the code before this test did that).
+def test_a_program_from_xlas_cache_is_used_but_not_kept(model, kept, monkeypatch, tmp_path):
+    want = search(model)
+    # As in a new process whose XLA cache holds the programs but whose store does not
+    # (deleted, or keys of another model/): XLA's cache serves the compiles. (In this
+    # process its in-memory caches would serve them; test_a_new_process_... has the
+    # real thing.)
+    real_compile = jax.stages.Lowered.compile
+
+    def from_cache(self, *args, **kwargs):
+        jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+        return real_compile(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", from_cache)
+    other = str(tmp_path / "other")
+    monkeypatch.setattr(programs, "_loaded", {})
+    programs.enable(other)
+    assert search(model) == want
+    assert kept_files(other) == []  # not serializable again: not kept
+    monkeypatch.setattr(jax.stages.Lowered, "compile", real_compile)
+    monkeypatch.setattr(programs, "_loaded", {})
+    jax.clear_caches()
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla-2"))
+    compilation_cache.reset_cache()
+    assert search(model) == want  # compiled afresh: kept
+    assert kept_files(other) == kept_files(kept)
+
+
+def test_jaxs_cache_stays_on_while_programs_compile(model, kept, monkeypatch):
+    updates = []
+    real_update = jax.config.update
+    monkeypatch.setattr(
+        jax.config, "update", lambda name, value: updates.append(name) or real_update(name, value)
+    )
+    search(model)  # programs prepared in the background, then run
+    assert "jax_enable_compilation_cache" not in updates
+    assert jax.config.jax_enable_compilation_cache
+
+
+@pytest.mark.slow  # ~60 s
+def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path):
+    # Processes with XLA's cache on (as decode.py runs): a program compiled afresh is
+    # kept and loads in the next process; one XLA's cache hands back is not kept (kept,
+    # it would fail in the next process: "Function ... not found").
     script = textwrap.dedent(
         f"""
         import json, sys
         sys.path.insert(0, {ROOT!r})
+        import jax
+        from common import xla
+        xla.enable_compilation_cache(sys.argv[2])
+        jax.jit(lambda x: x * 2 + 1)(1.0)  # as decode.py compiles before its searches
         from search import programs
         from tests.test_programs import search
         from tests.test_decoding import make
         model = make(seed=3, vocab_size=40, max_len=96)
-        if sys.argv[2] == "xla":
-            import jax
-            from common import xla
-            xla.enable_compilation_cache(sys.argv[1] + "-xla")
-            jax.jit(lambda x: x * 2 + 1)(1.0)  # as decode.py compiles before its searches
         programs.enable(sys.argv[1])
-        compiled, hits = [], []  # programs compiled to be kept; XLA cache hits meanwhile
-        import jax.monitoring
-        jax.monitoring.register_event_listener(
-            lambda name, **kw: hits.append(1) if name.endswith("/cache_hits") else None
-        )
+        compiled = []  # programs compiled to be kept: fresh or not
         real = programs._compile
         def count(*a):
-            before = len(hits)
             out = real(*a)
-            compiled.append(len(hits) - before)
+            compiled.append(out[1])
             return out
         programs._compile = count
         out = search(model)
-        print(json.dumps({{"compiled": len(compiled), "xla_hits": sum(compiled), "out": out}}))
+        print(json.dumps({{"compiled": len(compiled), "fresh": sum(compiled), "out": out}}))
         """
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    how = "xla" if xla_cache else "-"
-    run = lambda: subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "programs"), how],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-    ).stdout.splitlines()[-1]
-    import json
+    store, xla_cache = tmp_path / "programs", tmp_path / "xla"
 
-    first = json.loads(run())
-    assert first["compiled"] > 0
-    if xla_cache:  # XLA's cache may hold the programs now: kept again, compiled afresh
-        shutil.rmtree(tmp_path / "programs")
-        again = json.loads(run())
-        assert again["compiled"] == first["compiled"] and again["xla_hits"] == 0
-        assert again["out"] == first["out"]
-    second = json.loads(run())
-    assert second["compiled"] == 0  # every program loaded from the files of the run before
-    assert second["out"] == first["out"]
+    def run():
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(store), str(xla_cache)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first = run()
+    assert first["compiled"] > 0 and first["fresh"] == first["compiled"]
+    files = kept_files(store)
+    second = run()
+    assert second["compiled"] == 0 and second["out"] == first["out"]  # every one loaded
+    shutil.rmtree(store)  # XLA's cache holds them: handed back, used, not kept
+    third = run()
+    assert third["compiled"] == first["compiled"] and third["fresh"] == 0
+    assert third["out"] == first["out"] and kept_files(store) == []
+    shutil.rmtree(xla_cache)  # compiled afresh: kept again
+    fourth = run()
+    assert fourth["fresh"] == first["compiled"] and kept_files(store) == files
+    assert run()["out"] == first["out"]
 
 
 def test_a_bad_file_is_compiled_again_and_replaced(model, kept, monkeypatch):
@@ -133,8 +180,14 @@ def test_a_bad_file_is_compiled_again_and_replaced(model, kept, monkeypatch):
         with open(os.path.join(kept, name), "wb") as f:
             f.write(b"not a program")  # e.g. torn by a full disk, or from another jaxlib
     monkeypatch.setattr(programs, "_loaded", {})
-    assert search(model) == want
+    assert search(model) == want  # compiled again (here, out of JAX's memory): not kept
+    assert kept_files(kept) == []  # the bad files are gone
+    jax.clear_caches()
+    jax.config.update("jax_compilation_cache_dir", kept + "-xla-2")
+    compilation_cache.reset_cache()
     monkeypatch.setattr(programs, "_loaded", {})
+    assert search(model) == want  # compiled afresh
+    assert kept_files(kept)
     for name in os.listdir(kept):  # replaced by loadable programs
         assert programs._load(os.path.join(kept, name)) is not None
 
@@ -145,6 +198,10 @@ def test_a_program_xla_cannot_serialize_goes_through_jit_later(model, kept, monk
     programs.enable(None)
     want = search(model)
     programs.enable(kept)
+    # Nothing in memory or in XLA's cache, so that the programs are compiled afresh.
+    jax.clear_caches()
+    jax.config.update("jax_compilation_cache_dir", kept + "-xla-2")
+    compilation_cache.reset_cache()
 
     def refuse(compiled):  # what XLA:CPU says of some small sorts
         raise RuntimeError("UNIMPLEMENTED: `LessThan` is not serializable.")

@@ -231,7 +231,7 @@ def test_meter_draws_a_bar_on_a_terminal():
 
 
 def test_chunk_lines_grow_with_the_batch_budget():
-    assert DecodeOptions(workdir="w").chunk_lines == 10_240  # 2.5 x 4096
+    assert DecodeOptions(workdir="w").chunk_lines == 10_000  # the least (CPU: 2.5 x 512)
     assert DecodeOptions(workdir="w", batch_tokens=1024).chunk_lines == 10_000
     assert DecodeOptions(workdir="w", batch_tokens=32768).chunk_lines == 81_920
     assert DecodeOptions(workdir="w", read_lines=3).chunk_lines == 3

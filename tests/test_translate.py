@@ -50,18 +50,35 @@ def test_plan_translation_rows_divide_over_the_batch_devices():
         assert sorted(np.concatenate([i for i, _, _ in batches]).tolist()) == list(range(500))
 
 
-def test_min_rows_pads_a_few_sources_only_to_a_power_of_two():
-    # 1 source, 3 of one width, 5 of another: rows 1, 4 and 8, not 8 each; the
-    # devices' multiple still applies.
-    lengths = [40] + [10] * 3 + [3] * 5
-    for multiple, want in ((1, [1, 4, 8]), (2, [2, 4, 8]), (8, [8, 8, 8])):
-        batches = plan_translation(
-            lengths, batch_tokens=4096, max_len=64, rows_multiple=multiple, min_rows=1
-        )
-        assert [rows for _, _, rows in batches] == want
-        assert [len(idx) for idx, _, _ in batches] == [1, 3, 5]
-    default = plan_translation(lengths, batch_tokens=4096, max_len=64)
-    assert [rows for _, _, rows in default] == [8, 8, 8]
+def test_every_batch_of_a_width_is_full_however_the_sources_are_cut():
+    lengths = np.random.default_rng(5).integers(1, 64, size=900)
+    for multiple in (1, 2, 8):
+        full = lambda w: max(1 << (1024 // w).bit_length() - 1, multiple)  # noqa: B023
+        for cut in (900, 333, 50, 9):
+            for lo in range(0, len(lengths), cut):
+                part = lengths[lo : lo + cut]
+                batches = plan_translation(
+                    part, batch_tokens=1024, max_len=64, rows_multiple=multiple
+                )
+                for idx, width, rows in batches:
+                    assert rows == full(width) and 0 < len(idx) <= rows, (cut, width, rows)
+                seen = sorted(np.concatenate([i for i, _, _ in batches]).tolist())
+                assert seen == list(range(len(part)))
+
+
+def test_a_small_input_runs_small_batches():
+    for lengths, multiple, rows in (
+        ([40], 1, 8),
+        ([40, 3, 9], 1, 8),
+        ([40], 3, 9),
+        ([5] * 8, 1, 8),
+    ):
+        plan = plan_translation(lengths, batch_tokens=4096, max_len=64, rows_multiple=multiple)
+        assert {r for _, _, r in plan} == {rows}
+    plan = plan_translation([40], batch_tokens=4096, max_len=64, min_rows=1)
+    assert [(len(i), w, r) for i, w, r in plan] == [(1, 64, 1)]
+    plan = plan_translation([5] * 9, batch_tokens=4096, max_len=64)  # not small: full
+    assert [(len(i), w, r) for i, w, r in plan] == [(9, 8, 512)]
 
 
 @pytest.mark.slow  # ~20 s; test_stages covers min_rows 1 and 8 in make test

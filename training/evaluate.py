@@ -50,7 +50,6 @@ def translate_corpus(
     sources: Sequence[str],
     *,
     max_length: int,
-    batch_tokens: int,
     beam_size: int,
     alpha: float,
     mesh: Mesh,
@@ -61,17 +60,16 @@ def translate_corpus(
     batches over the mesh (and processes) and returns every translation everywhere.
     """
     ids = [[*x[: max_length - 1], EOS_ID] for x in tokenizer.encode_batch(list(sources))]
-    # Beam search holds K hypotheses per source: keep the batch's tokens near batch_tokens.
-    budget = max(batch_tokens // beam_size, 256)
-    # The same sources at every evaluation, so the same few shapes: a bucket's last
-    # batch needs no filler rows beyond a power of two (one source: one row).
-    settings = SearchSettings(beam_size=beam_size, alpha=alpha, batch_tokens=budget, min_rows=1)
+    # decode.py's batches (the platform's batch_tokens): the same programs, compiled once
+    # into the same caches. On one device they go through search/programs.py (kept on
+    # disk, prepared side by side); over a mesh, through jax.jit.
+    settings = SearchSettings(beam_size=beam_size, alpha=alpha)
     hyps = translate_ids(
         model,
         ids,
         settings,
         vocab_limit=vocab_limit(tokenizer.vocab_size, model.config),
-        sharding=batch_sharding(mesh),
+        sharding=batch_sharding(mesh) if mesh.size > 1 else None,
     )
     return [tokenizer.decode(h[0].tokens) if h else "" for h in hyps]
 
@@ -105,7 +103,6 @@ def evaluate(
         tokenizer,
         [src for src, _ in pairs],
         max_length=config.max_length,
-        batch_tokens=config.batch_tokens,
         beam_size=config.eval_beam_size,
         alpha=config.eval_alpha,
         mesh=mesh,

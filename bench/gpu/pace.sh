@@ -10,14 +10,18 @@
 #      8192-token batches (the device-only step rate)
 #   3. train.py on Ding, base, packed 8192-token batches, for the seconds given
 #      (stopped by SIGTERM, which checkpoints): steps/s and the host's ms per step by
-#      part (metrics.jsonl host_*_ms)
+#      part (metrics.jsonl host_*_ms), and an evaluation of 500 dev sentences every
+#      EVAL_EVERY steps (metrics.jsonl eval_seconds: the first compiles the search's
+#      programs, the later ones must not)
 #   4. decode.py end to end on 100,000 lines (Ding's training sources, cycled) with
 #      that model, beam 4: an empty compilation cache, then the one it filled
 #      (bench/decode_file.py: start-up, programs, host phases, device busy/idle)
 # Everything goes to the output dir: logs, *.jsonl, the train metrics. A rehearsal on
-# a CPU: NO_WHEELS=1 PY=.venv/bin/python CONFIG=tiny LINES=2000 BATCHES=8 bash bench/gpu/pace.sh DIR 40
+# a CPU: NO_WHEELS=1 PY=.venv/bin/python CONFIG=tiny LINES=2000 BATCHES=8 EVAL_EVERY=100 \
+#   bash bench/gpu/pace.sh DIR 60
 set -u
 PY=${PY:-python3} CONFIG=${CONFIG:-base} LINES=${LINES:-100000} BATCHES=${BATCHES:-128}
+EVAL_EVERY=${EVAL_EVERY:-1500}
 [[ $# -ge 1 ]] || { sed -n 2,2p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 out=$1; secs=${2:-100}; mkdir -p "$out"
 t0=$(date +%s)
@@ -41,7 +45,8 @@ stamp "train step alone exit $?"
 
 timeout -s TERM "$secs" $PY train.py --config=configs/$CONFIG.py --workdir=/tmp/w-pace \
   --config.dataset=ding --config.packing=True --config.batch_tokens=8192 \
-  --config.eval_every_steps=0 --config.checkpoint_every_steps=100000 \
+  --config.eval_every_steps=$EVAL_EVERY --config.eval_max_examples=500 \
+  --config.checkpoint_every_steps=100000 \
   --config.checkpoint_every_minutes=0 >"$out/train.log" 2>&1
 stamp "train.py exit $?"
 cp /tmp/w-pace/metrics.jsonl "$out/train_metrics.jsonl"

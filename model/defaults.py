@@ -1,0 +1,19 @@
+"""The search's defaults, declared once: every flag, options object, config and export
+imports them from here (a plain module, no JAX: decode.py's flags read it before JAX
+loads).
+
+The paper (section 6.1) decodes with beam 4, length penalty alpha 0.6, and at most
+source length + 50 output tokens.
+"""
+
+DEFAULT_BEAM_SIZE = 4
+DEFAULT_ALPHA = 0.6
+EXTRA_DECODE_LEN = 50
+# How scores are normalized by length: "gnmt" (the default, as the paper's setup) or
+# "average" (CTranslate2's and OpenNMT's; model/scoring.py `length_penalty`).
+LENGTH_PENALTIES = ("gnmt", "average")
+DEFAULT_LENGTH_PENALTY = "gnmt"
+# When a source's beam search ends (model/beam.py `Rule`): "bound" (exact) or
+# "heuristic"; what decode.py's --stop offers.
+BEAM_STOPS = ("bound", "heuristic")
+DEFAULT_STOP = "bound"
