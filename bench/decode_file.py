@@ -46,6 +46,17 @@ One JSON line per size ("benchmark": "decode_resume"), then a table.
     python bench/decode_file.py --measure=resume --workdir=workdir/tiny --split=train \
         --lines=5000,12000
 
+--measure=programs: what jobs of the same size add to one compilation cache. Job 1
+translates --lines lines of a split with decode.py's default chunks into an empty cache;
+each later job the next --lines lines, in chunks of one of --read_lines. Per job: the
+files in the cache and how many it added, the programs XLA compiled and those loaded
+whole (--stats). A job's programs are fixed by its settings and source widths: a later
+job of the same kind of lines adds none. One JSON line per job ("benchmark":
+"decode_programs"), then a table.
+
+    python bench/decode_file.py --measure=programs --workdir=workdir/tiny --lines=8000 \
+        --read_lines=1000
+
 The "benchmark" names are those of the scripts these measures came from (decode_stream.py,
 decode_resume.py), so that new results line up with the old ones in bench/results/.
 """
@@ -69,7 +80,7 @@ sys.path.insert(0, ROOT)
 
 from bench import common  # noqa: E402
 
-MEASURES = ("pace", "memory", "resume")
+MEASURES = ("pace", "memory", "resume", "programs")
 
 
 # --- inputs -----------------------------------------------------------------------------------
@@ -371,6 +382,58 @@ def resume(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
     common.table(rows, [*cols, "identical_output"])
 
 
+# --- programs: what each job adds to the compilation cache -----------------------------------
+
+
+def programs_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--split", default="train", choices=["train", "dev", "test"])
+    p.add_argument("--lines", type=int, default=8000, help="lines per job")
+    p.add_argument("--read_lines", default="1000", help="the later jobs' chunks, one job each")
+    p.add_argument("--scratch", default=None, help="where inputs, outputs, the cache go")
+
+
+def programs(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
+    """Jobs over other lines in other chunks, one cache: the files each adds, a table."""
+    scratch = args.scratch or tempfile.mkdtemp(prefix="decode-programs-")
+    os.makedirs(scratch, exist_ok=True)
+    cache = os.path.join(scratch, "cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    sources = split_sources(args.workdir, args.split)
+    chunks = [None, *(int(r) for r in args.read_lines.split(","))]
+    files = lambda: sum(len(f) for _, _, f in os.walk(cache))
+    rows = []
+    for job, read_lines in enumerate(chunks):
+        source, stats = os.path.join(scratch, "in.txt"), os.path.join(scratch, "stats.json")
+        lines = sources[job * args.lines :][: args.lines]
+        write_input(source, lines, args.lines)
+        before = files() if os.path.isdir(cache) else 0
+        flags = [f"--workdir={args.workdir}", f"--input={source}", f"--stats={stats}"]
+        flags += [f"--output={os.path.join(scratch, 'out.txt')}", f"--compilation_cache={cache}"]
+        flags += ["--restart", *([f"--read_lines={read_lines}"] if read_lines else []), *extra]
+        process_s = common.run_decode(flags)["wall_s"]
+        with open(stats) as f:
+            b = json.load(f)
+        row = {
+            "benchmark": "decode_programs",
+            "job": job + 1,
+            "lines": args.lines,
+            "first_line": job * args.lines,
+            "read_lines": read_lines or "default",
+            "cache_files": files(),
+            "added_files": files() - before,
+            "compiled": b["programs"]["compiled"],
+            "loaded": b["programs"].get("loaded", 0),
+            "process_s": round(process_s, 2),
+            "target_tokens_per_s": b["target_tokens_per_s"],
+            "decode_flags": extra,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    cols = ["job", "first_line", "read_lines", "cache_files", "added_files", "compiled"]
+    common.table(rows, [*cols, "loaded", "process_s", "target_tokens_per_s"])
+
+
 # --- the command line -------------------------------------------------------------------------
 
 
@@ -383,6 +446,7 @@ def main(argv: list[str] | None = None) -> None:
         "pace": (pace_flags, pace),
         "memory": (memory_flags, memory),
         "resume": (resume_flags, resume),
+        "programs": (programs_flags, programs),
     }[measure]
     p = argparse.ArgumentParser(description=run.__doc__.splitlines()[0], parents=[choose])
     add_flags(p)

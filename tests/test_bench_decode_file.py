@@ -43,3 +43,15 @@ def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_p
     assert at * 800 <= row["killed_at_lines"] < 800
     assert row["identical_output"] is True
     assert row["rerun_share"] > 0 and row["rerun_s"] > 0 and row["whole_s"] > 0
+
+
+def test_later_jobs_in_other_chunks_add_no_program(workdir, tmp_path, capsys):  # noqa: F811
+    decode_file.main(
+        ["--measure=programs", f"--workdir={workdir}", "--lines=150", "--read_lines=20",
+         f"--scratch={tmp_path}", "--", "--beam_size=2"]
+    )  # fmt: skip
+    first, second = _json_lines(capsys.readouterr().out)
+    assert first["benchmark"] == second["benchmark"] == "decode_programs"
+    assert first["cache_files"] == first["added_files"] > 0 and first["compiled"] > 0
+    assert second["first_line"] == 150 and second["read_lines"] == 20
+    assert second["added_files"] == 0 and second["compiled"] == 0 and second["loaded"] > 0
