@@ -19,6 +19,7 @@ from model.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
@@ -47,6 +48,11 @@ flags.DEFINE_enum(
     "When a source's beam search ends. bound: once no live beam can win, however long it "
     "grows (exact; the default). heuristic: once none would win if it ended at the next "
     "step (about half the steps; Hugging Face's default rule).",
+)  # fmt: skip
+flags.DEFINE_integer(
+    "min_length", DEFAULT_MIN_LENGTH,
+    "Fewest tokens before EOS: 1 = no empty translation of a non-empty line (as CTranslate2 "
+    "and fairseq); 0 = a translation may end at once.",
 )  # fmt: skip
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
@@ -148,7 +154,7 @@ _PROCESS = (
 )
 # Settings an exported translator fixes (a CTranslate2 model has defaults for them):
 # None in the options when not given here.
-_SEARCH = ("beam_size", "alpha", "n_best", "length_penalty", "stop")
+_SEARCH = ("beam_size", "alpha", "n_best", "length_penalty", "stop", "min_length")
 
 
 def job_flags() -> list[str]:

@@ -47,6 +47,7 @@ from inference.ct2_export import (
     FORMAT_VERSION,
     import_ctranslate2,
 )
+from model.defaults import DEFAULT_MIN_LENGTH
 from model.tokens import EOS_ID
 from search.defaults import CT2_BATCH_TOKENS
 from search.hypothesis import Hypothesis
@@ -105,11 +106,13 @@ class CT2Translator:
         device: str = "cpu",
         threads: int = 0,
         batch_tokens: int | None = None,
+        min_length: int = DEFAULT_MIN_LENGTH,
     ) -> CT2Translator:
         """Open DIR (ValueError saying what is wrong; ImportError without ctranslate2).
 
         threads: CTranslate2's threads (0 = one per core this process may use); on a
           CPU each translates its own batch (`workers`); device: cpu or cuda.
+        min_length: the fewest tokens before EOS (CTranslate2's min_decoding_length).
         """
         ct2 = import_ctranslate2()
         decoding = read_settings(directory)
@@ -135,6 +138,7 @@ class CT2Translator:
             alpha=decoding["alpha"] if alpha is None else alpha,
             n_best=n_best,
             batch_tokens=CT2_BATCH_TOKENS[device] if batch_tokens is None else batch_tokens,
+            min_length=min_length,
         )
         return cls(directory, decoding, translator, settings)
 
@@ -187,6 +191,7 @@ class CT2Translator:
             length_penalty=s.alpha,
             num_hypotheses=s.n_best,
             max_decoding_length=most,
+            min_decoding_length=s.min_length,
             max_input_length=0,  # sources were cut to max_len already
             max_batch_size=s.tokens_per_batch,
             batch_type="tokens",

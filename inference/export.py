@@ -114,6 +114,7 @@ def export_translator(
         "alpha": settings.alpha,
         "length_penalty": settings.length_penalty,
         "stop": settings.stop,
+        "min_length": settings.min_length,
         "n_best": settings.n_best,
         "vocab_limit": vocab_limit,
         "max_len": max_len,
@@ -186,7 +187,8 @@ class ExportedTranslator:
             alpha=metadata["alpha"],
             n_best=metadata["n_best"],
             length_penalty=metadata["length_penalty"],
-            stop=metadata.get("stop", "bound"),  # exports before --stop: the exact rule
+            stop=metadata["stop"],
+            min_length=metadata["min_length"],
             batch_tokens=batch_tokens,
         )
         self._programs: dict[str, jax.export.Exported] = {}

@@ -20,6 +20,7 @@ from model.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
@@ -63,6 +64,7 @@ class DecodeOptions:
     export_platforms: tuple[str, ...] = ()  # backends to lower for (default: this one)
     length_penalty: str | None = None  # "gnmt" or "average"; None: gnmt, or the backend's
     stop: str | None = None  # "bound" (None) or "heuristic": when a beam search ends
+    min_length: int | None = None  # fewest tokens before EOS (None: 1, or the backend's)
     export_ct2: str | None = None  # write a CTranslate2 model into this directory
     quantization: str = "float32"  # its weight type
     ct2: str | None = None  # or translate with a CTranslate2 model directory
@@ -83,6 +85,11 @@ class DecodeOptions:
         return beam, alpha, 1 if self.n_best is None else self.n_best
 
     @property
+    def fewest_tokens(self) -> int:
+        """--min_length, or its default (model/defaults.py)."""
+        return DEFAULT_MIN_LENGTH if self.min_length is None else self.min_length
+
+    @property
     def settings(self) -> SearchSettings:
         """The search these options ask for, defaults filled in (once `check` passed)."""
         beam_size, alpha, n_best = self._search
@@ -94,6 +101,7 @@ class DecodeOptions:
             stop=self.stop or DEFAULT_STOP,
             steps_per_check=self.steps_per_check,
             batch_tokens=self.tokens_per_batch,
+            min_length=self.fewest_tokens,
         )
 
     @property
@@ -142,6 +150,8 @@ class DecodeOptions:
             raise UserError("--steps_per_check is for --workdir (an export fixes its own)")
         if not 1 <= n_best <= beam_size:
             raise UserError(f"--n_best must be in [1, --beam_size={beam_size}]")
+        if self.fewest_tokens < 0:
+            raise UserError(f"--min_length must be >= 0, got {self.min_length}")
         if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):
             raise UserError(
                 "--n_best > 1 needs --output_format=jsonl (text is the best translation)"

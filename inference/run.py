@@ -164,6 +164,7 @@ def describe_job(
         beam_size=t.beam_size, alpha=t.alpha, n_best=t.n_best, max_length=max_length,
         plot_attention=plots, read_lines=options.chunk_lines,
         batch_tokens=options.tokens_per_batch, length_penalty=t.length_penalty, stop=t.stop,
+        min_length=t.min_length,
     )  # fmt: skip
     model = loaded.identity or {"translator": loaded.description}
     return {"inputs": inputs, "model": model, "settings": settings, "jax": jax.__version__}

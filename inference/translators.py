@@ -80,7 +80,7 @@ def _open_exported(options: DecodeOptions) -> Loaded:
         tokenizer = load_tokenizer(options.exported)
     except (OSError, ValueError, UserError) as e:
         raise UserError(str(e)) from e
-    for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop"):
+    for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop", "min_length"):
         asked, exported = getattr(options, name), getattr(translator.settings, name)
         if asked is not None and asked != exported:
             raise UserError(
@@ -116,6 +116,7 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
             device=options.device or "cpu",
             threads=options.threads,
             batch_tokens=options.tokens_per_batch,
+            min_length=options.fewest_tokens,
         )
         tokenizer = load_tokenizer(options.ct2)
     except (ImportError, OSError, ValueError, UserError) as e:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.defaults import BEAM_STOPS, DEFAULT_LENGTH_PENALTY, DEFAULT_STOP
+from model.defaults import BEAM_STOPS, DEFAULT_LENGTH_PENALTY, DEFAULT_MIN_LENGTH, DEFAULT_STOP
 from model.scoring import (
     NEG_INF,
     normalized_score,
@@ -61,6 +61,7 @@ class Rule:
     steps_per_check: how many steps the search takes between tests of its stopping
       condition (`run`; `steps_per_check(platform)` picks one). The results are the
       same for every value: a finished source gains nothing from more steps.
+    min_length: EOS is banned at output positions below this (model/defaults.py).
     """
 
     beam_size: int
@@ -69,6 +70,7 @@ class Rule:
     penalty: str = DEFAULT_LENGTH_PENALTY
     vocab_limit: int | None = None
     steps_per_check: int = 1
+    min_length: int = DEFAULT_MIN_LENGTH
 
     def __post_init__(self) -> None:
         if self.n_best is None:
@@ -79,6 +81,8 @@ class Rule:
             raise ValueError(f"stop must be one of {STOPS}, got {self.stop!r}")
         if self.steps_per_check < 1:
             raise ValueError(f"steps_per_check must be >= 1, got {self.steps_per_check}")
+        if self.min_length < 0:
+            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
 
 
 # Steps between tests of a search's stopping condition, by platform. XLA:GPU runs a
@@ -175,7 +179,7 @@ def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> Beam
     v = logits.shape[-1]
     logp = jax.nn.log_softmax(logits).reshape(b, k, v)  # [B*K, V] -> [B, K, V]
     force_eos = jnp.broadcast_to((t >= s.limits - 1)[:, None], (b, k))  # [B] -> [B, K]
-    logp = restrict(logp, force_eos, rule.vocab_limit)
+    logp = restrict(logp, force_eos, rule.vocab_limit, t < rule.min_length)
     cand = (s.live_logp[:, :, None] + logp).reshape(b, k * v)  # [B, K, V] -> [B, K*V]
     # 2K candidates: at most K of them end in EOS, so K stay alive.
     top_logp, top_idx = top_k(cand, 2 * k)  # [B, 2K]

@@ -45,6 +45,7 @@ from model.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     EXTRA_DECODE_LEN,
     LENGTH_PENALTIES,
@@ -65,6 +66,7 @@ __all__ = [
     "DEFAULT_ALPHA",
     "DEFAULT_BEAM_SIZE",
     "DEFAULT_LENGTH_PENALTY",
+    "DEFAULT_MIN_LENGTH",
     "EXTRA_DECODE_LEN",
     "LENGTH_PENALTIES",
     "beam_search",
@@ -89,10 +91,11 @@ class _GreedyState(NamedTuple):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "length", "extra", "top_k", "greedy", "vocab_limit")
+    jax.jit,
+    static_argnames=("graphdef", "length", "extra", "top_k", "greedy", "vocab_limit", "min_length"),
 )
 def _sample_loop(
-    graphdef, state, src, rng, temperature, *, length, extra, top_k, greedy, vocab_limit
+    graphdef, state, src, rng, temperature, *, length, extra, top_k, greedy, vocab_limit, min_length
 ):
     """Greedy (argmax) or ancestral sampling: src [B, S] -> tokens [B, L], log P [B]."""
     model = nnx.merge(graphdef, state)
@@ -115,7 +118,7 @@ def _sample_loop(
         logits, cache = model.decode_step(s.last, s.cache)  # [B] -> [B, V]
         # Scored as beam search scores: log-softmax over the whole vocabulary.
         logp = jax.nn.log_softmax(logits)  # [B, V]
-        logits = restrict(logits, s.step >= limits - 1, vocab_limit)
+        logits = restrict(logits, s.step >= limits - 1, vocab_limit, s.step < min_length)
         if greedy:
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
             rng = s.rng
@@ -143,6 +146,7 @@ def greedy_search(
     *,
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
+    min_length: int = DEFAULT_MIN_LENGTH,
     return_logprob: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Argmax decoding with the KV cache.
@@ -153,11 +157,15 @@ def greedy_search(
       max_decode_len: output columns L; default S + 50 (capped at `config.max_len`)
         with a per-row limit of (source length + 50).
       vocab_limit: never emit ids >= this (None = the whole vocabulary).
+      min_length: EOS is banned at output positions below this (1: no empty output;
+        the length limit wins).
       return_logprob: also return each output's log-probability.
     Returns:
       [B, L] int32 tokens: no BOS, EOS-terminated, 0 after EOS; with
       `return_logprob`, also [B] float32 log P(tokens | src), EOS included.
     """
+    if min_length < 0:
+        raise ValueError(f"min_length must be >= 0, got {min_length}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     graphdef, state = nnx.split(model)
@@ -172,6 +180,7 @@ def greedy_search(
         top_k=0,
         greedy=True,
         vocab_limit=vocab_limit,
+        min_length=min_length,
     )
     return (tokens, logp) if return_logprob else tokens
 
@@ -185,12 +194,13 @@ def sample(
     top_k: int = 0,
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
+    min_length: int = DEFAULT_MIN_LENGTH,
 ) -> jax.Array:
     """Ancestral sampling from softmax(logits / temperature), optionally over the top_k tokens.
 
     Args:
       src: [B, S] int32; rng: a PRNG key; temperature > 0; top_k 0 = the whole vocabulary.
-      max_decode_len, vocab_limit: as for `greedy_search`.
+      max_decode_len, vocab_limit, min_length: as for `greedy_search`.
     Returns:
       [B, L] int32 tokens as `greedy_search`.
     """
@@ -198,6 +208,8 @@ def sample(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if top_k < 0 or top_k > model.config.vocab_size:
         raise ValueError(f"top_k must be in [0, vocab_size], got {top_k}")
+    if min_length < 0:
+        raise ValueError(f"min_length must be >= 0, got {min_length}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     graphdef, state = nnx.split(model)
@@ -212,6 +224,7 @@ def sample(
         top_k=top_k,
         greedy=False,
         vocab_limit=vocab_limit,
+        min_length=min_length,
     )
     return tokens
 
@@ -230,6 +243,7 @@ def beam_search(
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     stop: str = DEFAULT_STOP,
     steps_per_check: int | None = None,
+    min_length: int = DEFAULT_MIN_LENGTH,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's).
 
@@ -249,6 +263,7 @@ def beam_search(
         steps; model/beam.py `Rule`).
       steps_per_check: steps between tests of the stopping condition (the same
         results for any value); None = the platform's (model/beam.py `steps_per_check`).
+      min_length: EOS is banned at output positions below this (see `greedy_search`).
     Returns:
       tokens [B, K, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores
       [B, K] float32 = log P / lp(len) (gnmt: ((5 + len) / 6)^alpha, len counting
@@ -271,7 +286,12 @@ def beam_search(
     length, extra = decode_shape(model, src, max_decode_len)
     per = beam.steps_per_check() if steps_per_check is None else steps_per_check
     rule = beam.Rule(
-        beam_size, stop=stop, penalty=length_penalty, vocab_limit=vocab_limit, steps_per_check=per
+        beam_size,
+        stop=stop,
+        penalty=length_penalty,
+        vocab_limit=vocab_limit,
+        steps_per_check=per,
+        min_length=min_length,
     )
     return beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
 
@@ -287,13 +307,20 @@ def translate(
     length_penalty: str = DEFAULT_LENGTH_PENALTY,
     stop: str = DEFAULT_STOP,
     steps_per_check: int | None = None,
+    min_length: int = DEFAULT_MIN_LENGTH,
 ) -> jax.Array:
     """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy).
 
     Tokens exclude BOS, end with EOS and are 0 after it; `Tokenizer.decode` reads them.
     """
     if beam_size == 1:
-        return greedy_search(model, src, max_decode_len=max_decode_len, vocab_limit=vocab_limit)
+        return greedy_search(
+            model,
+            src,
+            max_decode_len=max_decode_len,
+            vocab_limit=vocab_limit,
+            min_length=min_length,
+        )
     tokens, _ = beam_search(
         model,
         src,
@@ -304,5 +331,6 @@ def translate(
         length_penalty=length_penalty,
         stop=stop,
         steps_per_check=steps_per_check,
+        min_length=min_length,
     )
     return tokens[:, 0]  # [B, K, L] -> [B, L]

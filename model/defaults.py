@@ -17,3 +17,7 @@ DEFAULT_LENGTH_PENALTY = "gnmt"
 # "heuristic"; what decode.py's --stop offers.
 BEAM_STOPS = ("bound", "heuristic")
 DEFAULT_STOP = "bound"
+# The fewest tokens before EOS (EOS is banned at output positions below it): 1 = no
+# empty translation of a non-empty source, as CTranslate2's min_decoding_length and
+# fairseq's min_len default to; 0 = EOS may come first.
+DEFAULT_MIN_LENGTH = 1

@@ -82,18 +82,27 @@ def row_limits(src: jax.Array, length: int, extra: int | None) -> jax.Array:
     return jnp.where(filler, 0, limits)
 
 
-def restrict(logp: jax.Array, force_eos: jax.Array, vocab_limit: int | None) -> jax.Array:
-    """logp [..., V] -> the same with PAD, BOS and ids >= vocab_limit banned and, where
-    force_eos [...], all but EOS.
+def restrict(
+    logp: jax.Array,
+    force_eos: jax.Array,
+    vocab_limit: int | None,
+    ban_eos: jax.Array | bool = False,
+) -> jax.Array:
+    """logp [..., V] -> the same with PAD, BOS and ids >= vocab_limit banned; where
+    force_eos [...], all but EOS; else, where ban_eos [...] (e.g. before the minimum
+    length), EOS.
 
     PAD and BOS never occur inside a target, and a PAD fed back would be masked
-    as padding by the full forward pass, so searches never emit them.
+    as padding by the full forward pass, so searches never emit them. The length
+    limit wins over the minimum length, so that every hypothesis ends.
     """
     ids = jnp.arange(logp.shape[-1])  # [V]
     banned = (ids == PAD_ID) | (ids == BOS_ID)
     if vocab_limit is not None:
         banned = banned | (ids >= vocab_limit)
-    banned = banned | (force_eos[..., None] & (ids != EOS_ID))  # [..., V]
+    force = force_eos[..., None]  # [..., 1]
+    ban = (jnp.asarray(ban_eos)[..., None] & ~force) & (ids == EOS_ID)  # [..., V]
+    banned = banned | (force & (ids != EOS_ID)) | ban
     return jnp.where(banned, NEG_INF, logp)
 
 

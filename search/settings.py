@@ -17,6 +17,7 @@ from model.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
 )
 from search.defaults import default_batch_tokens
@@ -34,8 +35,9 @@ class SearchSettings:
       for any value); None = the platform's (model/beam.py `steps_per_check`).
     batch_tokens: padded source tokens per batch (beam search holds K times as many);
       None = the platform's (search/defaults.py; `tokens_per_batch` resolves it).
-    min_rows: the rows of a width's small batch, for its last few sources (data/plans.py
-      `plan_translation`); every other batch is full.
+    min_rows: the rows of every batch of an input of at most this many sources
+      (data/plans.py `plan_translation`); every other batch is full.
+    min_length: the fewest tokens before EOS (1: no empty translation; model/defaults.py).
     """
 
     beam_size: int = DEFAULT_BEAM_SIZE
@@ -46,12 +48,15 @@ class SearchSettings:
     steps_per_check: int | None = None
     batch_tokens: int | None = None
     min_rows: int = MIN_ROWS
+    min_length: int = DEFAULT_MIN_LENGTH
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}]: {self.n_best}")
         if self.stop not in BEAM_STOPS:
             raise ValueError(f"stop must be one of {BEAM_STOPS}, got {self.stop!r}")
+        if self.min_length < 0:
+            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
 
     @property
     def tokens_per_batch(self) -> int:
@@ -65,7 +70,15 @@ class SearchSettings:
         scored the same way; never emitting ids >= vocab_limit."""
         per = beam.steps_per_check() if self.steps_per_check is None else self.steps_per_check
         stop = "first" if self.beam_size == 1 else self.stop
-        return beam.Rule(self.beam_size, self.n_best, stop, self.length_penalty, vocab_limit, per)
+        return beam.Rule(
+            self.beam_size,
+            self.n_best,
+            stop,
+            self.length_penalty,
+            vocab_limit,
+            per,
+            self.min_length,
+        )
 
     def replace(self, **changes) -> SearchSettings:
         return dataclasses.replace(self, **changes)

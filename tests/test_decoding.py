@@ -61,10 +61,14 @@ def full_logp(model, src_row, prefix, width=32):
     return logp
 
 
-def reference_greedy(model, src_row, limit):
+def reference_greedy(model, src_row, limit, min_length=1):
+    """Argmax over full forward passes; EOS banned at positions below min_length, forced
+    at the limit."""
     out = []
     for t in range(limit):
         logp = full_logp(model, src_row, out)
+        if t < min_length:
+            logp[EOS_ID] = -np.inf
         tok = EOS_ID if t == limit - 1 else int(np.argmax(logp))
         out.append(tok)
         if tok == EOS_ID:
@@ -79,16 +83,19 @@ PENALTIES = {
 }
 
 
-def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt", stop="bound"):
+def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt", stop="bound", min_length=1):
     """Textbook beam search over full forward passes (same stopping rule, no cache).
     stop="bound": no live beam can win however long it grows (lp of the limit);
-    "heuristic": none would win if it ended at the next step (lp of t + 2 tokens)."""
+    "heuristic": none would win if it ended at the next step (lp of t + 2 tokens).
+    EOS is banned at positions below min_length (but forced at the limit)."""
     lp = lambda n: PENALTIES[penalty](n, alpha)
     live, finished = [((), 0.0)], []
     for t in range(limit):
         cands = []
         for seq, score in live:
             logp = full_logp(model, src_row, list(seq))
+            if t < min_length:
+                logp[EOS_ID] = -np.inf
             toks = [EOS_ID] if t == limit - 1 else range(len(logp))
             cands += [((*seq, tok), score + logp[tok]) for tok in toks]
         cands.sort(key=lambda c: -c[1])
@@ -191,6 +198,39 @@ def test_two_steps_per_iteration_give_the_results_of_one(model, monkeypatch):
         for a, b in zip(one, two, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     jax.clear_caches()
+
+
+def eos_first_model() -> Transformer:
+    """A model whose (tied) EOS embedding is near every output: it wants to end at once."""
+    model = make(seed=1)
+    emb = model.src_embed.embedding
+    emb[...] = emb[...].at[EOS_ID].set(emb[...].mean(axis=0) * 40)
+    return model
+
+
+@pytest.mark.parametrize("min_length", [0, 1, 3])
+def test_min_length_bans_eos_before_it_as_the_reference(min_length):
+    model = eos_first_model()
+    src = ragged_src(3, [4, 6, 2])
+    greedy = decoding.greedy_search(model, src, max_decode_len=9, min_length=min_length)
+    tokens, _ = decoding.beam_search(
+        model, src, beam_size=2, max_decode_len=9, min_length=min_length
+    )
+    for b in range(3):
+        want = reference_greedy(model, src[b], 9, min_length)
+        assert as_list(greedy[b]) == want
+        assert len(want) > min_length  # tokens before EOS: at least min_length
+        ref = reference_beam(model, src[b], 2, 0.6, 9, min_length=min_length)
+        assert [as_list(tokens[b, i]) for i in range(2)] == [list(s) for s, _ in ref]
+    if min_length == 0:  # this model ends at once where it may
+        assert all(as_list(greedy[b]) == [EOS_ID] for b in range(3))
+
+
+def test_the_length_limit_wins_over_the_minimum_length(model):
+    src = ragged_src(2, [4, 3])
+    tokens = decoding.greedy_search(model, src, max_decode_len=2, min_length=5)
+    for b in range(2):
+        assert as_list(tokens[b])[-1] == EOS_ID and len(as_list(tokens[b])) <= 2
 
 
 def test_beam_scores_are_length_normalized_log_probs(model):

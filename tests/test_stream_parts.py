@@ -272,9 +272,14 @@ def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choice
 
     from inference import cli, options
     from inference.ct2_export import DEVICES, QUANTIZATIONS
-    from model.beam import BEAM_STOPS
-    from model.decoding import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, DEFAULT_LENGTH_PENALTY
-    from model.scoring import LENGTH_PENALTIES
+    from model.defaults import (
+        BEAM_STOPS,
+        DEFAULT_ALPHA,
+        DEFAULT_BEAM_SIZE,
+        DEFAULT_LENGTH_PENALTY,
+        DEFAULT_MIN_LENGTH,
+        LENGTH_PENALTIES,
+    )
 
     job = {name: flags.FLAGS[name] for name in cli.job_flags()}
     fields = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}
@@ -282,6 +287,7 @@ def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choice
     shown = {
         "beam_size": DEFAULT_BEAM_SIZE, "alpha": DEFAULT_ALPHA, "n_best": 1,
         "length_penalty": DEFAULT_LENGTH_PENALTY, "stop": BEAM_STOPS[0],
+        "min_length": DEFAULT_MIN_LENGTH,
     }  # fmt: skip
     assert sorted(shown) == sorted(cli._SEARCH)
     for name, flag in job.items():
