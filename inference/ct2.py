@@ -24,8 +24,8 @@ so that it decodes as ours does (decoding.json):
   suppressed ones taken out before the softmax), ours over all of them: scores
   differ by ~1e-4 on a trained model; beam search keeps 2K candidates per step and an
   EOS among the first K finishes a hypothesis, as ours. CTranslate2 stops a
-  source once K hypotheses have finished where ours goes on while a live beam
-  could still win, so a few beam-search results differ (docs/decoding.md).
+  source once K hypotheses have finished: our `--stop=count` (the default `bound`
+  goes on while a live beam could still win, so a few results differ).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class CT2Translator:
         self, directory: str, decoding: dict[str, Any], translator: Any, settings: SearchSettings
     ):
         self.directory, self.decoding, self._ct2 = directory, decoding, translator
-        self.settings = settings.replace(length_penalty="average", stop="heuristic")
+        self.settings = settings.replace(length_penalty="average", stop="count")
         # Batches CTranslate2 runs at once (one per worker thread on a CPU).
         self.workers = translator.num_translators
         self.max_len = decoding["max_len"]
@@ -189,7 +189,8 @@ class CT2Translator:
             pieces,
             beam_size=s.beam_size,
             length_penalty=s.alpha,
-            num_hypotheses=s.n_best,
+            # all K: those cut by the limit rank again once scored with EOS (`_at_limit`)
+            num_hypotheses=s.beam_size,
             max_decoding_length=most,
             min_decoding_length=s.min_length,
             max_input_length=0,  # sources were cut to max_len already
@@ -205,7 +206,8 @@ class CT2Translator:
     ) -> tuple[list[int], list[list[Hypothesis]]]:
         """Wait for a group's results: its rows and their hypotheses, best first."""
         hyps = [self._hypotheses(r.result()) for r in pending]
-        return rows, self._at_limit(hyps, pieces, most)
+        n = self.settings.n_best
+        return rows, [found[:n] for found in self._at_limit(hyps, pieces, most)]
 
     def _pieces(self, ids: Sequence[int]) -> list[str]:
         """A source's ids -> its pieces, without the EOS that CTranslate2 appends."""
@@ -226,7 +228,8 @@ class CT2Translator:
     ) -> list[list[Hypothesis]]:
         """Hypotheses of `most` tokens, cut by the length limit, scored as ours scores them:
         with the EOS that ours forces at the limit (its log-probability counts; CTranslate2
-        stops them without one). Each source's hypotheses re-sorted, best first."""
+        stops them without one), which may move them down below others that ended. Each
+        source's hypotheses re-sorted, best first."""
         cut = [(r, h) for r, found in enumerate(hyps) for h, x in enumerate(found)
                if len(x.tokens) >= most]  # fmt: skip
         if not cut:

@@ -200,10 +200,10 @@ class DecodeOptions:
             raise UserError(
                 f"--threads must be >= 0 (0 = CTranslate2's default), got {self.threads}"
             )
-        if self.ct2 and self.stop is not None:
+        if self.ct2 and self.stop not in (None, "count"):
             raise UserError(
-                "--stop is for the JAX decoder: CTranslate2 (--ct2) stops a source on its "
-                "own rule, short of the exact bound (like --stop=heuristic)"
+                f"--stop={self.stop} is for the JAX decoder: CTranslate2 (--ct2) stops a "
+                "source once K hypotheses have finished (--stop=count)"
             )
         if self.ct2 and self.length_penalty == "gnmt":
             raise UserError(

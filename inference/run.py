@@ -40,6 +40,7 @@ from inference.resume import (
 )
 from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
 from inference.translators import Loaded, dry_run, open_translator
+from model.defaults import DEFAULT_STOP
 from search import timing
 
 # Options that are not settings of a job's output: the files and the checkpoint
@@ -316,8 +317,7 @@ def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: i
         warn(f"{totals.long} line(s) over {max_length} tokens {how}")
     seconds = max(totals.seconds, 1e-9)
     search = loaded.translator.settings
-    # CTranslate2 (--ct2) stops on its own rule: only the JAX search's --stop is reported.
-    stop = ", heuristic stop" if search.stop == "heuristic" and not options.ct2 else ""
+    stop = f", {search.stop} stop" if search.stop != DEFAULT_STOP else ""
     print(
         f"decode.py: {totals.lines} lines ({totals.empty} empty) from {loaded.description}, "
         f"beam {search.beam_size}, alpha {search.alpha}{stop}: {seconds:.1f} s, "

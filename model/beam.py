@@ -42,8 +42,6 @@ from model.scoring import (
 from model.tokens import BOS_ID, EOS_ID, PAD_ID
 from model.transformer import DecodeCache, Transformer
 
-STOPS = (*BEAM_STOPS, "first")
-
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
@@ -55,7 +53,8 @@ class Rule:
     stop: "bound" (exact): once no live beam can reach the n_best-th finished score;
       "heuristic": once none would beat it if it ended at the next step (Hugging
       Face's default: 58% of the steps, 998 of the Ding test's 1,000 lines as with
-      "bound"); "first": at the first finished hypothesis (greedy, with K = 1).
+      "bound"); "count": once K hypotheses have finished, the first K to end
+      (CTranslate2's and OpenNMT's rule, patience 1; with K = 1, greedy search).
     penalty: the length penalty, "gnmt" or "average".
     vocab_limit: never emit ids >= this (None = the whole vocabulary).
     steps_per_check: how many steps the search takes between tests of its stopping
@@ -77,8 +76,8 @@ class Rule:
             object.__setattr__(self, "n_best", self.beam_size)
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"n_best must be in [1, {self.beam_size}], got {self.n_best}")
-        if self.stop not in STOPS:
-            raise ValueError(f"stop must be one of {STOPS}, got {self.stop!r}")
+        if self.stop not in BEAM_STOPS:
+            raise ValueError(f"stop must be one of {BEAM_STOPS}, got {self.stop!r}")
         if self.steps_per_check < 1:
             raise ValueError(f"steps_per_check must be >= 1, got {self.steps_per_check}")
         if self.min_length < 0:
@@ -159,8 +158,8 @@ def init(model: Transformer, src: jax.Array, limits: jax.Array, k: int, capacity
 
 def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     """[B] bool: sources whose n_best best hypotheses are final."""
-    if rule.stop == "first":
-        return jnp.isfinite(s.fin_scores[:, 0])
+    if rule.stop == "count":  # the K slots hold every hypothesis finished so far until full
+        return jnp.isfinite(s.fin_scores[:, -1])
     # alpha >= 0: a live beam's best is log P (only falls) / lp(limit); see Rule.stop.
     length = s.step + 1 if rule.stop == "heuristic" else s.limits
     best_live = normalized_score(jnp.max(s.live_logp, axis=1), length, alpha, rule.penalty)

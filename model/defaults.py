@@ -13,9 +13,9 @@ EXTRA_DECODE_LEN = 50
 # "average" (CTranslate2's and OpenNMT's; model/scoring.py `length_penalty`).
 LENGTH_PENALTIES = ("gnmt", "average")
 DEFAULT_LENGTH_PENALTY = "gnmt"
-# When a source's beam search ends (model/beam.py `Rule`): "bound" (exact) or
-# "heuristic"; what decode.py's --stop offers.
-BEAM_STOPS = ("bound", "heuristic")
+# When a source's beam search ends (model/beam.py `Rule`): "bound" (exact),
+# "heuristic" or "count" (CTranslate2's and OpenNMT's); what decode.py's --stop offers.
+BEAM_STOPS = ("bound", "heuristic", "count")
 DEFAULT_STOP = "bound"
 # The fewest tokens before EOS (EOS is banned at output positions below it): 1 = no
 # empty translation of a non-empty source, as CTranslate2's min_decoding_length and

@@ -69,7 +69,7 @@ class SearchSettings:
         ("heuristic"), or for beam_size 1 greedy search (the first hypothesis that ends),
         scored the same way; never emitting ids >= vocab_limit."""
         per = beam.steps_per_check() if self.steps_per_check is None else self.steps_per_check
-        stop = "first" if self.beam_size == 1 else self.stop
+        stop = "count" if self.beam_size == 1 else self.stop
         return beam.Rule(
             self.beam_size,
             self.n_best,

@@ -86,7 +86,8 @@ PENALTIES = {
 def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt", stop="bound", min_length=1):
     """Textbook beam search over full forward passes (same stopping rule, no cache).
     stop="bound": no live beam can win however long it grows (lp of the limit);
-    "heuristic": none would win if it ended at the next step (lp of t + 2 tokens).
+    "heuristic": none would win if it ended at the next step (lp of t + 2 tokens);
+    "count": K hypotheses have finished (CTranslate2's rule).
     EOS is banned at positions below min_length (but forced at the limit)."""
     lp = lambda n: PENALTIES[penalty](n, alpha)
     live, finished = [((), 0.0)], []
@@ -103,7 +104,7 @@ def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt", stop="bound"
         finished += [(s, lpv / lp(t + 1)) for s, lpv in cands[:k] if s[-1] == EOS_ID]
         finished = sorted(finished, key=lambda c: -c[1])[:k]
         live = [c for c in cands if c[0][-1] != EOS_ID][:k]
-        if not live:
+        if not live or (stop == "count" and len(finished) == k):
             break
         best_live = max(sc for _, sc in live) / lp(limit if stop == "bound" else t + 2)
         if len(finished) == k and finished[-1][1] >= best_live:
@@ -135,7 +136,7 @@ def large_searches(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("stop", ["bound", "heuristic"])
+@pytest.mark.parametrize("stop", ["bound", "heuristic", "count"])
 @pytest.mark.parametrize(("penalty", "alpha"), [("gnmt", 0.6), ("average", 1.0)])
 def test_beam_cached_equals_full_forward(model, penalty, alpha, stop):
     src = ragged_src(1, [4, 6])

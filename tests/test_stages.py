@@ -145,7 +145,7 @@ def test_first_rule_is_greedy_search_in_growing_rooms(model):
     src = ragged_src(5, [6, 2, 9, 4], vocab=40)
     greedy, logp = decoding.greedy_search(model, src, return_logprob=True)
     length = min(src.shape[1] + 50, 96)
-    rule = beam.Rule(1, stop="first")
+    rule = beam.Rule(1, stop="count")
     rooms = (16, 32, length)
     tokens, scores = beam.search(
         model, src, alpha=0.0, rule=rule, length=length, extra=50, rooms=rooms
@@ -162,7 +162,7 @@ def test_rooms_must_grow_to_the_length(model):
 
 
 def test_the_search_rule_is_greedy_for_beam_one():
-    assert SearchSettings(beam_size=1).rule().stop == "first"
+    assert SearchSettings(beam_size=1).rule().stop == "count"
     assert SearchSettings(beam_size=4, n_best=2).rule().n_best == 2
     with pytest.raises(ValueError, match="n_best must be in"):
         beam.Rule(2, n_best=3)
