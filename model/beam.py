@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model import constraints
+from model.constraints import Controls
 from model.defaults import BEAM_STOPS, DEFAULT_LENGTH_PENALTY, DEFAULT_MIN_LENGTH, DEFAULT_STOP
 from model.scoring import (
     NEG_INF,
@@ -110,6 +112,9 @@ class BeamState(NamedTuple):
     fin_scores: jax.Array  # [B, K] float32, log P / lp(length) (-inf = empty slot)
     limits: jax.Array  # [B] int32, the most tokens (EOS included) each source may produce
     cache: DecodeCache  # self-attention [B*K, N, C, H]; cross-attention per source
+    controls: Controls  # per source: its prefix [B, P] and phrases [B, Q, T] (constraints.py)
+    progress: jax.Array  # [B, K, Q] int32, tokens of each phrase each live beam has produced
+    fin_met: jax.Array  # [B, K, Q] bool, the phrases each finished hypothesis has met
 
 
 def top_k(x: jax.Array, k: int, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
@@ -141,9 +146,18 @@ def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)
 
 
-def init(model: Transformer, src: jax.Array, limits: jax.Array, k: int, capacity: int) -> BeamState:
+def init(
+    model: Transformer,
+    src: jax.Array,
+    limits: jax.Array,
+    k: int,
+    capacity: int,
+    controls: Controls | None = None,
+) -> BeamState:
     """src [B, S] encoded, K beams per source with room for `capacity` tokens."""
     b = src.shape[0]
+    controls = Controls.none(b) if controls is None else controls
+    q = controls.phrases.shape[1]
     return BeamState(
         step=jnp.zeros((), jnp.int32),
         live_seqs=jnp.zeros((b, k, capacity), jnp.int32),
@@ -153,6 +167,9 @@ def init(model: Transformer, src: jax.Array, limits: jax.Array, k: int, capacity
         fin_scores=jnp.full((b, k), NEG_INF, jnp.float32),
         limits=limits,
         cache=model.init_cache(src, capacity).repeat(k),  # self-attention [B*K, N, C, H]
+        controls=jax.tree.map(jnp.asarray, controls),
+        progress=jnp.zeros((b, k, q), jnp.int32),
+        fin_met=jnp.zeros((b, k, q), bool),
     )
 
 
@@ -166,11 +183,18 @@ def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     return s.fin_scores[:, rule.n_best - 1] >= best_live  # [B]
 
 
-def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
-    """Feed every live beam its last token and keep the best extensions: one position on."""
+def _extend(seqs: jax.Array, beam: jax.Array, token: jax.Array, t: jax.Array) -> jax.Array:
+    """seqs [B, K, C] -> [B, M, C]: beam [B, M]'s sequence with token [B, M] at column t."""
+    out = _gather_beams(seqs, beam)  # [B, K, C] -> [B, M, C]
+    return jax.lax.dynamic_update_slice_in_dim(out, token[:, :, None].astype(jnp.int32), t, 2)
+
+
+def _logp(model: Transformer, s: BeamState, rule: Rule) -> tuple[jax.Array, DecodeCache]:
+    """log P of every next token per live beam [B, K, V] (restricted as the rules say:
+    the limit, the minimum length, the prefix's tokens, EOS before every phrase is met),
+    and the decoder's cache one position on."""
     b, k, _ = s.live_seqs.shape
     t = s.step
-    stopped = done(s, alpha, rule)  # [B]: nothing is added to a done source's results
     # [B, K, C] -> [B, K]: the token each beam fed last (column t-1; BOS at t = 0).
     prev_col = jax.lax.dynamic_index_in_dim(s.live_seqs, jnp.maximum(t - 1, 0), 2, False)
     prev = jnp.where(t == 0, BOS_ID, prev_col).reshape(b * k)  # [B, K] -> [B*K]
@@ -178,37 +202,88 @@ def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> Beam
     v = logits.shape[-1]
     logp = jax.nn.log_softmax(logits).reshape(b, k, v)  # [B*K, V] -> [B, K, V]
     force_eos = jnp.broadcast_to((t >= s.limits - 1)[:, None], (b, k))  # [B] -> [B, K]
-    logp = restrict(logp, force_eos, rule.vocab_limit, t < rule.min_length)
+    prefix = s.controls.prefix  # [B, P]
+    plen = jnp.sum(prefix != 0, axis=1, dtype=jnp.int32)  # [B]
+    ban_eos = jnp.broadcast_to((t < plen + rule.min_length)[:, None], (b, k))  # [B, K]
+    if s.progress.shape[2]:  # EOS only once every phrase is met
+        ban_eos = ban_eos | jnp.any(s.progress < s.controls.lengths[:, None, :], axis=2)
+    logp = restrict(logp, force_eos, rule.vocab_limit, ban_eos)
+    if prefix.shape[1]:  # the prefix's token at no cost: the search ranks what follows it
+        forced = jax.lax.dynamic_index_in_dim(prefix, jnp.minimum(t, prefix.shape[1] - 1), 1)
+        pinned = jnp.where(jnp.arange(v) == forced, 0.0, NEG_INF)  # [B, V]
+        logp = jnp.where((t < plen)[:, None, None], pinned[:, None, :], logp)
+    return logp, cache
+
+
+def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
+    """Feed every live beam its last token and keep the best extensions: one position on."""
+    b, k, _ = s.live_seqs.shape
+    t = s.step
+    stopped = done(s, alpha, rule)  # [B]: nothing is added to a done source's results
+    logp, cache = _logp(model, s, rule)  # [B, K, V]
+    v = logp.shape[-1]
     cand = (s.live_logp[:, :, None] + logp).reshape(b, k * v)  # [B, K, V] -> [B, K*V]
     # 2K candidates: at most K of them end in EOS, so K stay alive.
     top_logp, top_idx = top_k(cand, 2 * k)  # [B, 2K]
     top_beam, top_tok = top_idx // v, top_idx % v  # [B, 2K]
-    top_seqs = _gather_beams(s.live_seqs, top_beam)  # [B, K, C] -> [B, 2K, C]
-    top_seqs = jax.lax.dynamic_update_slice_in_dim(
-        top_seqs, top_tok[:, :, None].astype(jnp.int32), t, axis=2
-    )  # [B, 2K, 1] written at column t of [B, 2K, C]
     is_eos = top_tok == EOS_ID  # [B, 2K]
 
-    # Live: the K best candidates that did not end.
-    live_logp, live_pos = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)  # [B, K]
+    # Live: the K best candidates that did not end; with phrases, by dynamic beam
+    # allocation over the model's candidates and each beam's next phrase tokens.
+    phrases, fail = s.controls.phrases[:, None], s.controls.fail[:, None]  # [B, 1, Q, T]
+    if s.progress.shape[2]:
+        more_logp, more_beam, more_tok = constraints.proposals(
+            s.live_logp, logp, s.progress, s.controls.phrases
+        )  # [B, K*Q]
+        seen = jnp.any((more_beam * v + more_tok)[:, :, None] == top_idx[:, None, :], -1)
+        cand_logp = jnp.concatenate(
+            [jnp.where(is_eos, NEG_INF, top_logp), jnp.where(seen, NEG_INF, more_logp)], 1
+        )
+        cand_beam = jnp.concatenate([top_beam, more_beam], 1)  # [B, M]
+        cand_tok = jnp.concatenate([top_tok, more_tok], 1)  # [B, M]
+        progress = constraints.advance(
+            _gather_beams(s.progress, cand_beam), cand_tok, phrases, fail
+        )  # [B, M, Q]
+        live_logp, pos = constraints.allocate(cand_logp, jnp.sum(progress, -1), k)  # [B, K]
+        progress = _gather_beams(progress, pos)  # [B, M, Q] -> [B, K, Q]
+    else:
+        cand_beam, cand_tok, progress = top_beam, top_tok, s.progress
+        live_logp, pos = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)  # [B, K]
     if rule.stop == "heuristic":  # lp(next length) grows: keep done sources done
         live_logp = jnp.where(stopped[:, None], NEG_INF, live_logp)
-    live_seqs = _gather_beams(top_seqs, live_pos)  # [B, 2K, C] -> [B, K, C]
-    origin = jnp.take_along_axis(top_beam, live_pos, axis=1)  # [B, K] previous beam
+    origin = jnp.take_along_axis(cand_beam, pos, axis=1)  # [B, K] previous beam
+    live_seqs = _extend(s.live_seqs, origin, jnp.take_along_axis(cand_tok, pos, 1), t)
     rows = (jnp.arange(b)[:, None] * k + origin).reshape(b * k)  # [B, K] -> [B*K]
     # Each live beam continues the self-attention cache of the beam it extends.
     cache = cache.reorder(rows)  # [B*K, N, C, H] per layer, rows gathered
 
     # Finished: an EOS candidate counts only if it ranks among the K best (as in
-    # fairseq). Merge the new ones with the K kept so far.
-    in_beam = jnp.arange(2 * k) < k  # [2K]
-    new_scores = normalized_score(top_logp, t + 1, alpha, rule.penalty)  # [B, 2K]
-    new_scores = jnp.where(is_eos & in_beam & ~stopped[:, None], new_scores, NEG_INF)
-    all_scores = jnp.concatenate([s.fin_scores, new_scores], axis=1)  # [B, 3K]
-    all_seqs = jnp.concatenate([s.fin_seqs, top_seqs], axis=1)  # [B, 3K, C]
-    fin_scores, fin_pos = jax.lax.top_k(all_scores, k)  # [B, K]
-    fin_seqs = _gather_beams(all_seqs, fin_pos)  # [B, 3K, C] -> [B, K, C]
-    return BeamState(t + 1, live_seqs, live_logp, fin_seqs, fin_scores, s.limits, cache)
+    # fairseq). Merge the new ones with the K kept so far; with phrases, those that
+    # met them all first (only the length limit ends one that has not).
+    new_scores = normalized_score(top_logp[:, :k], t + 1, alpha, rule.penalty)  # [B, K]
+    new_scores = jnp.where(is_eos[:, :k] & ~stopped[:, None], new_scores, NEG_INF)
+    new_met = _gather_beams(s.progress, top_beam[:, :k]) >= s.controls.lengths[:, None, :]
+    all_scores = jnp.concatenate([s.fin_scores, new_scores], axis=1)  # [B, 2K]
+    all_met = jnp.concatenate([s.fin_met, new_met], axis=1)  # [B, 2K, Q]
+    rank = jnp.where(jnp.all(all_met, axis=2), all_scores, all_scores - _UNMET)
+    _, fin_pos = jax.lax.top_k(rank, k)  # [B, K]
+    all_seqs = jnp.concatenate(
+        [s.fin_seqs, _extend(s.live_seqs, top_beam[:, :k], top_tok[:, :k], t)], 1
+    )
+    return s._replace(
+        step=t + 1,
+        live_seqs=live_seqs,
+        live_logp=live_logp,
+        fin_seqs=_gather_beams(all_seqs, fin_pos),  # [B, 2K, C] -> [B, K, C]
+        fin_scores=jnp.take_along_axis(all_scores, fin_pos, axis=1),
+        cache=cache,
+        progress=progress,
+        fin_met=_gather_beams(all_met, fin_pos),
+    )
+
+
+# How far below every hypothesis that met all its phrases one that did not ranks.
+_UNMET = 1e9
 
 
 def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
@@ -301,10 +376,12 @@ def search_state(
     rooms: Sequence[int],
     length: int,
     extra: int | None,
+    controls: Controls | None = None,
 ) -> BeamState:
     """The state of src [B, S]'s search once every source is finished, grown through
     `rooms` (pure; `search` runs it as one compiled program)."""
-    s = init(model, src, row_limits(src, length, extra), rule.beam_size, rooms[0])
+    limits = row_limits(src, length, extra)
+    s = init(model, src, limits, rule.beam_size, rooms[0], controls)
     s = run(model, s, alpha, rule)
     for room in rooms[1:]:  # a stage's loop ends at once if every source is finished
         s = run(model, grow(s, room), alpha, rule)
@@ -312,10 +389,12 @@ def search_state(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule", "rooms", "length", "extra"))
-def _search(graphdef, state, src, alpha, *, rule, rooms, length, extra):
+def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra):
     model = nnx.merge(graphdef, state)
-    tokens, scores = results(search_state(model, src, alpha, rule, rooms, length, extra))
-    return tokens[:, : rule.n_best], scores[:, : rule.n_best]  # [B, K, C] -> [B, n, C]
+    s = search_state(model, src, alpha, rule, rooms, length, extra, controls)
+    tokens, scores = results(s)  # [B, K, C], [B, K]
+    n = rule.n_best
+    return tokens[:, :n], scores[:, :n], s.fin_met[:, :n]  # [B, K, ...] -> [B, n, ...]
 
 
 def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):
@@ -335,11 +414,13 @@ def search(
     length: int,
     extra: int | None,
     rooms: Sequence[int] | None = None,
+    controls: Controls | None = None,
     call: Call = jit_call,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """A batch's whole search in one program: src [B, S] -> tokens [B, n, C] (no BOS,
     EOS-terminated, 0 after; all 0 in a slot never filled) and scores [B, n] (-inf in
-    such a slot), best first, n = rule.n_best, C = `length`.
+    such a slot), best first, n = rule.n_best, C = `length`; with `controls`, also
+    met [B, n, Q] bool, the phrases each hypothesis contains.
 
     length, extra: as `model.scoring.decode_shape` gives them (a source of n tokens
       may produce min(n + extra, length) tokens; extra None: length each).
@@ -347,6 +428,8 @@ def search(
       stage is a loop over the steps that fit, and the next one starts with the state
       grown to its room, so attention and the cache reorder read caches about as long
       as what was decoded. None: `search_rooms`. The results are the same for any.
+    controls: each source's prefix and phrases (model/constraints.py `Controls`; the
+      prefix's tokens count in the length but not in the score).
     call: runs the compiled program, call(fn, graphdef, args, static); the default
       calls it (search/programs.py keeps executables on disk instead, and its
       `prepare` compiles one ahead for src given as a `jax.ShapeDtypeStruct`).
@@ -359,6 +442,7 @@ def search(
     graphdef, state = nnx.split(model)
     if not isinstance(src, jax.ShapeDtypeStruct):  # a shape alone: the program is only prepared
         src = jnp.asarray(src, jnp.int32)
-    args = state, src, jnp.float32(alpha)
+    args = state, src, jnp.float32(alpha), controls
     static = dict(rule=rule, rooms=rooms, length=length, extra=extra)
-    return call(_search, graphdef, args, static)
+    out = call(_search, graphdef, args, static)
+    return out if controls is not None or out is None else out[:2]  # None: only prepared

@@ -33,6 +33,7 @@ and scores are comparable.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model import beam
+from model.constraints import Controls
 from model.defaults import (
     BEAM_STOPS,
     DEFAULT_ALPHA,
@@ -244,6 +246,8 @@ def beam_search(
     stop: str = DEFAULT_STOP,
     steps_per_check: int | None = None,
     min_length: int = DEFAULT_MIN_LENGTH,
+    prefixes: Sequence[Sequence[int]] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's).
 
@@ -263,7 +267,12 @@ def beam_search(
         steps; model/beam.py `Rule`).
       steps_per_check: steps between tests of the stopping condition (the same
         results for any value); None = the platform's (model/beam.py `steps_per_check`).
-      min_length: EOS is banned at output positions below this (see `greedy_search`).
+      min_length: EOS is banned at output positions below this (see `greedy_search`);
+        with a prefix, below the prefix's length plus this.
+      prefixes: per source, the tokens its output must start with (forced; they count
+        in the length, not in the score: the search ranks what follows them).
+      constraints: per source, the phrases (token lists) its output must contain
+        (model/constraints.py: dynamic beam allocation; EOS only once all are met).
     Returns:
       tokens [B, K, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores
       [B, K] float32 = log P / lp(len) (gnmt: ((5 + len) / 6)^alpha, len counting
@@ -293,7 +302,19 @@ def beam_search(
         steps_per_check=per,
         min_length=min_length,
     )
-    return beam.search(model, src, alpha=alpha, rule=rule, length=length, extra=extra)
+    args = dict(alpha=alpha, rule=rule, length=length, extra=extra)
+    if prefixes is None and constraints is None:
+        return beam.search(model, src, **args)
+    controls = Controls.of(
+        prefixes or [],
+        constraints or [],
+        rows=src.shape[0],
+        prefix_len=max((len(p) for p in prefixes or []), default=0),
+        max_phrases=max((len(c) for c in constraints or []), default=0),
+        max_tokens=max((len(p) for c in constraints or [] for p in c), default=0),
+    )
+    tokens, scores, _ = beam.search(model, src, controls=controls, **args)
+    return tokens, scores
 
 
 def translate(
@@ -308,12 +329,15 @@ def translate(
     stop: str = DEFAULT_STOP,
     steps_per_check: int | None = None,
     min_length: int = DEFAULT_MIN_LENGTH,
+    prefixes: Sequence[Sequence[int]] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> jax.Array:
-    """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy).
+    """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy;
+    with prefixes or constraints, beam search's, as `beam_search` takes them).
 
     Tokens exclude BOS, end with EOS and are 0 after it; `Tokenizer.decode` reads them.
     """
-    if beam_size == 1:
+    if beam_size == 1 and prefixes is None and constraints is None:
         return greedy_search(
             model,
             src,
@@ -329,8 +353,10 @@ def translate(
         max_decode_len=max_decode_len,
         vocab_limit=vocab_limit,
         length_penalty=length_penalty,
-        stop=stop,
+        stop="count" if beam_size == 1 else stop,
         steps_per_check=steps_per_check,
         min_length=min_length,
+        prefixes=prefixes,
+        constraints=constraints,
     )
     return tokens[:, 0]  # [B, K, L] -> [B, L]

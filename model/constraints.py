@@ -1,0 +1,153 @@
+"""Target prefixes and terminology constraints inside the beam search (pure, jit-compiled).
+
+    controls = Controls.of(prefixes, phrases, rows=B, prefix_len=P, max_phrases=C,
+                           max_tokens=T)                       # on the host, numpy
+    tokens, scores, met = beam.search(..., controls=controls)   # met [B, n, C] bool
+
+A source may come with a prefix its translation must start with and with phrases its
+translation must contain. Both travel as fixed-size arrays in the search's state
+(`Controls`), so a job compiles one program per shape, whatever its lines hold:
+
+- the prefix's tokens are forced, one a step, and do not count in a hypothesis's
+  score (CTranslate2's `target_prefix`: the search ranks the continuation);
+- each live hypothesis tracks, per phrase, how many of its tokens it has produced
+  (`progress`, a Knuth-Morris-Pratt matcher, so "a a b" is found in "a a a b"); a
+  phrase is met once its progress reaches its length, for good;
+- every step, besides the model's 2K best extensions, each live hypothesis proposes
+  the next token of each phrase it has not met; the K live hypotheses are picked
+  from all of them by dynamic beam allocation (Post & Vilar, 2018; vectorized as
+  Hu et al., 2019, and fairseq's `--constraints`): candidates are grouped by how
+  many constraint tokens they have produced (`bank`), and the banks take turns,
+  the fullest first, each giving its next best candidate, until K are picked;
+- EOS is allowed only once every phrase is met, or at the length limit, where a
+  hypothesis ends whatever it has met (and says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.scoring import NEG_INF
+
+
+class Controls(NamedTuple):
+    """Per source (a pytree of arrays; B sources). P = 0 or C = 0: none of that kind."""
+
+    prefix: jax.Array  # [B, P] int32, forced first tokens, 0-padded
+    phrases: jax.Array  # [B, C, T] int32, the tokens of each phrase, 0-padded
+    fail: jax.Array  # [B, C, T] int32, their failure tables (`failure_table`)
+
+    @property
+    def lengths(self) -> jax.Array:
+        """[B, C] int32: each phrase's length (0: an empty slot, met from the start)."""
+        return jnp.sum(self.phrases != 0, axis=-1, dtype=jnp.int32)
+
+    @classmethod
+    def none(cls, rows: int) -> Controls:
+        """No prefix and no phrases for `rows` sources."""
+        return cls.of([], [], rows=rows, prefix_len=0, max_phrases=0, max_tokens=0)
+
+    @classmethod
+    def of(
+        cls,
+        prefixes: Sequence[Sequence[int]],
+        phrases: Sequence[Sequence[Sequence[int]]],
+        *,
+        rows: int,
+        prefix_len: int,
+        max_phrases: int,
+        max_tokens: int,
+    ) -> Controls:
+        """numpy arrays of the given sizes: prefixes[i] and phrases[i] (lists of token
+        lists) of source i (fewer than `rows`: the rest have none). ValueError for a
+        prefix or a phrase too long, too many phrases, or an empty phrase."""
+        prefix = np.zeros((rows, prefix_len), np.int32)
+        for i, p in enumerate(prefixes):
+            if len(p) > prefix_len:
+                raise ValueError(f"a prefix of {len(p)} tokens: at most {prefix_len} here")
+            prefix[i, : len(p)] = p
+        table = np.zeros((rows, max_phrases, max_tokens), np.int32)
+        for i, found in enumerate(phrases):
+            if len(found) > max_phrases:
+                raise ValueError(f"{len(found)} constraints: at most {max_phrases} a line")
+            for c, phrase in enumerate(found):
+                if not 0 < len(phrase) <= max_tokens:
+                    raise ValueError(f"a constraint of {len(phrase)} tokens: 1 to {max_tokens}")
+                table[i, c, : len(phrase)] = phrase
+        fail = np.apply_along_axis(failure_table, -1, table) if table.size else table.copy()
+        return cls(prefix, table, fail.astype(np.int32))
+
+
+def failure_table(phrase: np.ndarray) -> np.ndarray:
+    """[T] -> [T]: fail[j], for j tokens matched, is the length of the longest proper
+    prefix of phrase[:j] that is also its suffix (Knuth-Morris-Pratt); 0 for j <= 1."""
+    t = len(phrase)
+    fail, k = np.zeros(t, np.int32), 0
+    for j in range(2, t):
+        while k > 0 and phrase[k] != phrase[j - 1]:
+            k = fail[k]
+        if phrase[k] == phrase[j - 1]:
+            k += 1
+        fail[j] = k
+    return fail
+
+
+def advance(
+    progress: jax.Array, token: jax.Array, phrases: jax.Array, fail: jax.Array
+) -> jax.Array:
+    """Progress after one more token: progress [..., C] int32, token [...] int32, phrases
+    and fail [..., C, T] (broadcast against progress). A met phrase stays met."""
+    lengths = jnp.sum(phrases != 0, axis=-1)  # [..., C]
+    tok = token[..., None]  # [...] -> [..., 1]
+
+    def at(j: jax.Array) -> jax.Array:  # [..., C]: phrase token j (the last one for j = T)
+        j = jnp.minimum(j, phrases.shape[-1] - 1)[..., None]
+        return jnp.take_along_axis(phrases, j, -1)[..., 0]
+
+    j = progress
+    for _ in range(phrases.shape[-1]):  # fall back along the failure links
+        mismatch = (j > 0) & (j < lengths) & (at(j) != tok)
+        j = jnp.where(mismatch, jnp.take_along_axis(fail, j[..., None], -1)[..., 0], j)
+    matched = jnp.where(at(j) == tok, j + 1, 0)
+    return jnp.where(progress >= lengths, lengths, matched)
+
+
+def proposals(
+    live_logp: jax.Array, logp: jax.Array, progress: jax.Array, phrases: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each live hypothesis's next token of each phrase it has not met: (log P [B, K*C],
+    beam [B, K*C], token [B, K*C]); -inf where it has met the phrase, or where another
+    phrase proposes the same token from the same beam. live_logp [B, K], logp [B, K, V],
+    progress [B, K, C], phrases [B, C, T]."""
+    b, k, c = progress.shape
+    lengths = jnp.sum(phrases != 0, axis=-1)[:, None, :]  # [B, 1, C]
+    idx = jnp.minimum(progress, phrases.shape[-1] - 1)[..., None]  # [B, K, C, 1]
+    tok = jnp.take_along_axis(phrases[:, None], idx, -1)[..., 0]  # [B, K, C]
+    score = live_logp[:, :, None] + jnp.take_along_axis(logp, tok, axis=-1)  # [B, K, C]
+    same = (tok[..., :, None] == tok[..., None, :]) & jnp.tril(jnp.ones((c, c), bool), -1)
+    score = jnp.where((progress < lengths) & ~jnp.any(same, -1), score, NEG_INF)
+    beam = jnp.broadcast_to(jnp.arange(k)[None, :, None], (b, k, c))
+    return score.reshape(b, k * c), beam.reshape(b, k * c), tok.reshape(b, k * c)
+
+
+def allocate(score: jax.Array, bank: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Dynamic beam allocation: (log P [B, K], index [B, K] into the M candidates) of the
+    K picked from score [B, M] (-inf: not a candidate) and bank [B, M] (constraint tokens
+    produced): the banks take turns, fullest first, each giving its next best."""
+    m = score.shape[1]
+    valid = jnp.isfinite(score)
+    order = jnp.arange(m)
+    better = (score[:, None, :] > score[:, :, None]) | (
+        (score[:, None, :] == score[:, :, None]) & (order[None, :] < order[:, None])
+    )  # [B, M, M]: j (last axis) ranks before i in i's bank
+    same = (bank[:, None, :] == bank[:, :, None]) & valid[:, None, :]
+    rank = jnp.sum(better & same, axis=-1)  # [B, M] place in its bank
+    most = jnp.max(jnp.where(valid, bank, 0)) + 1
+    turn = rank * most + (most - 1 - bank)  # bank turns: all ranks 0, fullest bank first
+    _, picked = jax.lax.top_k(jnp.where(valid, -turn, jnp.iinfo(jnp.int32).min), k)
+    return jnp.take_along_axis(score, picked, axis=1), picked
