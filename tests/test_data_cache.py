@@ -370,9 +370,9 @@ def test_release_pages_unmaps_what_reading_mapped_and_keeps_the_data(tmp_path):
     before = _rss_file_mb()
     assert int(flat[::1024].sum()) == sum(range(0, n, 1024))  # maps every page in
     mapped = _rss_file_mb()
-    assert mapped - before > 48
+    assert mapped - before > 32  # about 64 MB came in (0 if nothing was mapped)
     release_pages(tc)
-    assert mapped - _rss_file_mb() > 48  # the shard's pages left this process ...
+    assert mapped - _rss_file_mb() > 32  # the shard's pages left this process ...
     assert int(flat[12345]) == 12345 and int(tc.tgt_flat[0]) == 8  # ... not the file
     release_pages(TokenizedCorpus(*(np.zeros(2, np.int64) for _ in range(7))))  # in memory: no-op
 
@@ -396,7 +396,7 @@ def test_reading_a_tsv_unmaps_its_line_index_again(tmp_path):
     before = _rss_file_mb()
     for chunk in chunks:
         corpus.pairs(chunk)
-    assert _rss_file_mb() - before > 12  # plain reads keep the index's pages mapped
+    assert _rss_file_mb() - before > 8  # plain reads keep the index's ~16 MB mapped
     corpus.release_pages()
     assert _rss_file_mb() - before < 2
     for chunk in chunks:

@@ -144,7 +144,8 @@ def test_truncate_keeps_long_pairs():
 
 
 def test_padding_fraction_reported_and_bounded():
-    for packing, bound in ((False, 0.6), (True, 0.25)):
+    # The seeded corpus and plan are deterministic: pin what each layout pads.
+    for packing, expected in ((False, 0.337), (True, 0.2455)):
         it = TrainIterator(config(packing=packing), TOK, make_corpus(600))
         real = slots = 0
         for _ in range(it.batches_per_epoch):
@@ -153,7 +154,7 @@ def test_padding_fraction_reported_and_bounded():
             slots += b["src"].size + b["tgt_out"].size
         frac = it.stats()["padding_fraction"]
         assert frac == pytest.approx(1 - real / slots)
-        assert 0 < frac < bound
+        assert 0 < frac == pytest.approx(expected, abs=0.01)
 
 
 def test_packed_segments_and_positions():

@@ -175,7 +175,8 @@ def test_corpus_pickles_without_its_arrays(tmp_path, monkeypatch):
     path.write_text("".join(f"s{i}\tt{i}\n" for i in range(20000)), encoding="utf-8")
     corpus = load_split(config(dataset=f"tsv:{path}"), "train")
     blob = pickle.dumps(corpus)
-    assert len(blob) < 20_000  # the 1000 + 1000 skipped line numbers, not 20000 offsets
+    # ~16 KB: the 1000 + 1000 skipped line numbers, not 20000 offsets (>= 160 KB)
+    assert len(blob) < 40_000, len(blob)
     copy = pickle.loads(blob)
     assert [copy[i] for i in (0, 5, len(copy) - 1)] == [corpus[i] for i in (0, 5, len(corpus) - 1)]
 

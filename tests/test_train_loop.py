@@ -109,7 +109,8 @@ def test_run_writes_the_workdir_files(uninterrupted):
         "tokens_per_sec",
     ):
         assert key in train_rows[0]
-    assert train_rows[-1]["train_loss"] < train_rows[0]["train_loss"]
+    # It learns: 5.82 -> 4.29 here; batch noise alone passes a plain `<`.
+    assert train_rows[-1]["train_loss"] < 0.9 * train_rows[0]["train_loss"]
     final = rows[-1]
     assert final["step"] == 30 and {"eval_loss", "eval_bleu", "eval_chrf"} <= set(final)
     assert summary["step"] == 30 and not summary["preempted"]
