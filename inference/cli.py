@@ -18,7 +18,9 @@ from model.defaults import (
     BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
+    DEFAULT_CONSTRAINT_TOKENS,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MAX_CONSTRAINTS,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     LENGTH_PENALTIES,
@@ -54,6 +56,22 @@ flags.DEFINE_integer(
     "Fewest tokens before EOS: 1 = no empty translation of a non-empty line (as CTranslate2 "
     "and fairseq); 0 = a translation may end at once.",
 )  # fmt: skip
+flags.DEFINE_string(
+    "prefix", None,
+    "A file with one line per input line: the start translation i must have (target "
+    "language; an empty line: none).",
+)  # fmt: skip
+flags.DEFINE_string(
+    "constraints", None,
+    "A file with one line per input line: the phrases translation i must contain, "
+    "separated by tabs (an empty line: none). Not with --ct2.",
+)  # fmt: skip
+flags.DEFINE_integer(
+    "max_constraints", DEFAULT_MAX_CONSTRAINTS, "--constraints: the most phrases a line."
+)
+flags.DEFINE_integer(
+    "constraint_tokens", DEFAULT_CONSTRAINT_TOKENS, "--constraints: the most tokens a phrase."
+)
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
 flags.DEFINE_string("reference", None, "Reference translations: print sacreBLEU BLEU and chrF.")

@@ -52,7 +52,7 @@ from model.tokens import EOS_ID
 from search.defaults import CT2_BATCH_TOKENS
 from search.hypothesis import Hypothesis
 from search.settings import SearchSettings
-from search.stages import check_lengths
+from search.stages import Targets, check_lengths
 from search.translate import Progress
 
 _log = logging.getLogger(__name__)
@@ -147,14 +147,26 @@ class CT2Translator:
         sources: Sequence[Sequence[int]],
         progress: Progress | None = None,
         skip: Collection[int] = (),
+        targets: Targets | None = None,
     ) -> list[list[Hypothesis]]:
         """EOS-terminated id lists -> per source its hypotheses, best first (input order);
-        the sources `skip` get none."""
+        the sources `skip` get none. targets: prefixes (CTranslate2's target_prefix);
+        ValueError for constraints, which CTranslate2 cannot honour."""
         check_lengths(sources, self.max_len)
+        if targets is not None and targets.constraints is not None:
+            raise ValueError(
+                "CTranslate2 has no terminology constraints: translate with --workdir (or "
+                "--marian) for --constraints"
+            )
+        if targets is not None:
+            targets.check(sources, self.max_len)
+        prefixes = targets.prefixes if targets is not None else None
         results: list[list[Hypothesis]] = [[] for _ in sources]
         skip = set(skip)
         todo = [i for i in range(len(sources)) if i not in skip]
-        for rows, found in self._translate_groups([sources[i] for i in todo]):
+        if prefixes is not None:
+            prefixes = [prefixes[i] for i in todo]
+        for rows, found in self._translate_groups([sources[i] for i in todo], prefixes):
             rows = [todo[r] for r in rows]
             for i, hyps in zip(rows, found, strict=True):
                 results[i] = hyps
@@ -163,7 +175,7 @@ class CT2Translator:
         return results
 
     def _translate_groups(
-        self, sources: Sequence[Sequence[int]]
+        self, sources: Sequence[Sequence[int]], prefixes: Sequence[Sequence[int]] | None
     ) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
         """(rows, their hypotheses) per group of one output limit, longest first.
 
@@ -173,20 +185,26 @@ class CT2Translator:
         queued: collections.deque = collections.deque()
         for limit, rows in groups([len(s) for s in sources], self._extra, self.max_len):
             pieces = [self._pieces(sources[i]) for i in rows]
+            starts = (
+                None if prefixes is None else [[self.vocab[t] for t in prefixes[i]] for i in rows]
+            )
             # Ours forces EOS as the limit-th token, so limit - 1 tokens before it.
             most = max(limit - 1, 1)
-            queued.append((rows, pieces, most, self._submit(pieces, most)))
+            queued.append((rows, pieces, starts, most, self._submit(pieces, starts, most)))
             if len(queued) >= 2 * self.workers:
                 yield self._collect(*queued.popleft())
         while queued:
             yield self._collect(*queued.popleft())
 
-    def _submit(self, pieces: list[list[str]], most: int) -> list[Any]:
-        """One group's translation of at most `most` tokens a hypothesis, started:
-        CTranslate2's asynchronous results."""
+    def _submit(
+        self, pieces: list[list[str]], starts: list[list[str]] | None, most: int
+    ) -> list[Any]:
+        """One group's translation of at most `most` tokens a hypothesis (starting with
+        `starts`, if given), started: CTranslate2's asynchronous results."""
         s = self.settings
         return self._ct2.translate_batch(
             pieces,
+            starts,
             beam_size=s.beam_size,
             length_penalty=s.alpha,
             # all K: those cut by the limit rank again once scored with EOS (`_at_limit`)
@@ -202,12 +220,18 @@ class CT2Translator:
         )
 
     def _collect(
-        self, rows: list[int], pieces: list[list[str]], most: int, pending: list[Any]
+        self,
+        rows: list[int],
+        pieces: list[list[str]],
+        starts: list[list[str]] | None,
+        most: int,
+        pending: list[Any],
     ) -> tuple[list[int], list[list[Hypothesis]]]:
         """Wait for a group's results: its rows and their hypotheses, best first."""
         hyps = [self._hypotheses(r.result()) for r in pending]
         n = self.settings.n_best
-        return rows, [found[:n] for found in self._at_limit(hyps, pieces, most)]
+        ranked = self._at_limit(hyps, pieces, starts, most)
+        return rows, [found[:n] for found in ranked]
 
     def _pieces(self, ids: Sequence[int]) -> list[str]:
         """A source's ids -> its pieces, without the EOS that CTranslate2 appends."""
@@ -224,7 +248,11 @@ class CT2Translator:
         return out
 
     def _at_limit(
-        self, hyps: list[list[Hypothesis]], pieces: list[list[str]], most: int
+        self,
+        hyps: list[list[Hypothesis]],
+        pieces: list[list[str]],
+        starts: list[list[str]] | None,
+        most: int,
     ) -> list[list[Hypothesis]]:
         """Hypotheses of `most` tokens, cut by the length limit, scored as ours scores them:
         with the EOS that ours forces at the limit (its log-probability counts; CTranslate2
@@ -242,7 +270,8 @@ class CT2Translator:
             max_input_length=0,
         )
         for (r, h), result in zip(cut, scored, strict=True):
-            logp, length = float(np.sum(result.log_probs)), len(result.log_probs)  # EOS in both
+            length = len(result.log_probs)  # EOS included; a prefix too, outside the score
+            logp = float(np.sum(result.log_probs[len(starts[r]) if starts else 0 :]))
             hyps[r][h] = Hypothesis(hyps[r][h].tokens, logp / length**self.settings.alpha)
         return [sorted(found, key=lambda x: -x.score) for found in hyps]
 

@@ -46,7 +46,7 @@ from model import Transformer, beam
 from model.defaults import EXTRA_DECODE_LEN
 from search.hypothesis import Hypothesis
 from search.settings import SearchSettings
-from search.stages import run_stages, stage_rooms
+from search.stages import Targets, run_stages, stage_rooms
 from search.translate import Progress, search_fn
 
 # 2: staged programs (start_S*, resume_S*_C*) beside the one-program search_S*.
@@ -225,9 +225,11 @@ class ExportedTranslator:
     def beam_size(self) -> int:
         return self.settings.beam_size
 
-    def whole(self, src: jax.Array, rooms: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    def whole(
+        self, src: jax.Array, rooms: Sequence[int], controls: Any = None
+    ) -> tuple[jax.Array, jax.Array]:
         """search.stages.Search: the exported search of sources of src's width (its rooms
-        are the export's: `load` checked they are `stage_rooms`)."""
+        are the export's: `load` checked they are `stage_rooms`; no prefixes or phrases)."""
         name = _whole_name(src.shape[1])
         if name not in self._programs:
             with open(os.path.join(self.directory, name), "rb") as f:
@@ -239,8 +241,15 @@ class ExportedTranslator:
         sources: Sequence[Sequence[int]],
         progress: Progress | None = None,
         skip: Collection[int] = (),
+        targets: Targets | None = None,
     ) -> list[list[Hypothesis]]:
-        """As `search.translate.translate_ids` with the exported beam, alpha and n_best."""
+        """As `search.translate.translate_ids` with the exported beam, alpha and n_best
+        (ValueError for prefixes or constraints: the exported programs take neither)."""
+        if targets is not None:
+            raise ValueError(
+                "an exported translator takes no prefixes or constraints: translate with "
+                "--workdir (or --ct2 for prefixes)"
+            )
         return run_stages(
             self,
             sources,

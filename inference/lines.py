@@ -26,6 +26,7 @@ from data.files import atomic_write
 from model import EOS_ID
 from search import timing
 from search.hypothesis import Hypothesis
+from search.stages import Targets
 from search.translate import Progress, Translator
 
 
@@ -185,13 +186,14 @@ def line_hypotheses(
         line = []
         for k in range(ranks):
             hs = [h[k] for h in segs]
-            line.append(
-                {
-                    "text": " ".join(tokenizer.decode(h.tokens) for h in hs),
-                    "score": sum(h.score for h in hs),
-                    "tokens": [t for h in hs for t in h.tokens],
-                }
-            )
+            entry = {
+                "text": " ".join(tokenizer.decode(h.tokens) for h in hs),
+                "score": sum(h.score for h in hs),
+                "tokens": [t for h in hs for t in h.tokens],
+            }
+            if hs[0].met is not None:  # --constraints: which of the line's phrases it holds
+                entry["constraints_met"] = list(hs[0].met)
+            line.append(entry)
         out.append(line)
     return out
 
@@ -203,13 +205,16 @@ def translate_segments(
     line_tokens: list[list[int]],
     progress: Progress | None = None,
     known: dict[int, list[Hypothesis]] | None = None,
+    targets: Targets | None = None,
 ) -> Translated:
     """Translate the segments of `encode_lines`; `progress(indices, hypotheses)` per batch
     (search/stages.py `Progress`, indices into `segments`). known: segments translated
-    before (a resumed chunk's journal), given their hypotheses instead of translated."""
+    before (a resumed chunk's journal), given their hypotheses instead of translated.
+    targets: the segments' prefixes and constraints."""
     known = known or {}
     with timing.phase("search"):
-        search = translator.translate([s.ids for s in segments], progress, skip=known.keys())
+        ids = [s.ids for s in segments]
+        search = translator.translate(ids, progress, skip=known.keys(), targets=targets)
     for i, hyps in known.items():
         search[i] = hyps
     with timing.phase("detokenize"):

@@ -19,7 +19,9 @@ from model.defaults import (
     BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
+    DEFAULT_CONSTRAINT_TOKENS,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MAX_CONSTRAINTS,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     LENGTH_PENALTIES,
@@ -65,6 +67,10 @@ class DecodeOptions:
     length_penalty: str | None = None  # "gnmt" or "average"; None: gnmt, or the backend's
     stop: str | None = None  # "bound" (None) or "heuristic": when a beam search ends
     min_length: int | None = None  # fewest tokens before EOS (None: 1, or the backend's)
+    prefix: str | None = None  # line i: the start translation i must have (target side)
+    constraints: str | None = None  # line i: tab-separated phrases translation i must hold
+    max_constraints: int = DEFAULT_MAX_CONSTRAINTS  # phrases a line at most
+    constraint_tokens: int = DEFAULT_CONSTRAINT_TOKENS  # tokens a phrase at most
     export_ct2: str | None = None  # write a CTranslate2 model into this directory
     quantization: str = "float32"  # its weight type
     ct2: str | None = None  # or translate with a CTranslate2 model directory
@@ -102,6 +108,8 @@ class DecodeOptions:
             steps_per_check=self.steps_per_check,
             batch_tokens=self.tokens_per_batch,
             min_length=self.fewest_tokens,
+            max_constraints=self.max_constraints,
+            constraint_tokens=self.constraint_tokens,
         )
 
     @property
@@ -169,7 +177,30 @@ class DecodeOptions:
             raise UserError(f"--read_lines must be >= 1, got {self.read_lines}")
         if self.dry_run and (self.alignment or self.plot_attention):
             raise UserError("--dry_run runs no model: drop --alignment and --plot_attention")
+        self._check_targets()
         self._check_choices()
+
+    def _check_targets(self) -> None:
+        """--prefix and --constraints: with a backend that honours them, for translating."""
+        given = [f"--{n}" for n in ("prefix", "constraints") if getattr(self, n)]
+        if self.max_constraints < 1 or self.constraint_tokens < 1:
+            raise UserError("need --max_constraints >= 1 and --constraint_tokens >= 1")
+        if not given:
+            return
+        if self.export or self.export_ct2:
+            raise UserError(f"{', '.join(given)} are for translating: drop them to export")
+        if self.exported:
+            raise UserError(
+                f"an exported translator takes no {' or '.join(given)}: use --workdir (or "
+                "--ct2 for --prefix)"
+            )
+        if self.ct2 and self.constraints:
+            raise UserError(
+                "CTranslate2 (--ct2) has no terminology constraints: use --workdir or "
+                "--marian for --constraints (it honours --prefix)"
+            )
+        if self.long_lines == "split":
+            raise UserError(f"{', '.join(given)} need --long_lines=truncate (one piece a line)")
 
     def _check_marian(self) -> None:
         """--marian: an OPUS-MT / Marian model instead of a workdir's."""

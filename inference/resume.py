@@ -138,10 +138,19 @@ class StreamOutput:
             self._file.close()
 
 
+def _entry(h: Hypothesis) -> list:
+    return [h.tokens, h.score] if h.met is None else [h.tokens, h.score, list(h.met)]
+
+
+def _hypothesis(tokens: list, score: float, met: list | None = None) -> Hypothesis:
+    return Hypothesis(list(tokens), float(score), None if met is None else tuple(met))
+
+
 class Journal:
     """The results of the running chunk's finished batches, one JSON line a batch:
     {"at": the chunk's first line, "i": [source indices in the chunk], "h": [[[tokens],
-    score], ...] per source}. Lines of another chunk, and a torn last line, are ignored."""
+    score(, [met])], ...] per source}. Lines of another chunk, and a torn last line, are
+    ignored."""
 
     def __init__(self, path: str, at: int):
         self.path, self.at = path, at
@@ -158,7 +167,7 @@ class Journal:
                         if entry.get("at") != self.at:
                             continue
                         batch = {
-                            int(i): [Hypothesis(list(t), float(sc)) for t, sc in hyps]
+                            int(i): [_hypothesis(*h) for h in hyps]
                             for i, hyps in zip(entry["i"], entry["h"], strict=True)
                         }
                     except (ValueError, TypeError, KeyError, AttributeError):  # a torn line
@@ -176,7 +185,7 @@ class Journal:
                 self._file.seek(self._file.tell() - 1)
                 if self._file.read(1) != "\n":
                     self._file.write("\n")
-        hyps = [[[h.tokens, h.score] for h in hs] for hs in found]
+        hyps = [[_entry(h) for h in hs] for hs in found]
         entry = {"at": self.at, "i": [int(i) for i in indices], "h": hyps}
         self._file.write(json.dumps(entry) + "\n")
         self._file.flush()

@@ -39,6 +39,7 @@ from inference.resume import (
     lines_identity,
 )
 from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
+from inference.targets import check_files
 from inference.translators import Loaded, dry_run, open_translator
 from model.defaults import DEFAULT_STOP
 from search import timing
@@ -49,23 +50,28 @@ from search import timing
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
-    "quantization", "steps_per_check", "stats",
+    "quantization", "steps_per_check", "stats", "prefix", "constraints",
 )  # fmt: skip
 
 
 def check_inputs(options: DecodeOptions) -> int | None:
-    """Before anything slow: --input exists and --reference has as many lines. Returns the
-    input's number of lines (None for stdin or --split), for the ETA."""
+    """Before anything slow: --input, --prefix and --constraints exist, and a reference,
+    prefix or constraints file has as many lines as a file input. Returns the input's
+    number of lines (None for stdin or --split), for the ETA."""
+    extra = {"--reference": options.reference, "--prefix": options.prefix}
+    extra["--constraints"] = options.constraints
+    for flag, path in list(extra.items())[1:]:
+        if path and not os.path.isfile(path):
+            raise UserError(f"{flag} {path} does not exist")
     if options.split or options.input == "-":
         return None
     if not os.path.isfile(options.input):
         raise UserError(f"--input {options.input} does not exist")
     try:
         total = count_lines(options.input)
-        if options.reference:
-            refs = count_lines(options.reference)
-            if refs != total:
-                raise UserError(f"--reference has {refs} lines but the input {total}")
+        for flag, path in extra.items():
+            if path and (n := count_lines(path)) != total:
+                raise UserError(f"{flag} has {n} lines but the input {total}")
     except OSError as e:
         raise UserError(f"cannot read {e.filename}: {e.strerror}") from e
     return total
@@ -142,13 +148,21 @@ def describe_inputs(
 ) -> dict[str, Any] | None:
     """The identity of what is translated (and scored): --input and --reference, or the
     split's (sources, targets); None for stdin (it cannot be read again: not resumable)."""
+    targets = {
+        name: path and file_identity(path)
+        for name, path in (("prefix", options.prefix), ("constraints", options.constraints))
+    }
     if split is not None:
         what = {"split": options.split, "dataset": str(loaded.config.dataset)}
-        return {"split": lines_identity([*split[0], *split[1]], **what)}
+        return {"split": lines_identity([*split[0], *split[1]], **what), **targets}
     if options.input == "-" or not os.path.isfile(options.input):
         return None
     refs = options.reference
-    return {"input": file_identity(options.input), "reference": refs and file_identity(refs)}
+    return {
+        "input": file_identity(options.input),
+        "reference": refs and file_identity(refs),
+        **targets,
+    }
 
 
 def describe_job(
@@ -185,6 +199,14 @@ def open_readers(
     return source, LineReader(options.reference, done.get("reference_offset", 0))
 
 
+def open_targets(options: DecodeOptions, done: dict[str, Any]) -> tuple[Reader | None, ...]:
+    """(--prefix, --constraints) readers or None, at the offsets of an earlier run's record."""
+    return tuple(
+        LineReader(path, done.get(f"{name}_offset", 0)) if path else None
+        for name, path in (("prefix", options.prefix), ("constraints", options.constraints))
+    )
+
+
 def _kept(out: Any) -> str:
     lines = out.done.get("lines", 0)
     if not (out.resumable and lines):
@@ -215,6 +237,11 @@ def run(options: DecodeOptions) -> None:
     if max_length < 2:
         raise UserError(f"--max_length must be >= 2, got {max_length}")
     split = split_lines(loaded.config, options.split) if options.split else None
+    if (options.prefix or options.constraints) and split is None and options.input != "-":
+        check_files(
+            loaded.tokenizer, options.input, options.prefix, options.constraints,
+            max_length=max_length, max_len=max_len, settings=loaded.translator.settings,
+        )  # fmt: skip
     job = describe_job(options, loaded, describe_inputs(options, loaded, split), max_length)
     out = devices.open_shared_output(options.output, job, options.restart)
     if out.done.get("lines") and devices.is_main():
@@ -264,8 +291,10 @@ def _translate(
     quiet = {} if devices.is_main() else {"stream": io.StringIO(), "bar": False}
     meter = Meter(total, out.done.get("lines", 0), **quiet)
     source = references = None
+    targets: tuple[Reader | None, ...] = (None, None)
     try:
         source, references = open_readers(options, split, out.done)
+        targets = open_targets(options, out.done)
         stream = StreamJob(
             loaded.translator,
             loaded.tokenizer,
@@ -275,6 +304,8 @@ def _translate(
             long_lines=options.long_lines,
             output_format=options.output_format,
             references=references,
+            prefixes=targets[0],
+            constraints=targets[1],
             model=loaded.model,
             alignment=options.alignment,
             plot_attention=options.plot_attention,
@@ -303,7 +334,7 @@ def _translate(
     finally:
         meter.close()
         out.close()
-        for reader in (source, references):
+        for reader in (source, references, *targets):
             if reader is not None:
                 reader.close()
 

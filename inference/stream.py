@@ -44,9 +44,10 @@ from inference.lines import (
 from inference.plots import plot_lines
 from inference.progress import Meter
 from inference.resume import Journal
+from inference.targets import encode_targets
 from model import Transformer
 from search import timing
-from search.stages import output_tokens
+from search.stages import Targets, output_tokens
 from search.translate import Translator
 
 
@@ -83,6 +84,8 @@ class Totals:
     lines: int = 0
     input_offset: int = 0  # where the next chunk starts in the input ...
     reference_offset: int = 0  # ... and in the references
+    prefix_offset: int = 0  # ... in --prefix
+    constraints_offset: int = 0  # ... in --constraints
     bad_utf8: int = 0  # lines with invalid UTF-8
     long: int = 0  # lines over max_length (truncated or split)
     empty: int = 0  # lines without a translation
@@ -111,6 +114,8 @@ class StreamJob:
     long_lines: str = "truncate"  # or "split"
     output_format: str = "text"
     references: Reader | None = None
+    prefixes: Reader | None = None  # --prefix: line i, the start translation i must have
+    constraints: Reader | None = None  # --constraints: line i, its phrases (tab-separated)
     model: Transformer | None = None  # the live model: alignments and plots
     alignment: bool = False
     plot_attention: str | None = None
@@ -129,7 +134,8 @@ class Output(Protocol):
 
 @dataclasses.dataclass
 class _Read:
-    """A chunk read and encoded: its lines, where the input goes on after it, its segments."""
+    """A chunk read and encoded: its lines, where the input goes on after it, its segments,
+    and what their translations must hold (and where --prefix and --constraints go on)."""
 
     lines: list[str]
     bad_utf8: int
@@ -137,11 +143,32 @@ class _Read:
     segments: list[Any]
     line_tokens: list[list[int]]
     num_long: int
+    targets: Targets | None = None
+    offsets: tuple[int, int] = (0, 0)
 
 
-def _read(job: StreamJob) -> _Read | None:
-    """The next chunk, read and encoded, and its programs being prepared (in a thread of
-    its own while the previous one is translated); None at the end of the input."""
+def _targets(job: StreamJob, lines: list[str], segments: list[Any], first: int) -> Targets | None:
+    """The prefixes and phrases of a chunk's segments (one a line: --long_lines=split is
+    refused with them), from the next lines of --prefix and --constraints."""
+    if job.prefixes is None and job.constraints is None:
+        return None
+    read = lambda reader: None if reader is None else reader.read(len(lines))[0]
+    prefixes, phrases = encode_targets(
+        job.tokenizer,
+        lines,
+        read(job.prefixes),
+        read(job.constraints),
+        first_line=first,
+        settings=job.translator.settings,
+    )
+    pick = lambda per_line: None if per_line is None else [per_line[s.line] for s in segments]
+    return job.translator.settings.targets(pick(prefixes), pick(phrases))
+
+
+def _read(job: StreamJob, first: int) -> _Read | None:
+    """The next chunk (its first line is line `first` of the input), read and encoded, and
+    its programs being prepared (in a thread of its own while the previous one is
+    translated); None at the end of the input."""
     with timing.phase("read"):
         lines, bad_utf8 = job.source.read(job.read_lines)
     if not lines:
@@ -151,10 +178,12 @@ def _read(job: StreamJob) -> _Read | None:
         segments, line_tokens, num_long = encode_lines(
             job.tokenizer, lines, job.max_length, job.long_lines == "split"
         )
+        targets = _targets(job, lines, segments, first)
+    offsets = tuple(r.offset if r is not None else 0 for r in (job.prefixes, job.constraints))
     prepare = getattr(job.translator, "prepare", None)
     if prepare is not None:  # its programs compile while the chunk before is translated
-        prepare([s.ids for s in segments])
-    return _Read(lines, bad_utf8, offset, segments, line_tokens, num_long)
+        prepare([s.ids for s in segments], targets=targets)
+    return _Read(lines, bad_utf8, offset, segments, line_tokens, num_long, targets, offsets)
 
 
 def translate_chunk(
@@ -186,7 +215,13 @@ def translate_chunk(
             journal.write(indices, found)
 
     translated = translate_segments(
-        job.translator, job.tokenizer, chunk.segments, chunk.line_tokens, progress, known
+        job.translator,
+        job.tokenizer,
+        chunk.segments,
+        chunk.line_tokens,
+        progress,
+        known,
+        chunk.targets,
     )
     if job.alignment:
         with timing.phase("alignment"):
@@ -232,6 +267,8 @@ def _chunk(
         lines=totals.lines + len(lines),
         input_offset=chunk.offset,
         reference_offset=job.references.offset if job.references else 0,
+        prefix_offset=chunk.offsets[0],
+        constraints_offset=chunk.offsets[1],
         bad_utf8=totals.bad_utf8 + chunk.bad_utf8,
         long=totals.long + chunk.num_long,
         empty=totals.empty + sum(1 for h in translated.hypotheses if not h),
@@ -252,10 +289,12 @@ def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
     # The next chunk is read and encoded while this one is translated: at most two
     # chunks of lines in memory, and the device does not wait for the tokenizer.
     reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="read")
+    first = totals.lines + 1  # the input line a chunk starts at
     try:
-        upcoming = reader.submit(_read, job)
+        upcoming = reader.submit(_read, job, first)
         while (chunk := upcoming.result()) is not None:
-            upcoming = reader.submit(_read, job)
+            first += len(chunk.lines)
+            upcoming = reader.submit(_read, job, first)
             data, totals = _chunk(job, chunk, totals, scores, meter, journal)
             with timing.phase("write"):
                 out.append(data, dataclasses.asdict(totals))
@@ -263,6 +302,8 @@ def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
             meter.end_chunk()
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
-    if job.references is not None and job.references.read(1)[0]:
-        raise UserError("--reference has more lines than the input")
+    for flag, extra in (("--reference", job.references), ("--prefix", job.prefixes),
+                        ("--constraints", job.constraints)):  # fmt: skip
+        if extra is not None and extra.read(1)[0]:
+            raise UserError(f"{flag} has more lines than the input")
     return totals

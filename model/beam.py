@@ -204,7 +204,7 @@ def _logp(model: Transformer, s: BeamState, rule: Rule) -> tuple[jax.Array, Deco
     force_eos = jnp.broadcast_to((t >= s.limits - 1)[:, None], (b, k))  # [B] -> [B, K]
     prefix = s.controls.prefix  # [B, P]
     plen = jnp.sum(prefix != 0, axis=1, dtype=jnp.int32)  # [B]
-    ban_eos = jnp.broadcast_to((t < plen + rule.min_length)[:, None], (b, k))  # [B, K]
+    ban_eos = jnp.broadcast_to(t < rule.min_length, (b, k))  # [B, K] (the prefix counts)
     if s.progress.shape[2]:  # EOS only once every phrase is met
         ban_eos = ban_eos | jnp.any(s.progress < s.controls.lengths[:, None, :], axis=2)
     logp = restrict(logp, force_eos, rule.vocab_limit, ban_eos)
@@ -228,27 +228,33 @@ def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> Beam
     top_beam, top_tok = top_idx // v, top_idx % v  # [B, 2K]
     is_eos = top_tok == EOS_ID  # [B, 2K]
 
-    # Live: the K best candidates that did not end; with phrases, by dynamic beam
-    # allocation over the model's candidates and each beam's next phrase tokens.
-    phrases, fail = s.controls.phrases[:, None], s.controls.fail[:, None]  # [B, 1, Q, T]
+    # Live: the K best candidates that did not end. Finished: an EOS candidate counts
+    # only if it ranks among the K best (as in fairseq). With phrases, the candidates
+    # also hold each beam's next phrase tokens and best token, and "best" is the order
+    # of dynamic beam allocation (model/constraints.py).
     if s.progress.shape[2]:
-        more_logp, more_beam, more_tok = constraints.proposals(
-            s.live_logp, logp, s.progress, s.controls.phrases
-        )  # [B, K*Q]
-        seen = jnp.any((more_beam * v + more_tok)[:, :, None] == top_idx[:, None, :], -1)
-        cand_logp = jnp.concatenate(
-            [jnp.where(is_eos, NEG_INF, top_logp), jnp.where(seen, NEG_INF, more_logp)], 1
-        )
-        cand_beam = jnp.concatenate([top_beam, more_beam], 1)  # [B, M]
-        cand_tok = jnp.concatenate([top_tok, more_tok], 1)  # [B, M]
-        progress = constraints.advance(
+        phrases, fail = s.controls.phrases[:, None], s.controls.fail[:, None]  # [B, 1, Q, T]
+        top = (top_logp, top_beam, top_tok)
+        cand_logp, cand_beam, cand_tok = constraints.candidates(
+            top, s.live_logp, logp, s.progress, s.controls.phrases
+        )  # [B, M]
+        cand_progress = constraints.advance(
             _gather_beams(s.progress, cand_beam), cand_tok, phrases, fail
         )  # [B, M, Q]
-        live_logp, pos = constraints.allocate(cand_logp, jnp.sum(progress, -1), k)  # [B, K]
-        progress = _gather_beams(progress, pos)  # [B, M, Q] -> [B, K, Q]
+        place = constraints.allocation_order(cand_logp, jnp.sum(cand_progress, -1))  # [B, M]
+        cand_eos = cand_tok == EOS_ID
+        _, pos = jax.lax.top_k(-(place + jnp.where(cand_eos, place.shape[1], 0)), k)  # [B, K]
+        live_logp = jnp.where(
+            jnp.take_along_axis(cand_eos, pos, 1), NEG_INF, jnp.take_along_axis(cand_logp, pos, 1)
+        )
+        progress = _gather_beams(cand_progress, pos)  # [B, M, Q] -> [B, K, Q]
+        _, fin = jax.lax.top_k(-place, k)  # [B, K] the K first
+        end_logp, end_beam = (jnp.take_along_axis(x, fin, 1) for x in (cand_logp, cand_beam))
+        end_tok = jnp.take_along_axis(cand_tok, fin, 1)
     else:
         cand_beam, cand_tok, progress = top_beam, top_tok, s.progress
         live_logp, pos = jax.lax.top_k(jnp.where(is_eos, NEG_INF, top_logp), k)  # [B, K]
+        end_logp, end_beam, end_tok = top_logp[:, :k], top_beam[:, :k], top_tok[:, :k]
     if rule.stop == "heuristic":  # lp(next length) grows: keep done sources done
         live_logp = jnp.where(stopped[:, None], NEG_INF, live_logp)
     origin = jnp.take_along_axis(cand_beam, pos, axis=1)  # [B, K] previous beam
@@ -257,19 +263,21 @@ def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> Beam
     # Each live beam continues the self-attention cache of the beam it extends.
     cache = cache.reorder(rows)  # [B*K, N, C, H] per layer, rows gathered
 
-    # Finished: an EOS candidate counts only if it ranks among the K best (as in
-    # fairseq). Merge the new ones with the K kept so far; with phrases, those that
-    # met them all first (only the length limit ends one that has not).
-    new_scores = normalized_score(top_logp[:, :k], t + 1, alpha, rule.penalty)  # [B, K]
-    new_scores = jnp.where(is_eos[:, :k] & ~stopped[:, None], new_scores, NEG_INF)
-    new_met = _gather_beams(s.progress, top_beam[:, :k]) >= s.controls.lengths[:, None, :]
+    # Merge the newly finished with the K kept so far; with phrases, those that met them
+    # all first (only the length limit ends one that has not).
+    new_scores = normalized_score(end_logp, t + 1, alpha, rule.penalty)  # [B, K]
+    ends = (end_tok == EOS_ID) & ~stopped[:, None]  # [B, K]
+    if s.controls.prefix.shape[1]:  # right after a prefix only the best may end (as CTranslate2)
+        plen = jnp.sum(s.controls.prefix != 0, axis=1)  # [B]
+        after = (plen > 0) & (t == plen)  # [B]
+        ends = ends & ~(after[:, None] & (jnp.arange(k) > 0)[None, :])
+    new_scores = jnp.where(ends, new_scores, NEG_INF)
+    new_met = _gather_beams(s.progress, end_beam) >= s.controls.lengths[:, None, :]
     all_scores = jnp.concatenate([s.fin_scores, new_scores], axis=1)  # [B, 2K]
     all_met = jnp.concatenate([s.fin_met, new_met], axis=1)  # [B, 2K, Q]
     rank = jnp.where(jnp.all(all_met, axis=2), all_scores, all_scores - _UNMET)
     _, fin_pos = jax.lax.top_k(rank, k)  # [B, K]
-    all_seqs = jnp.concatenate(
-        [s.fin_seqs, _extend(s.live_seqs, top_beam[:, :k], top_tok[:, :k], t)], 1
-    )
+    all_seqs = jnp.concatenate([s.fin_seqs, _extend(s.live_seqs, end_beam, end_tok, t)], 1)
     return s._replace(
         step=t + 1,
         live_seqs=live_seqs,

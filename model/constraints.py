@@ -9,7 +9,9 @@ translation must contain. Both travel as fixed-size arrays in the search's state
 (`Controls`), so a job compiles one program per shape, whatever its lines hold:
 
 - the prefix's tokens are forced, one a step, and do not count in a hypothesis's
-  score (CTranslate2's `target_prefix`: the search ranks the continuation);
+  score, only in its length (CTranslate2's `target_prefix`: the search ranks the
+  continuation); at the first step after it only the best candidate may end (as
+  CTranslate2 does: a short ending among the others would often win);
 - each live hypothesis tracks, per phrase, how many of its tokens it has produced
   (`progress`, a Knuth-Morris-Pratt matcher, so "a a b" is found in "a a a b"); a
   phrase is met once its progress reaches its length, for good;
@@ -117,28 +119,45 @@ def advance(
     return jnp.where(progress >= lengths, lengths, matched)
 
 
-def proposals(
-    live_logp: jax.Array, logp: jax.Array, progress: jax.Array, phrases: jax.Array
+def candidates(
+    top: tuple[jax.Array, jax.Array, jax.Array],
+    live_logp: jax.Array,
+    logp: jax.Array,
+    progress: jax.Array,
+    phrases: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each live hypothesis's next token of each phrase it has not met: (log P [B, K*C],
-    beam [B, K*C], token [B, K*C]); -inf where it has met the phrase, or where another
-    phrase proposes the same token from the same beam. live_logp [B, K], logp [B, K, V],
-    progress [B, K, C], phrases [B, C, T]."""
-    b, k, c = progress.shape
-    lengths = jnp.sum(phrases != 0, axis=-1)[:, None, :]  # [B, 1, C]
-    idx = jnp.minimum(progress, phrases.shape[-1] - 1)[..., None]  # [B, K, C, 1]
-    tok = jnp.take_along_axis(phrases[:, None], idx, -1)[..., 0]  # [B, K, C]
-    score = live_logp[:, :, None] + jnp.take_along_axis(logp, tok, axis=-1)  # [B, K, C]
-    same = (tok[..., :, None] == tok[..., None, :]) & jnp.tril(jnp.ones((c, c), bool), -1)
-    score = jnp.where((progress < lengths) & ~jnp.any(same, -1), score, NEG_INF)
-    beam = jnp.broadcast_to(jnp.arange(k)[None, :, None], (b, k, c))
-    return score.reshape(b, k * c), beam.reshape(b, k * c), tok.reshape(b, k * c)
+    """The candidates of a constrained step: (log P, beam, token), each [B, M].
+
+    top: the model's 2K best extensions over all live beams (log P, beam, token
+    [B, 2K]); then, per live beam, the next token of each phrase it has not met, and
+    its own best token (so a beam that met its phrases, outscored by others, goes on
+    or ends). live_logp [B, K], logp [B, K, V] (restricted), progress [B, K, Q],
+    phrases [B, Q, T]. A (beam, token) seen earlier in the list is -inf.
+    """
+    b, k, q = progress.shape
+    v = logp.shape[-1]
+    lengths = jnp.sum(phrases != 0, axis=-1)[:, None, :]  # [B, 1, Q]
+    idx = jnp.minimum(progress, phrases.shape[-1] - 1)[..., None]  # [B, K, Q, 1]
+    nxt = jnp.take_along_axis(phrases[:, None], idx, -1)[..., 0]  # [B, K, Q]
+    nxt_logp = live_logp[:, :, None] + jnp.take_along_axis(logp, nxt, axis=-1)  # [B, K, Q]
+    nxt_logp = jnp.where(progress < lengths, nxt_logp, NEG_INF)
+    best = jnp.argmax(logp, axis=-1)  # [B, K]
+    best_logp = live_logp + jnp.max(logp, axis=-1)  # [B, K]
+    beams = jnp.broadcast_to(jnp.arange(k)[None, :, None], (b, k, q))
+    score = jnp.concatenate([top[0], nxt_logp.reshape(b, -1), best_logp], 1)  # [B, M]
+    beam = jnp.concatenate([top[1], beams.reshape(b, -1), jnp.tile(jnp.arange(k), (b, 1))], 1)
+    token = jnp.concatenate([top[2], nxt.reshape(b, -1), best], 1).astype(jnp.int32)
+    key = beam * v + token  # [B, M]
+    m = key.shape[1]
+    earlier = jnp.tril(jnp.ones((m, m), bool), -1)  # [M, M]: j (last axis) before i
+    repeated = jnp.any((key[:, :, None] == key[:, None, :]) & earlier, axis=-1)  # [B, M]
+    return jnp.where(repeated, NEG_INF, score), beam, token
 
 
-def allocate(score: jax.Array, bank: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Dynamic beam allocation: (log P [B, K], index [B, K] into the M candidates) of the
-    K picked from score [B, M] (-inf: not a candidate) and bank [B, M] (constraint tokens
-    produced): the banks take turns, fullest first, each giving its next best."""
+def allocation_order(score: jax.Array, bank: jax.Array) -> jax.Array:
+    """Dynamic beam allocation: each candidate's place [B, M] int32 (0 first) among score
+    [B, M] (-inf: not a candidate, last) and bank [B, M] (constraint tokens produced):
+    the banks take turns, the fullest first, each giving its next best."""
     m = score.shape[1]
     valid = jnp.isfinite(score)
     order = jnp.arange(m)
@@ -148,6 +167,6 @@ def allocate(score: jax.Array, bank: jax.Array, k: int) -> tuple[jax.Array, jax.
     same = (bank[:, None, :] == bank[:, :, None]) & valid[:, None, :]
     rank = jnp.sum(better & same, axis=-1)  # [B, M] place in its bank
     most = jnp.max(jnp.where(valid, bank, 0)) + 1
-    turn = rank * most + (most - 1 - bank)  # bank turns: all ranks 0, fullest bank first
-    _, picked = jax.lax.top_k(jnp.where(valid, -turn, jnp.iinfo(jnp.int32).min), k)
-    return jnp.take_along_axis(score, picked, axis=1), picked
+    turn = jnp.where(valid, rank * most + (most - 1 - bank), jnp.iinfo(jnp.int32).max)
+    first = jnp.argsort(turn, axis=1, stable=True)  # [B, M] candidates, first place first
+    return jnp.argsort(first, axis=1).astype(jnp.int32)  # each candidate's place

@@ -21,3 +21,7 @@ DEFAULT_STOP = "bound"
 # empty translation of a non-empty source, as CTranslate2's min_decoding_length and
 # fairseq's min_len default to; 0 = EOS may come first.
 DEFAULT_MIN_LENGTH = 1
+# Terminology constraints (decode.py --constraints): at most this many phrases a line,
+# of at most this many tokens each (they size the search's arrays: see model/constraints.py).
+DEFAULT_MAX_CONSTRAINTS = 4
+DEFAULT_CONSTRAINT_TOKENS = 8

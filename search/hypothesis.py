@@ -16,19 +16,25 @@ class Hypothesis:
 
     score = log P(tokens + EOS | source) / lp(len), what beam search ranks by (gnmt:
     ((5 + len) / 6)^alpha, len counting EOS; model.decoding.length_penalty); greedy
-    search (beam 1) is scored the same way.
+    search (beam 1) is scored the same way. met: with constraints, whether it contains
+    each of its source's phrases (None: no constraints).
     """
 
     tokens: list[int]
     score: float
+    met: tuple[bool, ...] | None = None
 
 
-def hypotheses(tokens: np.ndarray, scores: np.ndarray) -> list[Hypothesis]:
-    """One source's [n_best, L] tokens and [n_best] scores -> its hypotheses, best first."""
+def hypotheses(
+    tokens: np.ndarray, scores: np.ndarray, met: np.ndarray | None = None, phrases: int = 0
+) -> list[Hypothesis]:
+    """One source's [n_best, L] tokens and [n_best] scores -> its hypotheses, best first;
+    met [n_best, Q]: which of its first `phrases` constraints each contains."""
     out = []
-    for row, score in zip(tokens.tolist(), scores.tolist(), strict=True):
+    for n, (row, score) in enumerate(zip(tokens.tolist(), scores.tolist(), strict=True)):
         if not math.isfinite(score):  # a slot the beam never filled
             continue
         end = row.index(EOS_ID) if EOS_ID in row else len(row)
-        out.append(Hypothesis([t for t in row[:end] if t != PAD_ID], float(score)))
+        found = None if met is None else tuple(bool(x) for x in met[n, :phrases])
+        out.append(Hypothesis([t for t in row[:end] if t != PAD_ID], float(score), found))
     return out

@@ -9,6 +9,7 @@ batch loop and the compiled programs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from data.plans import MIN_ROWS
 from model import beam
@@ -16,11 +17,14 @@ from model.defaults import (
     BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
+    DEFAULT_CONSTRAINT_TOKENS,
     DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MAX_CONSTRAINTS,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
 )
 from search.defaults import default_batch_tokens
+from search.stages import Targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,8 @@ class SearchSettings:
     min_rows: the rows of every batch of an input of at most this many sources
       (data/plans.py `plan_translation`); every other batch is full.
     min_length: the fewest tokens before EOS (1: no empty translation; model/defaults.py).
+    max_constraints, constraint_tokens: the most phrases a source may have to contain,
+      and the most tokens of each (they size the search's arrays).
     """
 
     beam_size: int = DEFAULT_BEAM_SIZE
@@ -49,6 +55,8 @@ class SearchSettings:
     batch_tokens: int | None = None
     min_rows: int = MIN_ROWS
     min_length: int = DEFAULT_MIN_LENGTH
+    max_constraints: int = DEFAULT_MAX_CONSTRAINTS
+    constraint_tokens: int = DEFAULT_CONSTRAINT_TOKENS
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_best <= self.beam_size:
@@ -79,6 +87,17 @@ class SearchSettings:
             per,
             self.min_length,
         )
+
+    def targets(
+        self,
+        prefixes: Sequence[Sequence[int]] | None = None,
+        constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+    ) -> Targets | None:
+        """The prefixes and constraints of some sources, sized by these settings (None:
+        neither)."""
+        if prefixes is None and constraints is None:
+            return None
+        return Targets(prefixes, constraints, self.max_constraints, self.constraint_tokens)
 
     def replace(self, **changes) -> SearchSettings:
         return dataclasses.replace(self, **changes)

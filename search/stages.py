@@ -22,6 +22,7 @@ sources and gets all results.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
@@ -30,8 +31,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from common.errors import UserError
 from data.plans import MIN_ROWS, plan_translation
-from model.defaults import EXTRA_DECODE_LEN
+from model.constraints import Controls
+from model.defaults import DEFAULT_CONSTRAINT_TOKENS, DEFAULT_MAX_CONSTRAINTS, EXTRA_DECODE_LEN
 from model.scoring import FILLER, rooms
 from search import timing
 from search.hypothesis import hypotheses
@@ -39,6 +42,66 @@ from search.hypothesis import hypotheses
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
 Progress = Callable[[Sequence[int], Sequence[list[Any]]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """What the translations of some sources must hold (None: nothing of that kind in the
+    job): prefixes[i], the ids translation i starts with (empty: any start);
+    constraints[i], the phrases (id lists) it contains. Each batch carries them as
+    arrays of one size per width (model/constraints.py `Controls`): the prefix room is
+    the batch's output length, the phrases at most `max_phrases` of `max_tokens`."""
+
+    prefixes: Sequence[Sequence[int]] | None = None
+    constraints: Sequence[Sequence[Sequence[int]]] | None = None
+    max_phrases: int = DEFAULT_MAX_CONSTRAINTS
+    max_tokens: int = DEFAULT_CONSTRAINT_TOKENS
+
+    def sizes(self, width: int, max_len: int) -> tuple[int, int, int]:
+        """(P, Q, T): a batch's prefix room, phrases and tokens per phrase."""
+        p = min(width + EXTRA_DECODE_LEN, max_len) - 1 if self.prefixes is not None else 0
+        q, t = (self.max_phrases, self.max_tokens) if self.constraints is not None else (0, 0)
+        return p, q, t
+
+    def batch(self, picked: Sequence[int], rows: int, width: int, max_len: int) -> Controls:
+        """The Controls of a batch of the sources `picked` (indices), filler rows last."""
+        p, q, t = self.sizes(width, max_len)
+        return Controls.of(
+            [self.prefixes[i] for i in picked] if self.prefixes is not None else [],
+            [self.constraints[i] for i in picked] if self.constraints is not None else [],
+            rows=rows,
+            prefix_len=p,
+            max_phrases=q,
+            max_tokens=t,
+        )
+
+    def abstract(self, rows: int, width: int, max_len: int) -> Controls:
+        """A batch's Controls as shapes (to compile its program ahead)."""
+        p, q, t = self.sizes(width, max_len)
+        shape = lambda *dims: jax.ShapeDtypeStruct(dims, np.int32)
+        return Controls(shape(rows, p), shape(rows, q, t), shape(rows, q, t))
+
+    def check(self, sources: Sequence[Sequence[int]], max_len: int) -> None:
+        """UserError naming the first source whose prefix leaves no room (its output
+        may have min(len + 50, max_len) tokens, EOS included) or whose phrases exceed
+        the limits (decode.py checks its files before; this is for other callers)."""
+        for i, source in enumerate(sources):
+            room = min(len(source) + EXTRA_DECODE_LEN, max_len) - 1
+            if self.prefixes is not None and source and len(self.prefixes[i]) > room:
+                raise UserError(
+                    f"source #{i}: its prefix has {len(self.prefixes[i])} tokens, more than "
+                    f"the {room} its translation may have"
+                )
+            if self.constraints is not None and source:
+                try:
+                    Controls.of(
+                        [], [self.constraints[i]], rows=1, prefix_len=0,
+                        max_phrases=self.max_phrases, max_tokens=self.max_tokens,
+                    )  # fmt: skip
+                except ValueError as e:
+                    raise UserError(f"source #{i}: {e}") from e
+
+
 # (indices into the non-empty sources, width S, rows B) per batch
 Plan = list[tuple[np.ndarray, int, int]]
 
@@ -58,17 +121,20 @@ def stage_rooms(width: int, max_len: int) -> list[int]:
 class Search(Protocol):
     """One batch's whole search: the live model's program, or an exported one.
 
-    whole(src [B, S], rooms) searches through each of `rooms` in turn until every
-    source is finished, and returns tokens [B, n_best, C] (EOS-terminated, 0 after)
-    and scores [B, n_best] (-inf: a slot never filled), best first. A search may also
-    have `prepare(rows, width, rooms)`: start compiling or loading the program of
-    that shape in the background, before its first call.
+    whole(src [B, S], rooms, controls) searches through each of `rooms` in turn until
+    every source is finished, and returns tokens [B, n_best, C] (EOS-terminated, 0
+    after) and scores [B, n_best] (-inf: a slot never filled), best first; with
+    controls (each source's prefix and phrases), also met [B, n_best, Q] bool. A search
+    may also have `prepare(rows, width, rooms, controls)` (controls as shapes): start
+    compiling or loading the program of that shape in the background.
     """
 
     n_best: int
     beam_size: int
 
-    def whole(self, src: jax.Array, rooms: list[int]) -> tuple[jax.Array, jax.Array]: ...
+    def whole(
+        self, src: jax.Array, rooms: list[int], controls: Controls | None = None
+    ) -> tuple[jax.Array, ...]: ...
 
 
 # --- devices <-> host -------------------------------------------------------------------
@@ -177,14 +243,17 @@ def without_sources(plan: Plan, nonempty: Sequence[int], skip: Collection[int]) 
     return [(c, w, r) for c, w, r in plan if c.size]
 
 
-def prepare_plan(search: Any, plan: Plan, max_len: int, sharding: Any = None) -> None:
+def prepare_plan(
+    search: Any, plan: Plan, max_len: int, sharding: Any = None, targets: Targets | None = None
+) -> None:
     """Start preparing the program of each shape of `plan` (a search with `prepare`, on
     one device: a mesh's programs are compiled by their first call)."""
     prepare = getattr(search, "prepare", None)
     if prepare is None or sharding is not None:
         return
     for width, rows in dict.fromkeys((width, rows) for _, width, rows in plan):
-        prepare(rows, width, stage_rooms(width, max_len))
+        controls = None if targets is None else targets.abstract(rows, width, max_len)
+        prepare(rows, width, stage_rooms(width, max_len), controls)
 
 
 # --- the loop -------------------------------------------------------------------------------
@@ -200,6 +269,7 @@ def run_stages(
     progress: Progress | None = None,
     min_rows: int = MIN_ROWS,
     skip: Collection[int] = (),
+    targets: Targets | None = None,
 ) -> list[list[Any]]:
     """Per source, in input order, its hypotheses (search.hypothesis.Hypothesis).
 
@@ -207,8 +277,10 @@ def run_stages(
     no hypotheses without running the model. min_rows: the rows of a width's small
     batch (data.plans.plan_translation). skip: sources not to translate (they get no
     hypotheses), e.g. those a killed run's journal holds; the batches keep the shapes
-    they have with them.
+    they have with them. targets: the prefixes and constraints of the sources.
     """
+    if targets is not None:
+        targets.check(sources, max_len)
     plan, nonempty = plan_batches(
         sources,
         max_len=max_len,
@@ -217,22 +289,30 @@ def run_stages(
         min_rows=min_rows,
         skip=skip,
     )
-    prepare_plan(search, plan, max_len, sharding)
+    prepare_plan(search, plan, max_len, sharding, targets)
     results: list[list[Any]] = [[] for _ in sources]
 
     def launch(chunk: np.ndarray, width: int, rows: int) -> tuple[Any, np.ndarray]:
-        src = place(batch_of(sources, [nonempty[j] for j in chunk], rows, width), sharding)
+        picked = [nonempty[j] for j in chunk]
+        src = place(batch_of(sources, picked, rows, width), sharding)
+        controls = None
+        if targets is not None:
+            controls = place(targets.batch(picked, rows, width, max_len), sharding)
         with timing.search_call() as call:
-            out = search.whole(src, stage_rooms(width, max_len))
+            out = search.whole(src, stage_rooms(width, max_len), controls)
             call.dispatched(out)
         return out, chunk
 
     def finish(job: tuple[Any, np.ndarray]) -> None:
         out, chunk = job
         with timing.phase("fetch"):
-            tokens, scores = fetch(out)  # [B, n, C], [B, n]
-        found = [hypotheses(tokens[r], scores[r]) for r in range(len(chunk))]
+            tokens, scores, *met = fetch(out)  # [B, n, C], [B, n], ([B, n, Q])
         indices = [nonempty[j] for j in chunk]
+        if met and targets is not None and targets.constraints is not None:
+            count = [len(targets.constraints[i]) for i in indices]
+            found = [hypotheses(tokens[r], scores[r], met[0][r], n) for r, n in enumerate(count)]
+        else:
+            found = [hypotheses(tokens[r], scores[r]) for r in range(len(chunk))]
         for i, hyps in zip(indices, found, strict=True):
             results[i] = hyps
         if progress is not None:

@@ -32,12 +32,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from model import Transformer, beam
+from model.constraints import Controls
 from model.scoring import decode_shape
 from search import programs
 from search.hypothesis import Hypothesis, hypotheses
 from search.settings import SearchSettings
 from search.stages import (
     Progress,
+    Targets,
     batch_of,
     fetch,
     place,
@@ -58,7 +60,9 @@ class Translator(Protocol):
     sources are id lists as the model was trained on (EOS-terminated, at most
     `max_len` long); an empty one gets no hypotheses. Each source gets at most
     `n_best` hypotheses, best first. The sources `skip` (indices) are not translated
-    (they get none): a resumed job's journal holds them.
+    (they get none): a resumed job's journal holds them. targets: the sources'
+    prefixes and constraints (search/stages.py `Targets`; a backend that cannot honour
+    them raises ValueError).
     """
 
     max_len: int  # the longest source, in tokens with EOS
@@ -69,6 +73,7 @@ class Translator(Protocol):
         sources: Sequence[Sequence[int]],
         progress: Progress | None = None,
         skip: Collection[int] = (),
+        targets: Targets | None = None,
     ) -> list[list[Hypothesis]]: ...
 
 
@@ -98,9 +103,12 @@ class LiveSearch:
     def beam_size(self) -> int:
         return self.rule.beam_size
 
-    def whole(self, src: jax.Array, rooms: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    def whole(
+        self, src: jax.Array, rooms: Sequence[int], controls: Controls | None = None
+    ) -> tuple[jax.Array, ...]:
         """model/beam.py `search` of src [B, S] through `rooms`: tokens [B, n, C] and
-        scores [B, n] (n = n_best), every source finished."""
+        scores [B, n] (n = n_best), every source finished; with controls (prefixes and
+        phrases), also met [B, n, Q]."""
         length, extra = decode_shape(self.model, src, None)
         return beam.search(
             self.model,
@@ -110,14 +118,17 @@ class LiveSearch:
             length=length,
             extra=extra,
             rooms=rooms,
+            controls=controls,
             call=self.call,
         )
 
-    def prepare(self, rows: int, width: int, rooms: Sequence[int]) -> None:
+    def prepare(
+        self, rows: int, width: int, rooms: Sequence[int], controls: Controls | None = None
+    ) -> None:
         """Start compiling or loading, in the background, the program of `whole` for a
-        batch of `rows` sources of width `width`."""
+        batch of `rows` sources of width `width` (controls: as shapes)."""
         ahead = dataclasses.replace(self, call=programs.prepare)
-        ahead.whole(jax.ShapeDtypeStruct((rows, width), np.int32), rooms)
+        ahead.whole(jax.ShapeDtypeStruct((rows, width), np.int32), rooms, controls)
 
 
 def search_fn(
@@ -146,6 +157,8 @@ def translate_ids(
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
     skip: Collection[int] = (),
+    prefixes: Sequence[Sequence[int]] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sources of any lengths, in batches of static shape.
 
@@ -163,9 +176,12 @@ def translate_ids(
         and their hypotheses (search/stages.py `Progress`).
       skip: indices of sources not to translate (they get no hypotheses); the batches
         keep the shapes they would have had (search/stages.py `run_stages`).
+      prefixes: per source, the ids its translation starts with (none: any start);
+        constraints: per source, the phrases (id lists) it contains, at most
+        settings.max_constraints of settings.constraint_tokens tokens each.
     Returns:
       per source, in input order, its hypotheses (at most n_best; fewer when the
-      beam found fewer distinct ones).
+      beam found fewer distinct ones); with constraints, each says which it met.
     """
     return run_stages(
         LiveSearch(model, settings.rule(vocab_limit), settings.alpha),
@@ -176,6 +192,7 @@ def translate_ids(
         progress=progress,
         min_rows=settings.min_rows,
         skip=skip,
+        targets=settings.targets(prefixes, constraints),
     )
 
 
@@ -195,7 +212,12 @@ class LiveTranslator:
     def search(self) -> LiveSearch:
         return LiveSearch(self.model, self.settings.rule(self.vocab_limit), self.settings.alpha)
 
-    def prepare(self, sources: Sequence[Sequence[int]], skip: Collection[int] = ()) -> None:
+    def prepare(
+        self,
+        sources: Sequence[Sequence[int]],
+        skip: Collection[int] = (),
+        targets: Targets | None = None,
+    ) -> None:
         """Start compiling or loading, in the background, the programs `translate` of these
         sources will run (e.g. as soon as a chunk is read, while another is translated)."""
         plan, _ = plan_batches(
@@ -206,22 +228,25 @@ class LiveTranslator:
             min_rows=self.settings.min_rows,
             skip=skip,
         )
-        prepare_plan(self.search(), plan, self.max_len, self.sharding)
+        prepare_plan(self.search(), plan, self.max_len, self.sharding, targets)
 
     def translate(
         self,
         sources: Sequence[Sequence[int]],
         progress: Progress | None = None,
         skip: Collection[int] = (),
+        targets: Targets | None = None,
     ) -> list[list[Hypothesis]]:
-        return translate_ids(
-            self.model,
+        return run_stages(
+            self.search(),
             sources,
-            self.settings,
-            vocab_limit=self.vocab_limit,
+            max_len=self.max_len,
+            batch_tokens=self.settings.tokens_per_batch,
             sharding=self.sharding,
             progress=progress,
+            min_rows=self.settings.min_rows,
             skip=skip,
+            targets=targets,
         )
 
 
@@ -242,7 +267,10 @@ class PlanOnlyTranslator:
         sources: Sequence[Sequence[int]],
         progress: Progress | None = None,
         skip: Collection[int] = (),
+        targets: Targets | None = None,
     ) -> list[list[Hypothesis]]:
+        if targets is not None:  # checked as the search would: a dry run finds bad lines
+            targets.check(sources, self.max_len)
         return echo_batches(
             sources,
             max_len=self.max_len,

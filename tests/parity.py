@@ -113,15 +113,21 @@ class NearTies:
         out = _logp(*nnx.split(self.model), jnp.asarray(s), jnp.asarray(t))
         return np.asarray(out[0, : len(tokens) + 1], np.float64)
 
-    def _scores(self, src: Sequence[int], tokens: Sequence[int]) -> tuple[float, float]:
-        """(ours, the other's) ranking score of a whole hypothesis."""
+    def _scores(
+        self, src: Sequence[int], tokens: Sequence[int], skip: int = 0
+    ) -> tuple[float, float]:
+        """(ours, the other's) ranking score of a whole hypothesis; its first `skip` tokens
+        (a prefix, forced) count in its length only."""
         logp = self._logps(src, tokens)
         picked = logp[np.arange(len(tokens) + 1), [*tokens, EOS_ID]]
+        picked[:skip] = 0.0
         kept = np.log1p(-np.exp(logp[:, list(self.suppressed)]).sum(axis=1))  # [T+1]
         lp = float(length_penalty(len(tokens) + 1, self.alpha, self.penalty))
         return picked.sum() / lp, (picked - kept).sum() / lp
 
-    def _line(self, i: int, src, a: Sequence[int], b: Sequence[int], search: str) -> Line:
+    def _line(
+        self, i: int, src, a: Sequence[int], b: Sequence[int], search: str, skip: int = 0
+    ) -> Line:
         if list(a) == list(b):
             return Line(i, "same")
         if search == "greedy":  # the first token where they part, after the prefix they share
@@ -132,7 +138,8 @@ class NearTies:
             gap = abs(logp[x] - logp[y])
             detail = f"at token {t}: {x} vs {y}"
         else:
-            (a_ours, a_other), (b_ours, b_other) = self._scores(src, a), self._scores(src, b)
+            (a_ours, a_other) = self._scores(src, a, skip)
+            (b_ours, b_other) = self._scores(src, b, skip)
             gap = min(abs(a_ours - b_ours), abs(a_other - b_other))
             detail = f"scores {a_ours:.5f} vs {b_ours:.5f} ({a_other:.5f} vs {b_other:.5f})"
         return Line(i, "tie" if gap <= self.tol else "different", float(gap), detail)
@@ -143,10 +150,12 @@ class NearTies:
         ours: Sequence[Sequence[Sequence[int]]],
         theirs: Sequence[Sequence[Sequence[int]]],
         search: str = "beam",
+        prefixes: Sequence[Sequence[int]] | None = None,
     ) -> Result:
         """Per line i, its hypotheses' tokens in both (best first; n-best lists compared
         rank by rank): identical, a near-tie, or different. sources[i]: line i's source ids
-        (EOS-terminated), as both translated it."""
+        (EOS-terminated), as both translated it; prefixes[i]: the start both were given
+        (it counts in the length, not in the score)."""
         if search not in ("beam", "greedy"):
             raise ValueError(f"search must be beam or greedy, got {search!r}")
         lines = []
@@ -154,7 +163,8 @@ class NearTies:
             if len(a) != len(b):
                 lines.append(Line(i, "different", float("inf"), f"{len(a)} vs {len(b)} hyps"))
                 continue
-            verdicts = [self._line(i, src, x, y, search) for x, y in zip(a, b, strict=True)]
+            skip = len(prefixes[i]) if prefixes is not None else 0
+            verdicts = [self._line(i, src, x, y, search, skip) for x, y in zip(a, b, strict=True)]
             rank = lambda v: ("same", "tie", "different").index(v.verdict)
             lines.append(max(verdicts, key=rank, default=Line(i, "same")))  # none: an empty line
         return Result(lines)

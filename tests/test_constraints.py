@@ -41,13 +41,29 @@ def test_progress_tracks_the_longest_partial_match_and_keeps_a_met_phrase():
 
 
 def test_allocation_takes_turns_among_banks_fullest_first():
-    # 6 candidates in banks 2, 0, 2, 1, 0, 1 with these scores; K = 4.
+    # 6 candidates in banks 2, 0, 2, 1, 0, 1 with these scores (the last none).
     score = jnp.array([[-1.0, -0.5, -3.0, -2.0, -0.1, -np.inf]])
     bank = jnp.array([[2, 0, 2, 1, 0, 1]])
-    picked_score, picked = constraints.allocate(score, bank, 4)
-    # Turn 1: the best of banks 2, 1, 0 (-1.0, -2.0, -0.1); turn 2: bank 2's next (-3.0).
-    assert picked.tolist() == [[0, 3, 4, 2]]
-    np.testing.assert_allclose(picked_score, [[-1.0, -2.0, -0.1, -3.0]])
+    place = constraints.allocation_order(score, bank)
+    # Turn 1: the best of banks 2, 1, 0 (-1.0, -2.0, -0.1); turn 2: bank 2's next (-3.0),
+    # then bank 0's (-0.5); the non-candidate last.
+    assert np.argsort(place[0]).tolist() == [0, 3, 4, 2, 1, 5]
+
+
+def test_candidates_are_the_models_each_phrases_next_token_and_each_beams_best():
+    live_logp = jnp.array([[0.0, -1.0]])  # K = 2
+    logp = jnp.log(jnp.array([[[0.1, 0.6, 0.3], [0.5, 0.2, 0.3]]]))  # [B, K, V=3]
+    progress = jnp.array([[[0], [1]]])  # beam 1 has produced the phrase's first token
+    phrases = jnp.array([[[2, 1]]])  # [B, Q=1, T=2]
+    top = (jnp.array([[np.log(0.6), np.log(0.3), -1.0 + np.log(0.5), -np.inf]]),
+           jnp.array([[0, 0, 1, 1]]), jnp.array([[1, 2, 0, 0]]))  # fmt: skip
+    score, beam, token = constraints.candidates(top, live_logp, logp, progress, phrases)
+    found = zip(beam[0], token[0], score[0], strict=True)
+    pairs = [(int(b), int(t)) for b, t, s in found if np.isfinite(s)]
+    # the model's three; beam 1's next phrase token (1); beam 0's (2) and both beams'
+    # best were listed already: not twice
+    assert pairs == [(0, 1), (0, 2), (1, 0), (1, 1)]
+    np.testing.assert_allclose(score[0, 4:6], [-np.inf, -1.0 + np.log(0.2)], rtol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +100,11 @@ def reference_after_prefix(model, src_row, prefix, k, limit, alpha=0.6):
         cands = []
         for seq, score in live:
             logp = full_logp(model, src_row, list(seq))
-            if t < len(prefix) + 1:  # --min_length 1 after the prefix
-                logp[EOS_ID] = -np.inf
             toks = [EOS_ID] if t == limit - 1 else range(len(logp))
             cands += [((*seq, tok), score + logp[tok]) for tok in toks]
         cands = sorted(cands, key=lambda c: -c[1])[: 2 * k]
-        finished += [(s, v / lp(t + 1)) for s, v in cands[:k] if s[-1] == EOS_ID]
+        ending = cands[:1] if t == len(prefix) else cands[:k]  # right after it: the best only
+        finished += [(s, v / lp(t + 1)) for s, v in ending if s[-1] == EOS_ID]
         finished = sorted(finished, key=lambda c: -c[1])[:k]
         live = [c for c in cands if c[0][-1] != EOS_ID][:k]
         best_live = max(sc for _, sc in live) / lp(limit) if live else -np.inf

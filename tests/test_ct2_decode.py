@@ -151,6 +151,38 @@ def test_beam_agrees_with_ours_on_every_line_but_near_ties(
     assert result.count("same") > 0.5 * len(a)  # not everything a tie
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_prefixes_agree_with_ours_on_every_line_but_near_ties(
+    workdir,  # noqa: F811
+    ct2_dirs,
+    near_ties,
+    tmp_path,
+    beam,
+):
+    """--prefix through CTranslate2's target_prefix and through our search: every output
+    starts with its prefix, and the lines are the same but at near-ties."""
+    pairs = digit_pairs(np.random.default_rng(8), 40, max_words=8)
+    src, prefix = tmp_path / "in.de", tmp_path / "prefix.en"
+    src.write_text("".join(de + "\n" for de, _ in pairs))
+    starts = [" ".join(en.split()[: i % 3]) for i, (_, en) in enumerate(pairs)]  # 0-2 words
+    starts[5] = "nine nine"  # a start the source does not call for
+    prefix.write_text("".join(p + "\n" for p in starts))
+    args = [f"--input={src}", f"--prefix={prefix}", f"--beam_size={beam}", "--output_format=jsonl"]
+    ours = run_decode(f"--workdir={workdir}", *AS_CT2, *args)
+    theirs = run_decode(f"--ct2={ct2_dirs['float32']}", *args)
+    assert ours.returncode == 0 and theirs.returncode == 0, theirs.stderr.decode()
+    ties, sources = near_ties
+    a, b = hypotheses(ours), hypotheses(theirs)
+    starts_ids = [x[:-1] for x in sources("".join(p + "\n" for p in starts).encode())]
+    for line, want in zip(a, starts_ids, strict=True):
+        assert all(h[: len(want)] == want for h in line)
+    result = ties.compare(
+        sources(src.read_bytes()), a, b, "greedy" if beam == 1 else "beam", starts_ids
+    )
+    assert result.ok, result.report()
+    assert result.count("same") > 0.5 * len(a)
+
+
 def test_groups_side_by_side_give_what_one_group_at_a_time_gives(ct2_dirs):
     """On a CPU each of --threads workers translates its own group of one output limit;
     that must change nothing but the speed: every source gets the hypotheses, scores and

@@ -70,7 +70,10 @@ def test_the_breakdown_adds_up(fresh):
     assert b["programs_s"] == pytest.approx(0.30, abs=0.05)
     assert b["programs_wall_s"] == pytest.approx(0.30, abs=0.05)
     assert b["programs_critical_s"] == pytest.approx(0.30, abs=0.05)
-    assert b["programs_critical_s"] <= b["programs_wall_s"] + 1e-3 <= b["programs_s"] + 2e-3
+    # (the wall time of programs is at most their sum; the main thread's wait for one may
+    # outlast it by a scheduling delay, so the critical path is bounded by the work only)
+    assert b["programs_wall_s"] <= b["programs_s"] + 1e-3
+    assert b["programs_critical_s"] <= b["work_s"]
     # idle, with no program compiling: the loads inside the calls, tokenizing, the fetches'
     # ends after the searches
     assert 0 <= b["host_bound_s"] <= b["device_idle_s"] + 1e-6

@@ -1,0 +1,125 @@
+"""decode.py --prefix and --constraints: per input line, what its translation must hold.
+
+    prefixes, phrases = encode_targets(tokenizer, lines, prefix_lines, constraint_lines,
+                                       first_line=1, settings=settings)
+
+Line i of --prefix is the start translation i must have (empty: none); line i of
+--constraints holds the phrases it must contain, separated by tabs (fairseq's
+convention; empty: none). Both files have one line per input line and are read a
+chunk at a time beside the input (inference/stream.py). Each is encoded with the
+target side's tokenizer; anything a search cannot honour is one UserError that names
+the line and the flag to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from common.errors import UserError
+from inference.lines import LineReader, encode_lines
+from model.defaults import EXTRA_DECODE_LEN
+from search.settings import SearchSettings
+
+
+def split_phrases(line: str) -> list[str]:
+    """A --constraints line -> its phrases: split at tabs, stripped, empty ones dropped."""
+    return [p.strip() for p in line.split("\t") if p.strip()]
+
+
+def encode_targets(
+    tokenizer: Any,
+    lines: Sequence[str],
+    prefix_lines: Sequence[str] | None,
+    constraint_lines: Sequence[str] | None,
+    *,
+    first_line: int,
+    settings: SearchSettings,
+) -> tuple[list[list[int]] | None, list[list[list[int]]] | None]:
+    """(per line its prefix ids, per line its phrases' ids), None for a file not given.
+
+    lines: the input lines of a chunk (its first is line `first_line` of the input, for
+    the messages); an empty input line gets no translation, so its prefix and
+    phrases are not looked at.
+    """
+    prefixes = phrases = None
+    if prefix_lines is not None:
+        _same_count(lines, prefix_lines, "--prefix", first_line)
+        prefixes = tokenizer.encode_target_batch([p.strip() for p in prefix_lines])
+    if constraint_lines is not None:
+        _same_count(lines, constraint_lines, "--constraints", first_line)
+        split = [split_phrases(line) for line in constraint_lines]
+        flat = tokenizer.encode_target_batch([p for ps in split for p in ps])
+        phrases, at = [], 0
+        for n, (line, ps) in enumerate(zip(lines, split, strict=True)):
+            ids, at = flat[at : at + len(ps)], at + len(ps)
+            if line.strip():
+                _check_phrases(ps, ids, first_line + n, settings)
+            phrases.append(ids)
+    return prefixes, phrases
+
+
+def _same_count(lines: Sequence[str], other: Sequence[str], flag: str, first_line: int) -> None:
+    if len(other) != len(lines):
+        end = first_line + min(len(lines), len(other))
+        raise UserError(
+            f"{flag} has {'fewer' if len(other) < len(lines) else 'more'} lines than the "
+            f"input (they part at line {end}): give one line per input line"
+        )
+
+
+def _check_phrases(
+    phrases: list[str], ids: list[list[int]], line: int, settings: SearchSettings
+) -> None:
+    if len(phrases) > settings.max_constraints:
+        raise UserError(
+            f"--constraints line {line} has {len(phrases)} phrases, more than "
+            f"--max_constraints={settings.max_constraints}"
+        )
+    for phrase, tokens in zip(phrases, ids, strict=True):
+        if not tokens:
+            raise UserError(f"--constraints line {line}: {phrase!r} encodes to no tokens")
+        if len(tokens) > settings.constraint_tokens:
+            raise UserError(
+                f"--constraints line {line}: {phrase!r} is {len(tokens)} tokens, more than "
+                f"--constraint_tokens={settings.constraint_tokens}"
+            )
+
+
+def check_files(
+    tokenizer: Any,
+    input_path: str,
+    prefix_path: str | None,
+    constraints_path: str | None,
+    *,
+    max_length: int,
+    max_len: int,
+    settings: SearchSettings,
+    chunk: int = 10_000,
+) -> None:
+    """Every line of --prefix and --constraints as the search will take it, before anything
+    is written (UserError for the first bad one): one pass over the files, a chunk at a
+    time. A prefix must leave its translation room for EOS: at most min(source tokens +
+    50, max_len) - 1 tokens."""
+    readers = [LineReader(p) if p else None for p in (input_path, prefix_path, constraints_path)]
+    try:
+        first = 1
+        while lines := readers[0].read(chunk)[0]:
+            more = [r.read(len(lines))[0] if r is not None else None for r in readers[1:]]
+            prefixes, _ = encode_targets(
+                tokenizer, lines, *more, first_line=first, settings=settings
+            )
+            if prefixes is not None:
+                _, sources, _ = encode_lines(tokenizer, lines, max_length, False)
+                for n, (ids, prefix) in enumerate(zip(sources, prefixes, strict=True)):
+                    room = min(len(ids) + 1 + EXTRA_DECODE_LEN, max_len) - 1
+                    if ids and len(prefix) > room:
+                        raise UserError(
+                            f"--prefix line {first + n} is {len(prefix)} tokens, more than the "
+                            f"{room} the translation of its source may have"
+                        )
+            first += len(lines)
+    finally:
+        for r in readers:
+            if r is not None:
+                r.close()

@@ -1,0 +1,139 @@
+"""decode.py --prefix and --constraints end to end on the trained digit workdir: every
+output honours them, the jsonl says which phrases each hypothesis holds, a killed job's
+re-run and eight devices write what one uninterrupted device writes, and bad files are
+one clear line before anything is written."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from tests.test_decode_cli import EN, digit_pairs, run_decode, workdir  # noqa: F401
+from tests.test_decode_stream import run_killed
+
+FILES = 40
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """40 digit sentences; a prefix file (the reference's first word, or none) and a
+    constraints file (one or two words of the reference, some a word it lacks)."""
+    d = tmp_path_factory.mktemp("targets")
+    rng = np.random.default_rng(12)
+    pairs = digit_pairs(rng, FILES, max_words=5)
+    prefixes, constraints = [], []
+    for i, (_, en) in enumerate(pairs):
+        words = en.split()
+        prefixes.append(words[0] if i % 3 else "")
+        wanted = [words[-1]] if i % 2 else [words[0], str(EN[(i // 2) % 10])]
+        constraints.append("\t".join(wanted) if i % 5 else "")
+    (d / "in.de").write_text("".join(de + "\n" for de, _ in pairs))
+    (d / "prefix.en").write_text("".join(p + "\n" for p in prefixes))
+    (d / "terms.tsv").write_text("".join(c + "\n" for c in constraints))
+    return d, prefixes, constraints
+
+
+def jsonl(r):
+    return [json.loads(x)["hypotheses"] for x in r.stdout.decode().split("\n")[:-1]]
+
+
+def test_every_output_starts_with_its_prefix_and_holds_its_phrases(workdir, files):  # noqa: F811
+    d, prefixes, constraints = files
+    r = run_decode(
+        f"--workdir={workdir}", f"--input={d / 'in.de'}", f"--prefix={d / 'prefix.en'}",
+        f"--constraints={d / 'terms.tsv'}", "--output_format=jsonl", "--n_best=2",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode()
+    lines = jsonl(r)
+    assert len(lines) == FILES
+    for hyps, prefix, wanted in zip(lines, prefixes, constraints, strict=True):
+        phrases = wanted.split("\t") if wanted else []
+        for h in hyps:
+            assert h["text"].startswith(prefix)
+            assert h["constraints_met"] == [True] * len(phrases)
+            assert all(p in h["text"].split() for p in phrases), (h["text"], phrases)
+    # Where a phrase is not in the source, the search adds it: the outputs differ from
+    # the unconstrained ones there, and only there is the translation not the reference.
+    free = run_decode(f"--workdir={workdir}", f"--input={d / 'in.de'}")
+    assert free.returncode == 0, free.stderr.decode()
+    free_lines = free.stdout.decode().split("\n")[:-1]
+    changed = sum(a[0]["text"] != b for a, b in zip(lines, free_lines, strict=True))
+    assert changed > 0
+
+
+def test_a_killed_job_and_eight_devices_write_the_uninterrupted_output(
+    workdir,  # noqa: F811
+    files,
+    tmp_path,
+):
+    d, _, _ = files
+    args = [f"--workdir={workdir}", f"--input={d / 'in.de'}", f"--prefix={d / 'prefix.en'}",
+            f"--constraints={d / 'terms.tsv'}", "--output_format=jsonl",
+            "--read_lines=8"]  # fmt: skip
+    whole = run_decode(*args)
+    assert whole.returncode == 0, whole.stderr.decode()
+    out = tmp_path / "out.jsonl"
+    assert run_killed(16, 1, *args, f"--output={out}").returncode == -signal.SIGKILL
+    r = run_decode(*args, f"--output={out}")
+    # (the chunk being written when it was killed is lost: 8 lines are kept)
+    assert r.returncode == 0 and "8 lines were done" in r.stderr.decode(), r.stderr.decode()
+    assert out.read_bytes() == whole.stdout
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    eight = run_decode(*args, env={**os.environ, "XLA_FLAGS": flags})
+    assert eight.returncode == 0, eight.stderr.decode()
+    tokens = lambda run: [[h["tokens"] for h in hyps] for hyps in jsonl(run)]
+    assert tokens(eight) == tokens(whole)
+
+
+@pytest.mark.parametrize(
+    ("write", "flags", "message"),
+    [
+        ({"prefix.en": "one\n"}, ["--prefix={d}/prefix.en"],
+         "--prefix has 1 lines but the input 2"),
+        ({"t.tsv": "one\n\n\n"}, ["--constraints={d}/t.tsv"], "--constraints has 3 lines"),
+        ({"t.tsv": "one\u200b\t\u200b\n\n"}, ["--constraints={d}/t.tsv"],
+         "--constraints line 1: '\\u200b' encodes to no tokens"),
+        ({"t.tsv": "one\ttwo\tthree\n\n"}, ["--constraints={d}/t.tsv", "--max_constraints=2"],
+         "line 1 has 3 phrases, more than --max_constraints=2"),
+        ({"t.tsv": "one two three four\n\n"}, ["--constraints={d}/t.tsv", "--constraint_tokens=2"],
+         "more than --constraint_tokens=2"),
+        ({}, ["--prefix={d}/missing"], "--prefix {d}/missing does not exist"),
+        ({"t.tsv": "one\n\n"}, ["--constraints={d}/t.tsv", "--long_lines=split"],
+         "need --long_lines=truncate"),
+        ({"t.tsv": "one\n\n"}, ["--constraints={d}/t.tsv", "--max_constraints=0"],
+         "--max_constraints >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_files_and_settings_are_one_line_before_anything_is_written(
+    workdir,  # noqa: F811
+    tmp_path,
+    write,
+    flags,
+    message,
+):
+    for name, text in write.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "in.de").write_text("eins\nzwei\n")
+    out = tmp_path / "out.en"
+    flags = [f.format(d=tmp_path) for f in flags]
+    r = run_decode(
+        f"--workdir={workdir}", f"--input={tmp_path / 'in.de'}", f"--output={out}", *flags
+    )
+    err = r.stderr.decode()
+    assert r.returncode == 1 and message.format(d=tmp_path) in err and "Traceback" not in err, err
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if "partial" in p]
+
+
+def test_backends_that_cannot_honour_them_refuse(workdir, tmp_path):  # noqa: F811
+    (tmp_path / "t.tsv").write_text("one\n")
+    for backend, message in (
+        ("--ct2={d}", "CTranslate2 (--ct2) has no terminology constraints"),
+        ("--exported={d}", "an exported translator takes no --constraints"),
+    ):
+        r = run_decode(
+            backend.format(d=tmp_path), f"--constraints={tmp_path / 't.tsv'}", stdin=b"eins\n"
+        )
+        err = r.stderr.decode()
+        assert r.returncode == 1 and message in err and "Traceback" not in err, err
