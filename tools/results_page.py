@@ -60,6 +60,10 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
     ("decode.py on 8,000 more lines in 1,000-line chunks", "cpu-zen5-20261127-144cd11-programs",
      {"benchmark": "decode_programs", "job": 2}, None,
      "{added_files} files added to the cache (the first job's: 12); {compiled} compiled"),
+    ("`--constraints` and `--prefix`, Ding test (1,500 phrases)",
+     "cpu-zen5-20261127-2912302-constraints", {"benchmark": "constraints"}, None,
+     "phrases met: {met_share}; BLEU {bleu_constrained} (plain {bleu_plain}); time "
+     "x{cost_constrained}; prefixes as CTranslate2's: {prefix_equal_to_ct2}"),
     ("decode.py killed at 60% and re-run, 12,000 lines", "cpu-zen5-20261127-1c29c1a-pace",
      {"benchmark": "decode_resume", "lines": 12000}, None,
      "the re-run takes {rerun_share} of the whole job's time"),
