@@ -28,7 +28,7 @@ translation must contain. Both travel as fixed-size arrays in the search's state
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +50,10 @@ class Controls(NamedTuple):
         return jnp.sum(self.phrases != 0, axis=-1, dtype=jnp.int32)
 
     @classmethod
-    def none(cls, rows: int) -> Controls:
-        """No prefix and no phrases for `rows` sources."""
-        return cls.of([], [], rows=rows, prefix_len=0, max_phrases=0, max_tokens=0)
+    def none(cls, rows: Any) -> Controls:
+        """No prefix and no phrases for `rows` sources (a symbolic count too: an export)."""
+        empty = jnp.zeros((rows, 0, 0), jnp.int32)
+        return cls(jnp.zeros((rows, 0), jnp.int32), empty, empty)
 
     @classmethod
     def of(

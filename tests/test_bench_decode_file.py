@@ -4,6 +4,8 @@ run's output. (--measure=memory reads the Ding corpus; `make train` installs it.
 
 import json
 
+import pytest
+
 from bench import decode_file
 from tests.test_decode_cli import workdir  # noqa: F401 (a fixture)
 
@@ -32,6 +34,7 @@ def test_pace_reports_where_the_time_went_cold_and_warm(workdir, tmp_path, capsy
     assert header and header[0][-1] == "host_share"  # then the table
 
 
+@pytest.mark.slow  # ~8 s: the resume itself is test_decode_stream's (make test)
 def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_path, capsys):  # noqa: F811
     at = 0.5
     decode_file.main(

@@ -14,7 +14,7 @@ def _reports(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("step_only", [False, True])
+@pytest.mark.parametrize("step_only", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_profile_times_the_pieces_and_counts_the_step_flops(capsys, step_only):
     argv = ["--config=tiny", "--batch_tokens=256", "--length=16"]
     profile.main(argv + (["--step_only"] if step_only else []))
@@ -30,6 +30,7 @@ def test_profile_times_the_pieces_and_counts_the_step_flops(capsys, step_only):
     assert report["xla_flops_per_step"] == pytest.approx(report["model_flops_per_step"], rel=0.05)
 
 
+@pytest.mark.slow  # ~8 s: a benchmark's measure; the step's ways are tested in test_train_steps
 def test_host_mode_reports_every_way_of_calling_the_step(capsys):
     profile.main(["--host", "--config=tiny", "--batch_tokens=64", "--length=8", "--iters=2"])
     (report,) = _reports(capsys.readouterr().out)

@@ -24,7 +24,8 @@ from data import Tokenizer
 from data.tokenizer import train_tokenizer
 from inference.restore import restore_model
 from model import EOS_ID, decoding, shift_right
-from tests.conftest import session_dir, users_env
+from tests import decode_runs
+from tests.conftest import session_dir
 from training import checkpoints, steps
 from training import config as config_lib
 
@@ -86,23 +87,29 @@ def workdir(tmp_path_factory):
     test session (~1 min on 2 cores), by the first xdist worker that needs it, and used
     by test_decode_cli, test_decode_stream and test_ct2_decode."""
     shared = session_dir(tmp_path_factory, "digit-workdir")
-    with open(f"{shared}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait for the first to finish
-        if not os.path.isdir(shared):
-            building = f"{shared}.building"
-            shutil.rmtree(building, ignore_errors=True)
-            os.makedirs(building)
-            # In a child compiled as users compile: test_ct2_decode compares its beams
-            # with CTranslate2's, and near ties follow the rounding of the training.
-            code = f"from tests.test_decode_cli import train_digit_workdir as t; t({building!r})"
-            subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=users_env(), check=True)
-            os.rename(building, shared)  # complete, or not there
+    build_digit_workdir(shared)  # or wait for the worker that builds it
     wd = str(tmp_path_factory.mktemp("workdir") / "w")
     shutil.copytree(shared, wd)
     config = config_lib.load_config(wd)
     config.dataset = f"tsv:{os.path.join(wd, 'digits.tsv')}"  # this copy's (--split=test)
     config_lib.save_config(config, wd)
     return wd
+
+
+def build_digit_workdir(shared: str) -> None:
+    """The trained digit workdir in `shared`, built once by whichever process comes first
+    (a lock: the others wait for it), in a child with JAX state of its own. (Compiled as
+    the tests compile: the parity checks against CTranslate2 allow near-ties,
+    tests/parity.py, so the training's rounding does not matter.)"""
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isdir(shared):
+            building = f"{shared}.building"
+            shutil.rmtree(building, ignore_errors=True)
+            os.makedirs(building)
+            code = f"from tests.test_decode_cli import train_digit_workdir as t; t({building!r})"
+            subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+            os.rename(building, shared)  # complete, or not there
 
 
 def train_digit_workdir(wd: str) -> None:
@@ -140,17 +147,9 @@ def train_digit_workdir(wd: str) -> None:
 
 
 def run_decode(*args, stdin=None, pythonpath="", env=None):
-    """decode.py in a child; `pythonpath` goes before the repository (e.g. module stubs);
-    `env`: the child's environment, before JAX_PLATFORMS and PYTHONPATH are set."""
-    env = {**(env or os.environ), "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath + ROOT}
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, "decode.py"), *args],
-        input=stdin,
-        capture_output=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
+    """decode.py with `args` (tests/decode_runs.py: in this process, or in a child for
+    `pythonpath` or `env`)."""
+    return decode_runs.run_decode(*args, stdin=stdin, pythonpath=pythonpath, env=env)
 
 
 def test_trained_model_translates_synthetic_task_exactly(workdir):

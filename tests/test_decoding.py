@@ -136,8 +136,18 @@ def large_searches(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("stop", ["bound", "heuristic", "count"])
-@pytest.mark.parametrize(("penalty", "alpha"), [("gnmt", 0.6), ("average", 1.0)])
+@pytest.mark.parametrize(
+    ("penalty", "alpha", "stop"),
+    [
+        ("gnmt", 0.6, "bound"),
+        ("average", 1.0, "heuristic"),
+        ("gnmt", 0.6, "count"),
+        # ~4 s each: every rule with each penalty in make test-slow
+        pytest.param("average", 1.0, "bound", marks=pytest.mark.slow),
+        pytest.param("gnmt", 0.6, "heuristic", marks=pytest.mark.slow),
+        pytest.param("average", 1.0, "count", marks=pytest.mark.slow),
+    ],
+)
 def test_beam_cached_equals_full_forward(model, penalty, alpha, stop):
     src = ragged_src(1, [4, 6])
     k, limit = 3, 7

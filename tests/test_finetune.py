@@ -60,7 +60,9 @@ def metrics(workdir):
         return [json.loads(line) for line in f]
 
 
-def test_a_fine_tune_starts_from_the_imported_model_learns_resumes_and_translates(tmp_path):
+def fine_tune(tmp_path):
+    """A fine-tune of an OPUS-MT directory on the digit task: (directory, workdir, the
+    train.py flags of its data, the dev pairs); asserted to have run."""
     directory, _, _ = opus_mt_directory(tmp_path)
     train_tsv, dev_tsv = tmp_path / "train.tsv", tmp_path / "dev.tsv"
     dev = digit_pairs(np.random.default_rng(6), 40)
@@ -71,9 +73,13 @@ def test_a_fine_tune_starts_from_the_imported_model_learns_resumes_and_translate
     data = [f"--config.init_from={directory}", f"--config.dataset=tsv:{train_tsv}"]
     data += [f"--config.eval_dataset=tsv:{dev_tsv}"]
     wd = tmp_path / "wd"
-
     run = train(wd, *data)
     assert run.returncode == 0, run.stderr[-3000:]
+    return directory, wd, data, dev
+
+
+def test_a_fine_tune_starts_from_the_imported_model_learns_and_translates(tmp_path):
+    directory, wd, _, dev = fine_tune(tmp_path)
     # The step-0 evaluation is the imported model's: CTranslate2 scores the dev set alike.
     rows = [r for r in metrics(wd) if "eval_loss" in r]
     assert [r["step"] for r in rows] == [0, STEPS]
@@ -87,19 +93,22 @@ def test_a_fine_tune_starts_from_the_imported_model_learns_resumes_and_translate
     with open(wd / "config.json") as f:
         config = json.load(f)
     assert config["model"]["zero_start"] and config["model"]["positions"] == "sinusoid_halves"
+    (tmp_path / "dev.de").write_text("".join(f"{s}\n" for s, _ in dev))
+    out = run_decode(f"--workdir={wd}", f"--input={tmp_path / 'dev.de'}", "--beam_size=1")
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert len(out.stdout.decode().splitlines()) == len(dev)
+    assert f"from step {STEPS}" in out.stderr.decode()
 
+
+@pytest.mark.slow  # ~20 s: a second train.py run; resuming is test_train_loop's in make test
+def test_a_resumed_fine_tune_needs_no_imported_model(tmp_path):
+    directory, wd, data, _ = fine_tune(tmp_path)
     # Resumed, the run restores its checkpoint: the import's directory is no longer needed.
     os.rename(directory, f"{directory}.moved")
     run = train(wd, *data, steps=STEPS + 10)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resumed from step 30" in run.stderr and "parameters from" not in run.stderr
     assert [r["step"] for r in metrics(wd) if "eval_loss" in r] == [0, STEPS, STEPS + 10]
-
-    (tmp_path / "dev.de").write_text("".join(f"{s}\n" for s, _ in dev))
-    out = run_decode(f"--workdir={wd}", f"--input={tmp_path / 'dev.de'}", "--beam_size=1")
-    assert out.returncode == 0, out.stderr.decode()[-2000:]
-    assert len(out.stdout.decode().splitlines()) == len(dev)
-    assert f"from step {STEPS + 10}" in out.stderr.decode()
 
 
 def test_a_fine_tune_without_a_model_is_one_clear_line(tmp_path):
