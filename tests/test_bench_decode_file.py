@@ -48,6 +48,7 @@ def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_p
     assert row["rerun_share"] > 0 and row["rerun_s"] > 0 and row["whole_s"] > 0
 
 
+@pytest.mark.slow  # ~10 s: the property itself is test_stages' in make test
 def test_later_jobs_in_other_chunks_add_no_program(workdir, tmp_path, capsys):  # noqa: F811
     decode_file.main(
         ["--measure=programs", f"--workdir={workdir}", "--lines=150", "--read_lines=20",

@@ -3,9 +3,12 @@ each import's time (a small vocabulary here; the benchmark's default is opus-mt-
 
 import json
 
+import pytest
+
 from bench import marian_import
 
 
+@pytest.mark.slow  # ~8 s: a benchmark's run; the import itself is test_marian's in make test
 def test_marian_import_times_each_import_of_an_opus_mt_shaped_model(capsys):
     marian_import.main(["--vocab=300", "--repeats=2"])
     lines = capsys.readouterr().out.splitlines()

@@ -14,7 +14,8 @@ def _reports(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("step_only", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow  # ~6-13 s each: a benchmark's measures; the step is test_train_steps'
+@pytest.mark.parametrize("step_only", [False, True])
 def test_profile_times_the_pieces_and_counts_the_step_flops(capsys, step_only):
     argv = ["--config=tiny", "--batch_tokens=256", "--length=16"]
     profile.main(argv + (["--step_only"] if step_only else []))

@@ -113,7 +113,7 @@ def reference_after_prefix(model, src_row, prefix, k, limit, alpha=0.6):
     return finished
 
 
-@pytest.mark.parametrize("beam_size", [1, 4])
+@pytest.mark.parametrize("beam_size", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_every_output_contains_every_phrase(model, beam_size):
     src = ragged_src(3, [6, 4, 7, 5])
     phrases = [[[9, 10]], [[5], [11, 4, 6]], [], [[8, 8], [7]]]

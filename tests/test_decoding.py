@@ -219,7 +219,7 @@ def eos_first_model() -> Transformer:
     return model
 
 
-@pytest.mark.parametrize("min_length", [0, 1, 3])
+@pytest.mark.parametrize("min_length", [0, 1, pytest.param(3, marks=pytest.mark.slow)])
 def test_min_length_bans_eos_before_it_as_the_reference(min_length):
     model = eos_first_model()
     src = ragged_src(3, [4, 6, 2])

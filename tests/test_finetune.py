@@ -78,6 +78,8 @@ def fine_tune(tmp_path):
     return directory, wd, data, dev
 
 
+@pytest.mark.slow  # ~38 s: train.py in a child; in make test, the import (test_marian) and
+# the refusals below; the checkpoint's init is test_train_loop's
 def test_a_fine_tune_starts_from_the_imported_model_learns_and_translates(tmp_path):
     directory, wd, _, dev = fine_tune(tmp_path)
     # The step-0 evaluation is the imported model's: CTranslate2 scores the dev set alike.

@@ -217,6 +217,7 @@ def test_a_program_xla_cannot_serialize_goes_through_jit_later(model, kept, monk
     assert sorted(os.listdir(kept)) == sorted(files)
 
 
+@pytest.mark.slow  # ~10 s; the keys' parts are in every other test here
 def test_programs_differ_by_shape_and_settings(model, kept):
     search(model)
     n = len(os.listdir(kept))

@@ -113,17 +113,17 @@ def test_a_jobs_programs_do_not_depend_on_how_its_sources_are_cut(model):
     sources = sources_of(np.random.default_rng(4).integers(2, 16, 40), seed=4)
     allowed = {(16, 8), (8, 8), (8, 16)}  # width 16: 8 rows full; small batches 8 rows
     results = {}
-    for cut in (40, 9, 1):
+    for cut, count in ((40, 40), (9, 40), (1, 10)):  # one at a time: the first 10
         search = _Recording(model, settings.rule(), settings.alpha)
         _SEEN.clear()
         found = []
-        for lo in range(0, len(sources), cut):
+        for lo in range(0, count, cut):
             part = sources[lo : lo + cut]
             found += stages.run_stages(search, part, max_len=96, batch_tokens=128)
         assert allowed >= _SEEN, (cut, _SEEN)
         results[cut] = found
     for cut in (9, 1):  # the same hypotheses; a batch of another shape rounds its sums
-        for got, want in zip(results[cut], results[40], strict=True):
+        for got, want in zip(results[cut], results[40][: len(results[cut])], strict=True):
             assert [h.tokens for h in got] == [h.tokens for h in want]
             np.testing.assert_allclose([h.score for h in got], [h.score for h in want], rtol=1e-5)
 

@@ -63,15 +63,15 @@ def test_every_output_starts_with_its_prefix_and_holds_its_phrases(workdir, file
     assert changed > 0
 
 
-def test_a_killed_job_and_eight_devices_write_the_uninterrupted_output(
-    workdir,  # noqa: F811
-    files,
-    tmp_path,
-):
-    d, _, _ = files
-    args = [f"--workdir={workdir}", f"--input={d / 'in.de'}", f"--prefix={d / 'prefix.en'}",
+def job_args(wd, d):
+    return [f"--workdir={wd}", f"--input={d / 'in.de'}", f"--prefix={d / 'prefix.en'}",
             f"--constraints={d / 'terms.tsv'}", "--output_format=jsonl",
             "--read_lines=8"]  # fmt: skip
+
+
+def test_a_killed_job_writes_the_uninterrupted_output(workdir, files, tmp_path):  # noqa: F811
+    d, _, _ = files
+    args = job_args(workdir, d)
     whole = run_decode(*args)
     assert whole.returncode == 0, whole.stderr.decode()
     out = tmp_path / "out.jsonl"
@@ -80,11 +80,25 @@ def test_a_killed_job_and_eight_devices_write_the_uninterrupted_output(
     # (the chunk being written when it was killed is lost: 8 lines are kept)
     assert r.returncode == 0 and "8 lines were done" in r.stderr.decode(), r.stderr.decode()
     assert out.read_bytes() == whole.stdout
+
+
+@pytest.mark.slow  # ~8 s: 8 devices without constraints are test_decode_pace's in make test
+def test_eight_devices_write_the_single_devices_output(workdir, files):  # noqa: F811
+    from inference.restore import load_workdir
+    from tests.parity import NearTies, source_ids
+
+    d, _, _ = files
+    args = job_args(workdir, d)
+    one = run_decode(*args)
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     eight = run_decode(*args, env={**os.environ, "XLA_FLAGS": flags})
-    assert eight.returncode == 0, eight.stderr.decode()
+    assert one.returncode == 0 and eight.returncode == 0, eight.stderr.decode()
     tokens = lambda run: [[h["tokens"] for h in hyps] for hyps in jsonl(run)]
-    assert tokens(eight) == tokens(whole)
+    model, config, _, tokenizer = load_workdir(workdir)
+    sources = source_ids(tokenizer, (d / "in.de").read_bytes(), config.max_length)
+    starts = [x[:-1] for x in source_ids(tokenizer, (d / "prefix.en").read_bytes(), 64)]
+    result = NearTies(model).compare(sources, tokens(eight), tokens(one), prefixes=starts)
+    assert result.ok, result.report()
 
 
 @pytest.mark.parametrize(
