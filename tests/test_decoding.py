@@ -11,6 +11,7 @@ from flax import nnx
 
 from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, beam, decoding, scoring
 from tests.conftest import model_fields
+from tests.parity import TIE
 
 TINY = model_fields(vocab_size=12, num_decoder_layers=2)
 
@@ -206,8 +207,14 @@ def test_two_steps_per_iteration_give_the_results_of_one(model, monkeypatch):
         return [beam.search(model, src, alpha=0.6, rule=beam.Rule(3), **c) for c in cases]
 
     for one, two in zip(search(1 << 62), search(0), strict=True):  # a step per iteration, two
-        for a, b in zip(one, two, strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        (tokens_1, scores_1), (tokens_2, scores_2) = map(np.asarray, one), map(np.asarray, two)
+        # The two programs fuse, and so round, differently: scores agree to float32's
+        # rounding (1.5e-7 relative seen), hypotheses exactly unless two are a near-tie.
+        np.testing.assert_allclose(scores_2, scores_1, rtol=1e-6, atol=0)
+        for b in range(len(src)):
+            if not np.array_equal(tokens_1[b], tokens_2[b]):
+                gaps = np.diff(scores_1[b])
+                assert np.min(np.abs(gaps)) < TIE, (b, tokens_1[b], tokens_2[b], scores_1[b])
     jax.clear_caches()
 
 
