@@ -1,11 +1,29 @@
 """Defaults shared by every config: the paper's training recipe.
 
-Each field has a comment; `tiny.py`, `base.py` and `big.py` override a few.
+Each field has a comment (the model's, in model/config.py); `tiny.py`, `base.py` and
+`big.py` override a few.
 Every field can be overridden on the command line, e.g.
 `python train.py --config=configs/base.py --config.batch_tokens=8192`.
 """
 
+import dataclasses
+
 import ml_collections
+
+from model.config import TransformerConfig
+from model.defaults import (
+    DEFAULT_ALPHA,
+    DEFAULT_BEAM_SIZE,
+    DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MIN_LENGTH,
+    DEFAULT_STOP,
+)
+
+
+def model_fields() -> dict:
+    """TransformerConfig's fields and defaults, vocab_size aside (the data's field)."""
+    fields = dataclasses.fields(TransformerConfig)
+    return {f.name: f.default for f in fields if f.name != "vocab_size"}
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -61,29 +79,9 @@ def get_config() -> ml_collections.ConfigDict:
     # half as many tokens/s: pages unmapped are mapped again when read (docs/data.md).
     c.mapped_cache_gb = 0.0
 
-    # --- Model (maps onto model.TransformerConfig) -----------------------
-    c.model = ml_collections.ConfigDict()
-    c.model.d_model = 512
-    c.model.num_heads = 8
-    c.model.num_encoder_layers = 6
-    c.model.num_decoder_layers = 6
-    c.model.d_ff = 2048
-    c.model.dropout_rate = 0.1  # P_drop: sub-layer outputs and embeddings + PE
-    c.model.attention_dropout_rate = 0.0  # the paper uses none
-    c.model.activation = "relu"  # 'relu' (paper), 'gelu' or 'swish'
-    c.model.norm = "post"  # 'post' (paper: LayerNorm(x + Sublayer(x))) or 'pre'
-    c.model.share_embeddings = True  # one table for source and target tokens
-    c.model.tie_output = True  # output projection = embedding^T (paper 3.4)
-    c.model.max_len = 1024  # longest position the sinusoid table covers
-    c.model.dtype = "float32"  # computation dtype ('bfloat16' on accelerators)
-    c.model.param_dtype = "float32"
-    c.model.attention_impl = "auto"  # cuDNN flash attention on GPU (bf16), else einsum
-    c.model.remat = False  # rematerialize layers in the backward pass
-    # Marian / OPUS-MT's variations (model/config.py); the paper's model has none of them.
-    c.model.attention_bias = False  # biases on W^Q, W^K, W^V, W^O
-    c.model.logits_bias = False  # a bias on the output logits
-    c.model.positions = "sinusoid"  # 'sinusoid_halves' (Marian's layout), 'table' (trained)
-    c.model.zero_start = False  # the decoder starts from a zero vector, not BOS's embedding
+    # --- Model: model/config.py's TransformerConfig, each field with its default there
+    # (and its meaning in a comment beside it); vocab_size is the field above.
+    c.model = ml_collections.ConfigDict(model_fields())
 
     # Start from a trained OPUS-MT / Marian model (a directory in either layout that
     # decode.py --marian reads): its model shape, weights and tokenizer replace the
@@ -131,10 +129,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.final_eval_max_examples = 0
     # Evaluate the model before the first step too (a fine-tune's baseline, as step 0).
     c.eval_at_start = False
-    c.eval_beam_size = 4
-    c.eval_alpha = 0.6
     c.num_examples_to_print = 5
     c.seed = 0
+    # The evaluations' search: decode.py's flags of the same names, with their defaults
+    # (model/defaults.py: the paper's beam 4 and alpha 0.6; search/settings.py).
+    c.search = ml_collections.ConfigDict()
+    c.search.beam_size = DEFAULT_BEAM_SIZE  # K; 1 = greedy search
+    c.search.alpha = DEFAULT_ALPHA  # the length penalty's exponent
+    c.search.length_penalty = DEFAULT_LENGTH_PENALTY  # 'gnmt' or 'average'
+    c.search.stop = DEFAULT_STOP  # 'bound' (exact), 'heuristic' or 'count'
+    c.search.min_length = DEFAULT_MIN_LENGTH  # the fewest tokens before EOS
 
     # --- Reliability ----------------------------------------------------------
     # A step with a NaN/Inf loss or gradient never changes params or optimizer

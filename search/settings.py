@@ -22,6 +22,7 @@ from model.defaults import (
     DEFAULT_MAX_CONSTRAINTS,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
+    LENGTH_PENALTIES,
 )
 from search.defaults import default_batch_tokens
 from search.stages import Targets
@@ -61,6 +62,12 @@ class SearchSettings:
     def __post_init__(self) -> None:
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}]: {self.n_best}")
+        if not self.alpha >= 0:
+            raise ValueError(f"alpha must be >= 0, got {self.alpha}")
+        if self.length_penalty not in LENGTH_PENALTIES:
+            raise ValueError(
+                f"length_penalty must be one of {LENGTH_PENALTIES}, got {self.length_penalty!r}"
+            )
         if self.stop not in BEAM_STOPS:
             raise ValueError(f"stop must be one of {BEAM_STOPS}, got {self.stop!r}")
         if self.min_length < 0:

@@ -184,7 +184,7 @@ def small_train_config(**overrides):
     c.eval_every_steps = 0
     c.checkpoint_every_steps = 10
     c.final_eval_max_examples = 8
-    c.eval_beam_size = 2
+    c.search.beam_size = 2
     c.num_examples_to_print = 1
     for k, v in overrides.items():
         node = c

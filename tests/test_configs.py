@@ -1,12 +1,14 @@
 """Every shipped config loads and maps onto a valid TransformerConfig with the paper's sizes."""
 
+import dataclasses
 import importlib
+import json
 
 import pytest
 
 from common.errors import UserError
 from model import TransformerConfig
-from training import validate
+from training import load_config, validate
 
 
 def load(name):
@@ -70,7 +72,10 @@ def test_shipped_configs_pass_validation(name):
         ("grad_accum_steps", 0, "grad_accum_steps must be > 0"),
         ("grad_clip_norm", -1.0, "grad_clip_norm must be >= 0"),
         ("data_shards", -1, "data_shards must be >= 0"),
-        ("eval_beam_size", 0, "eval_beam_size must be > 0"),
+        ("search.beam_size", 0, r"bad config.search: n_best must be in \[1, beam_size=0\]"),
+        ("search.alpha", -0.5, "bad config.search: alpha must be >= 0"),
+        ("search.length_penalty", "wu", "bad config.search: length_penalty must be one of"),
+        ("search.stop", "never", "bad config.search: stop must be one of"),
         ("max_length", 2000, "exceeds config.model.max_len"),
         ("model.num_heads", 7, "divisible by num_heads"),
     ],
@@ -83,3 +88,27 @@ def test_validate_names_the_bad_field(field, value, message):
     node[path[-1]] = value
     with pytest.raises(UserError, match=message):
         validate(c)
+
+
+def test_the_model_fields_are_the_dataclass_s_with_its_defaults():
+    c = load("default")
+    fields = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    assert set(c.model) == set(fields) - {"vocab_size"}
+    assert all(c.model[k] == fields[k] for k in c.model)
+
+
+def test_a_renamed_field_names_its_new_home(tmp_path):
+    c = load("tiny")
+    with c.unlocked():
+        c.eval_beam_size = 3
+    with pytest.raises(UserError, match=r"config\.eval_beam_size is now config\.search\.beam_size"):
+        validate(c)
+    # A workdir's config.json written under the old names loads under the new ones.
+    saved = json.loads(load("tiny").to_json_best_effort())
+    del saved["search"]
+    saved.update(eval_beam_size=3, eval_alpha=1.0)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    loaded = load_config(str(tmp_path))
+    assert (loaded.search.beam_size, loaded.search.alpha) == (3, 1.0)
+    assert "eval_beam_size" not in loaded and loaded.search.stop == "bound"
+    validate(loaded)

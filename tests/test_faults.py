@@ -115,7 +115,8 @@ def test_a_read_that_fails_once_is_retried_not_quarantined(base, corpus, tmp_pat
 @pytest.mark.slow  # ~20 s of train.py runs
 def test_changes_that_keep_the_state_structure_resume_and_are_listed(base, corpus, tmp_path, capfd):
     w = copy(base, tmp_path)
-    changed = dict(learning_rate=5e-3, grad_clip_norm=0.5, eval_beam_size=3, num_train_steps=24)
+    changed = dict(learning_rate=5e-3, grad_clip_norm=0.5, num_train_steps=24)
+    changed["search.beam_size"] = 3
     summary = train_and_evaluate(cfg(corpus, **changed), str(w))
     err = capfd.readouterr().err
     assert "resumed from step 20" in err and summary["step"] == 24

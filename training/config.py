@@ -2,6 +2,7 @@
 
     validate(config)                  # UserError naming the first bad field
     cfg = model_config(config)        # config.model + vocab_size -> TransformerConfig
+    settings = search_settings(config)  # config.search -> SearchSettings (evaluations)
     save_config(config, workdir)      # WORKDIR/config.json
     config = load_config(workdir)     # back, on top of configs/default.py
 
@@ -31,6 +32,7 @@ from common.errors import UserError
 from data.files import atomic_write
 from model import TransformerConfig
 from model.attention import resolve_config
+from search.settings import SearchSettings
 from training.mesh import AXES as MESH_AXES
 from training.mesh import mesh_shape
 
@@ -53,7 +55,6 @@ _POSITIVE = (
     "num_train_steps",
     "log_every_steps",
     "grad_accum_steps",
-    "eval_beam_size",
 )
 # 0 means "never" (intervals), "all" (example counts) or "off"/"auto" (the rest).
 _NON_NEGATIVE = (
@@ -74,7 +75,6 @@ _NON_NEGATIVE = (
     "grad_clip_norm",
     "weight_decay",
     "loss_chunk_tokens",
-    "eval_alpha",
     "peak_flops_per_device",
 )
 _CHOICES = {
@@ -106,6 +106,26 @@ def _model_fields(config: ml_collections.ConfigDict) -> TransformerConfig:
     return TransformerConfig.from_dict({**config.model.to_dict(), "vocab_size": config.vocab_size})
 
 
+def search_settings(config: ml_collections.ConfigDict) -> SearchSettings:
+    """config.search -> the evaluations' SearchSettings (ValueError names a bad field)."""
+    return SearchSettings(**config.search.to_dict())
+
+
+# Fields renamed: a workdir's config.json written before keeps loading, and a flag or
+# config file that still uses the old name is told the new one.
+RENAMED = {"eval_beam_size": "search.beam_size", "eval_alpha": "search.alpha"}
+
+
+def _renamed(saved: dict[str, Any]) -> dict[str, Any]:
+    """config.json's fields under their current names."""
+    saved = dict(saved)
+    for old, new in RENAMED.items():
+        if old in saved:
+            group, name = new.split(".")
+            saved[group] = {**saved.get(group, {}), name: saved.pop(old)}
+    return saved
+
+
 # --- Checks ----------------------------------------------------------------------------
 
 
@@ -126,6 +146,9 @@ def _unknown_keys(config: Any, reference: Any, prefix: str = "") -> list[tuple[s
 def _check_fields(config: ml_collections.ConfigDict) -> None:
     """Names, ranges and choices of the machine-independent fields."""
     unknown = _unknown_keys(config, defaults())
+    renamed = [f"config.{k} is now config.{RENAMED[k]}" for k, _ in unknown if k in RENAMED]
+    if renamed:
+        raise UserError(f"renamed config field(s): {'; '.join(renamed)}")
     if unknown:
         hints = [f"config.{k}" + (f" (did you mean {m[0]!r}?)" if m else "") for k, m in unknown]
         raise UserError(f"unknown config field(s): {', '.join(hints)}")
@@ -149,6 +172,10 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
         _model_fields(config)
     except ValueError as e:
         raise UserError(f"bad model config: {e}") from e
+    try:
+        search_settings(config)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"bad config.search: {e}") from e
     if config.max_length > config.model.max_len:
         raise UserError(
             f"config.max_length={config.max_length} exceeds config.model.max_len="
@@ -233,7 +260,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
         raise UserError(f"{path} cannot be read ({e}); fix or delete it") from e
     config = defaults()
     with config.unlocked():
-        _merge(config, saved)
+        _merge(config, _renamed(saved))
     return config
 
 

@@ -20,6 +20,7 @@ from model import EOS_ID, Transformer
 from search.bleu import bleu_chrf
 from search.settings import SearchSettings
 from search.translate import translate_ids, vocab_limit
+from training.config import search_settings
 from training.input import eval_batches
 from training.mesh import batch_divisor, batch_sharding, shard_batch
 from training.steps import TrainSetup, TrainState, summarize
@@ -50,8 +51,7 @@ def translate_corpus(
     sources: Sequence[str],
     *,
     max_length: int,
-    beam_size: int,
-    alpha: float,
+    settings: SearchSettings,
     mesh: Mesh,
 ) -> list[str]:
     """Detokenized translations of `sources` (in order), each cut to `max_length` tokens.
@@ -63,7 +63,6 @@ def translate_corpus(
     # decode.py's batches (the platform's batch_tokens): the same programs, compiled once
     # into the same caches. On one device they go through search/programs.py (kept on
     # disk, prepared side by side); over a mesh, through jax.jit.
-    settings = SearchSettings(beam_size=beam_size, alpha=alpha)
     hyps = translate_ids(
         model,
         ids,
@@ -103,8 +102,7 @@ def evaluate(
         tokenizer,
         [src for src, _ in pairs],
         max_length=config.max_length,
-        beam_size=config.eval_beam_size,
-        alpha=config.eval_alpha,
+        settings=search_settings(config),
         mesh=mesh,
     )
     refs = [ref for _, ref in pairs]
