@@ -27,7 +27,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.init_from = config_dict.placeholder(str)  # required: --config.init_from=DIR
     c.eval_at_start = True
     c.batch_tokens = 8192
-    c.max_length = 256
 
     c.model.dropout_rate = 0.1
     c.schedule = "linear_rsqrt"
