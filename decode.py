@@ -46,7 +46,7 @@ flags.adopt_module_key_flags(cli)  # --help lists them as decode.py's
 
 def start_processes() -> None:
     """jax.distributed for a job of several processes (before JAX starts a backend)."""
-    from training import distributed
+    from common import distributed
 
     where = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     distributed.initialize(*where, mode=FLAGS.distributed)

@@ -152,10 +152,10 @@ def main(argv: list[str]) -> None:
     cache = xla.default_cache_dir() if _CACHE.value is None else _CACHE.value
     cache = xla.enable_compilation_cache(cache)
     # Imported here so that `--help` and flag errors are fast and JAX-free.
-    from common import log
+    from common import distributed, log
     from common.errors import UserError
     from search import programs
-    from training import distributed, train_and_evaluate
+    from training import train_and_evaluate
 
     programs.enable_beside(cache)  # the evaluation's search programs, as decode.py's
 

@@ -4,6 +4,8 @@
     log.py     the project's one logger (`[train]`, `[data]`, ... lines on stderr)
     xla.py     XLA flags for the platform and the persistent compilation cache
     cpus.py    the CPU cores this process may use
+    distributed.py  several processes: start-up, small collectives, stopping together,
+               the peer watchdog (train.py and decode.py)
 
-Imports nothing of the project.
+Imports nothing of the project outside common/.
 """

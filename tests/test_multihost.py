@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = textwrap.dedent(
     """
     import json, sys
-    from training import distributed
+    from common import distributed
     pid, nproc, port, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     overrides = json.loads(sys.argv[5])
     if nproc > 1:
@@ -167,7 +167,7 @@ WIDTHS_WORKER = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from training import distributed
+    from common import distributed
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
     from configs import default

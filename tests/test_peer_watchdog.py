@@ -1,4 +1,4 @@
-"""The multi-host heartbeat watchdog (`training.distributed.PeerWatchdog.watch`) against
+"""The multi-host heartbeat watchdog (`common.distributed.PeerWatchdog.watch`) against
 an in-memory key-value store shaped like JAX's distributed client, with short
 intervals: a peer is judged only from its first beat on, a silent peer is found
 within the timeout (timed from its last write to the store, with slack for a loaded
@@ -7,7 +7,7 @@ CI box), an unreachable store is reported."""
 import threading
 import time
 
-from training.distributed import PeerWatchdog
+from common.distributed import PeerWatchdog
 
 INTERVAL, TIMEOUT = 0.02, 0.5
 SLACK = 0.5  # a thread's wake-up on a loaded 2-core box; the bound is still finite

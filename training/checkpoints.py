@@ -41,8 +41,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
+from common import distributed
 from common.errors import UserError
-from training import distributed, steps
+from training import steps
 from training.checkpoint_errors import DAMAGED, WriteErrors, classify, describe, retry, stop_error
 
 CHECKPOINT_DIR = "checkpoints"

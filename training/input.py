@@ -34,9 +34,9 @@ import jax
 import numpy as np
 
 import data
+from common import distributed
 from data.pipeline import AgreeCounts, fit_widths, length_histogram, train_shard
 from data.tokenized import TokenizedCorpus
-from training import distributed
 
 _log = logging.getLogger(__name__)
 

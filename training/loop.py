@@ -36,11 +36,11 @@ import jax
 import ml_collections
 
 import data
-from common import log
+from common import distributed, log
 from common.errors import UserError
 from training import checkpoints as ckpt
 from training import config as config_lib
-from training import distributed, evaluate, init_from, metrics, steps
+from training import evaluate, init_from, metrics, steps
 from training.input import ShardedInput
 from training.mesh import batch_divisor, make_mesh, shard_batch
 from training.packed import Packing
