@@ -18,8 +18,14 @@ import logging
 import sys
 
 # Logger namespaces of this project -> the tag printed in front of their lines.
-TAGS = {"training": "train", "data": "data", "model": "model", "inference": "inference"}
-TAGS["common"] = "job"  # common/distributed.py: the processes of a train or decode job
+TAGS = {
+    "training": "train",
+    "data": "data",
+    "model": "model",
+    "inference": "inference",
+    "backends": "backends",  # exports, CTranslate2, OPUS-MT
+    "common": "job",  # common/distributed.py: the processes of a train or decode job
+}
 
 
 def _process_index() -> int:

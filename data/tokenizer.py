@@ -88,7 +88,7 @@ class Tokenizer:
 class MarianTokenizer:
     """An OPUS-MT model's tokenizer, with `Tokenizer`'s interface: source.spm cuts sources
     and target.spm targets into pieces, the joint vocabulary numbers them (`pieces`, in
-    our id order: data/marian.py `read_pieces`), target.spm joins output pieces into text."""
+    our id order: backends/marian.py `read_pieces`), target.spm joins output pieces into text."""
 
     def __init__(
         self, source: bytes, target: bytes, pieces: list[str], path: str = "", num_threads: int = -1

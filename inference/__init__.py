@@ -1,5 +1,6 @@
 """decode.py's application: translating files with a trained model (token ids to
-hypotheses is search/'s, below this and training/).
+hypotheses is search/'s, below this and training/; other formats and runtimes,
+StableHLO, CTranslate2 and OPUS-MT, are backends/).
 
     lines.py       lines of text <-> segments of ids <-> per-line hypotheses; read (whole or
                    in chunks), write, BLEU from summed statistics
@@ -8,9 +9,6 @@ hypotheses is search/'s, below this and training/).
     progress.py    lines, lines/s, tokens/s and ETA on stderr
     alignment.py   word alignments from cross-attention
     plots.py       cross-attention heatmaps
-    export.py      a self-contained StableHLO translator (`ExportedTranslator`)
-    ct2_export.py  a CTranslate2 model directory from a trained model
-    ct2.py         translating with one (`CT2Translator`)
     restore.py     a trained model back from a training workdir (the one import of training/)
     options.py     `DecodeOptions`, decode.py's settings, and their checks
     cli.py         decode.py's flags (one per DecodeOptions field) -> `DecodeOptions`

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from backends.ct2_export import DEVICES, QUANTIZATIONS
 from common.errors import UserError
-from inference.ct2_export import DEVICES, QUANTIZATIONS
 from model.defaults import (
     BEAM_STOPS,
     DEFAULT_ALPHA,
@@ -129,7 +129,7 @@ class DecodeOptions:
     @property
     def tokens_per_batch(self) -> int:
         """--batch_tokens, or the default of the platform the search runs on
-        (search/settings.py BATCH_TOKENS; CTranslate2's for --ct2: inference/ct2.py)."""
+        (search/settings.py BATCH_TOKENS; CTranslate2's for --ct2: backends/ct2.py)."""
         if self.batch_tokens is not None:
             return self.batch_tokens
         if self.ct2:

@@ -25,10 +25,10 @@ from typing import Any
 
 import jax
 
+from backends.stablehlo import export_translator
 from common.errors import UserError
 from data import load_split
 from inference import devices
-from inference.export import export_translator
 from inference.lines import CorpusScores, LineReader, count_lines
 from inference.options import DecodeOptions
 from inference.progress import Meter, warn
@@ -78,7 +78,7 @@ def check_inputs(options: DecodeOptions) -> int | None:
 
 
 def export(loaded: Loaded, options: DecodeOptions) -> None:
-    """--export: the live model as a self-contained translator (inference/export.py)."""
+    """--export: the live model as a self-contained translator (backends/stablehlo.py)."""
     t0 = time.perf_counter()
     s = options.settings
     meta = export_translator(
@@ -101,8 +101,8 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
 
 
 def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
-    """--export_ct2: the live model as a CTranslate2 model (inference/ct2_export.py)."""
-    from inference.ct2_export import export_ct2 as write
+    """--export_ct2: the live model as a CTranslate2 model (backends/ct2_export.py)."""
+    from backends.ct2_export import export_ct2 as write
 
     t0 = time.perf_counter()
     tokenizer = loaded.tokenizer
@@ -217,7 +217,7 @@ def _kept(out: Any) -> str:
 def run(options: DecodeOptions) -> None:
     """decode.py after its flags were checked; raises UserError for what the user can fix."""
     if options.ct2 or options.export_ct2:
-        from inference.ct2_export import import_ctranslate2
+        from backends.ct2_export import import_ctranslate2
 
         try:
             import_ctranslate2()  # before the slow part: how to install it

@@ -11,11 +11,11 @@ import dataclasses
 import os
 from typing import Any
 
+from backends.stablehlo import ExportedTranslator
 from common.errors import UserError
 from data import Tokenizer
 from data.tokenizer import load_tokenizer
 from inference import devices
-from inference.export import ExportedTranslator
 from inference.options import DecodeOptions
 from inference.progress import warn
 from inference.restore import load_workdir, workdir_identity
@@ -49,7 +49,7 @@ def open_translator(options: DecodeOptions) -> Loaded:
         return _open_ct2(options)
     rows, replicated = devices.shardings()  # every device of the job, or None for one
     if options.marian:
-        from data.marian import load_directory
+        from backends.marian import load_directory
 
         model, tokenizer = load_directory(options.marian, replicated)
         identity = {"marian": files_identity([options.marian])}
@@ -104,8 +104,8 @@ def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
 
 
 def _open_ct2(options: DecodeOptions) -> Loaded:
-    from inference.ct2 import CT2Translator
-    from inference.ct2_export import int8_saturates
+    from backends.ct2 import CT2Translator
+    from backends.ct2_export import int8_saturates
 
     try:
         translator = CT2Translator.load(

@@ -43,7 +43,7 @@ class TransformerConfig:
     # 'jax' (jax.nn.dot_product_attention) or 'cudnn' (force cuDNN; GPU only).
     attention_impl: str = "auto"
     remat: bool = False  # recompute each layer's activations in the backward pass
-    # What Marian / OPUS-MT models need (data/marian.py); off, the paper's model.
+    # What Marian / OPUS-MT models need (backends/marian.py); off, the paper's model.
     attention_bias: bool = False  # biases on W^Q, W^K, W^V and W^O
     logits_bias: bool = False  # a bias [V] added to the output logits
     # 'sinusoid' (paper 3.5: sines and cosines interleaved), 'sinusoid_halves' (Marian's:

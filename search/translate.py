@@ -7,8 +7,8 @@ dev-set evaluation during training:
     hyps[i][0].tokens, hyps[i][0].score      # the best translation of sources[i]
 
 A `Translator` is what decode.py translates with: the live model of a workdir
-(`LiveTranslator`), an exported one (inference/export.py) or a CTranslate2
-model (inference/ct2.py). The JAX ones share one batch loop
+(`LiveTranslator`), an exported one (backends/stablehlo.py) or a CTranslate2
+model (backends/ct2.py). The JAX ones share one batch loop
 (search/stages.py): sources of any lengths in batches of one static shape per
 width (data/plans.py `plan_translation`), each searched in one program that
 grows its room in stages (model/beam.py; greedy search for beam 1), so a job's
@@ -135,7 +135,7 @@ def search_fn(
     model: Transformer, settings: SearchSettings, vocab_limit: int | None = None
 ) -> WholeSearch:
     """One batch's whole search as one program: src [B, S] -> tokens [B, n_best, L],
-    scores [B, n_best] (L = S + 50; what inference/export.py exports for plain JAX).
+    scores [B, n_best] (L = S + 50; what backends/stablehlo.py exports for plain JAX).
 
     The program `LiveSearch` runs for a batch of that width, its rooms included, so
     its results are the same.

@@ -17,8 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-from inference.ct2 import CT2Translator, groups
-from inference.ct2_export import int8_saturates
+from backends.ct2 import CT2Translator, groups
+from backends.ct2_export import int8_saturates
 from inference.resume import PARTIAL
 from model.tokens import EOS_ID
 from tests.parity import NearTies, source_ids

@@ -1,4 +1,4 @@
-"""The CTranslate2 conversion (inference/ct2_export.py) against CTranslate2 itself.
+"""The CTranslate2 conversion (backends/ct2_export.py) against CTranslate2 itself.
 
 CTranslate2 is an independent implementation of the Transformer: scoring the same
 pairs with the converted model must give our log-probabilities, for every
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from inference import ct2_export
+from backends import ct2_export
 from model import EOS_ID, Transformer, TransformerConfig, shift_right
 from tests import conftest
 

@@ -1,4 +1,4 @@
-"""OPUS-MT / Marian models imported into our model (data/marian.py), against an
+"""OPUS-MT / Marian models imported into our model (backends/marian.py), against an
 implementation we did not write: CTranslate2's own OPUS-MT converter and translator.
 
 The tests write small Marian models themselves, with Marian's parameter names,
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
+from backends import marian
 from common.errors import UserError
-from data import marian
 from data.tokenizer import MARIAN_VOCAB
 from model import EOS_ID, shift_right
 from model.decoding import translate
@@ -166,7 +166,7 @@ def opus_mt_directory(tmp_path, eos: float = 2.0):
 
 def at_limit_with_eos(translator, src: list[str], out, most: int) -> list[str]:
     """CTranslate2's best hypothesis once those cut by the length limit are scored with the
-    EOS ours forces there (CTranslate2 ranks them without it), as inference/ct2.py does."""
+    EOS ours forces there (CTranslate2 ranks them without it), as backends/ct2.py does."""
     scores = list(out.scores)
     for k, hyp in enumerate(out.hypotheses):
         if len(hyp) >= most:

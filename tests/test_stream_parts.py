@@ -270,8 +270,8 @@ def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choice
 
     from absl import flags
 
+    from backends.ct2_export import DEVICES, QUANTIZATIONS
     from inference import cli, options
-    from inference.ct2_export import DEVICES, QUANTIZATIONS
     from model.defaults import (
         BEAM_STOPS,
         DEFAULT_ALPHA,

@@ -23,8 +23,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from backends import marian
 from common.errors import UserError
-from data import marian
 from data.files import atomic_write_bytes
 from data.tokenizer import has_tokenizer, load_tokenizer
 from training import config as config_lib

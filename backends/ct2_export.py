@@ -12,7 +12,7 @@ The directory holds
     tokenizer.model           the SentencePiece model (or an OPUS-MT model's source.spm,
                               target.spm and marian_vocab.json: `tokenizer.files()`)
     decoding.json             what our decoder does that CTranslate2 must be told at
-                              each call (inference/ct2.py reads it): the default beam,
+                              each call (backends/ct2.py reads it): the default beam,
                               alpha and length penalty, the length rule, the tokens
                               never to generate, the model config, where it came from
 
@@ -20,7 +20,7 @@ What a faithful conversion needs, beyond copying matrices: the sinusoid table is
 written out in our interleaved sin/cos order (CTranslate2's built-in table puts
 all sines before all cosines); `layer_norm_epsilon` is ours (1e-6; its default
 is 1e-5); the decoder starts from <s> (BOS, id 2) and sources end with </s>;
-<pad> and <s> are never generated (inference/ct2.py suppresses them).
+<pad> and <s> are never generated (backends/ct2.py suppresses them).
 `ctranslate2` is imported only inside the functions: the module loads without it.
 """
 
@@ -263,7 +263,7 @@ def transformer_spec(model: Transformer, vocab: list[str]) -> Any:
 def decoding_settings(
     config: TransformerConfig, vocab: list[str], num_pieces: int, *, alpha: float, beam_size: int
 ) -> dict[str, Any]:
-    """decoding.json: how our decoder behaves, for inference/ct2.py (and a reader)."""
+    """decoding.json: how our decoder behaves, for backends/ct2.py (and a reader)."""
     never = [vocab[PAD_ID], vocab[BOS_ID], *vocab[num_pieces:]]
     return {
         "format_version": FORMAT_VERSION,

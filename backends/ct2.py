@@ -1,4 +1,4 @@
-"""Translating with a CTranslate2 model directory (inference/ct2_export.py wrote it).
+"""Translating with a CTranslate2 model directory (backends/ct2_export.py wrote it).
 
     translator = CT2Translator.load("serve/", beam_size=4, alpha=0.6, threads=2)
     hyps = translator.translate(sources)   # a Translator, as LiveTranslator: ids in, ids out
@@ -39,14 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from common.cpus import usable_cpus
-from data.tokenizer import tokenizer_names
-from inference.ct2_export import (
+from backends.ct2_export import (
     DECODING_JSON,
     DEVICES,
     FORMAT_VERSION,
     import_ctranslate2,
 )
+from common.cpus import usable_cpus
+from data.tokenizer import tokenizer_names
 from model.defaults import DEFAULT_MIN_LENGTH
 from model.tokens import EOS_ID
 from search.defaults import CT2_BATCH_TOKENS
