@@ -102,7 +102,7 @@ def batch_shapes(
 
 
 def eval_rows(config: Any, mesh: Mesh, num_processes: int, width: int) -> int:
-    """Global rows of a dev-loss batch `width` wide, as training.input.eval_batches plans:
+    """Global rows of a dev-loss batch `width` wide, as training.input.process_eval_batches plans:
     each process a share of batch_tokens, the global rows a multiple of the batch axes."""
     multiple = shard_multiple(batch_divisor(mesh), num_processes)
     return rows_per_batch(config.batch_tokens // num_processes, width, multiple) * num_processes

@@ -225,7 +225,7 @@ def pipeline_only(args) -> None:
 
     import data
     from bench.input_pipeline import measure
-    from data.epoch_plans import EpochPlans
+    from data.plan_cache import EpochPlans
 
     config = importlib_config(args.config)
     for flag in config_flags(args, args.tsv, os.path.join(args.dir, "dev.tsv")):

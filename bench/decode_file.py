@@ -40,7 +40,7 @@ One JSON object ("benchmark": "decode_stream" or "decode_stream_plans"), then a 
 against the whole job, and whether the output is the uninterrupted run's. Per input size
 (--lines, the split's sources cycled): a run that fills the compilation cache (not
 timed), the whole job timed, then the same command killed (SIGKILL) once the output's
-record and journal (inference/resume.py) count 60% of the lines, and run again, timed.
+record and journal (inference/output.py) count 60% of the lines, and run again, timed.
 One JSON line per size ("benchmark": "decode_resume"), then a table.
 
     python bench/decode_file.py --measure=resume --workdir=workdir/tiny --split=train \

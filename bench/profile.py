@@ -21,7 +21,7 @@ to the device, and calling the compiled step until it returns (dispatch). Each c
 waits for the step before the next one, so the device is idle while the host works and
 the two are measured apart. The step is called three ways: on the `TrainState` pytree
 (`steps.make_train_step`), on its leaves in a list, and on the state packed into a few
-buffers (`steps.make_packed_train_step`, what train.py's loop calls; training/packed.py).
+buffers (`steps.make_packed_train_step`, what train.py's loop calls; training/state_buffers.py).
 When the host's time per step (this, plus the input pipeline's next batch) exceeds the
 device's, the device waits: small batches on a GPU. The call's time does not grow with
 the batch: on a CPU, where a base step of 8,192 tokens computes for ~30 s, use
@@ -214,7 +214,7 @@ def host(args: argparse.Namespace) -> None:
 
     from training import mesh as mesh_lib
     from training import steps
-    from training.packed import Packing
+    from training.state_buffers import Packing
 
     config = importlib.import_module(f"configs.{args.config}").get_config()
     config.batch_tokens = args.batch_tokens or config.batch_tokens

@@ -107,7 +107,7 @@ def get_config() -> ml_collections.ConfigDict:
     # are then never held whole (training/loss.py; same loss and gradients).
     c.loss_chunk_tokens = 0
     # Pass the train state to each step packed into one buffer per dtype instead of its
-    # hundreds of arrays (training/packed.py): the step's call returns in a fraction of
+    # hundreds of arrays (training/state_buffers.py): the step's call returns in a fraction of
     # the host time, at the cost of one more state-sized temporary on the devices.
     c.pack_state = True
 

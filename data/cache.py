@@ -12,7 +12,7 @@ shard, format version), named `CORPUS-KEYHASH-sIIIIIofNNNNN`:
     index.bin                      int64 position of each pair in the corpus
     manifest.json                  the key, counts and dtypes; written last
     plans/                         epoch plans, added when they are first made
-                                   (data/epoch_plans.py; not part of the build)
+                                   (data/plan_cache.py; not part of the build)
 
 Plain little-endian arrays, so `np.memmap` maps them with no parsing and no
 copy, and the batch plans read only the two length arrays. The build streams

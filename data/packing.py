@@ -7,7 +7,7 @@
 Part of the batch planner (data/plans.py has the length buckets): a pure
 function of the lengths and the seeded generator. The rows come out in order,
 chunk after chunk, as soon as no later pair can join them, so a plan can be
-written to disk as it is made (data/epoch_plans.py): besides the permutation
+written to disk as it is made (data/plan_cache.py): besides the permutation
 of the pairs (4 bytes each), planning holds only a chunk of pairs at a time.
 """
 

@@ -6,7 +6,7 @@ Each epoch then has a *batch plan*, computed from the length arrays alone: a
 seeded shuffle of the examples, cut into batches by token budget within a
 fixed set of length buckets (or packed into rows of `max_length`). It is made
 when the epoch's first batch is asked for, stored beside the cache and mapped
-back at later starts (data/epoch_plans.py), and the next epoch's is prepared
+back at later starts (data/plan_cache.py), and the next epoch's is prepared
 halfway through this one. A batch is assembled from the flat arrays by index
 arithmetic (data/batches.py), so the pipeline is cheap and its state is just
 `(epoch, position in the epoch's plan)`.
@@ -32,7 +32,7 @@ import numpy as np
 from common.errors import UserError
 from data.batches import assemble_bucketed, assemble_packed
 from data.cache import ShardSpec, tokenized_shard
-from data.epoch_plans import EpochPlans, PlanSpec
+from data.plan_cache import EpochPlans, PlanSpec
 from data.plans import (
     bucket_batches,
     bucket_of,

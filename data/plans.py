@@ -18,7 +18,7 @@ epoch's batches can be recomputed exactly on resume; it holds a few bytes per
 example (int32 indices), never the tokens. Both kinds of training plans come
 out piece by piece (`bucket_members`, `data.packing.packed_rows`), so that an
 epoch's plan can be written to disk as it is made and mapped back at a restart
-(data/epoch_plans.py). Nothing here talks to other
+(data/plan_cache.py). Nothing here talks to other
 processes: shards that must plan the same number of batches (every process of
 a job) agree on their counts first and pass them in (`min_counts`; for packed
 plans `PackedPlan.with_batches`), as training/input.py does.

@@ -45,7 +45,7 @@ class TokenizedCorpus:
     index: np.ndarray  # int64 [n]
     num_dropped: int = 0  # pairs of the shard left out by long_pairs="drop"
     # The cache directory the arrays are mapped from (None: in memory); epoch plans
-    # are stored beside them (data/epoch_plans.py).
+    # are stored beside them (data/plan_cache.py).
     directory: str | None = None
 
     def __len__(self) -> int:

@@ -5,7 +5,7 @@ StableHLO, CTranslate2 and OPUS-MT, are backends/).
     lines.py       lines of text <-> segments of ids <-> per-line hypotheses; read (whole or
                    in chunks), write, BLEU from summed statistics
     stream.py      the chunk loop of decode.py: read, translate, write in order, count
-    resume.py      decode.py's output: FILE.partial, its progress record, resume or refuse
+    output.py      decode.py's output: FILE.partial, its progress record, resume or refuse
     progress.py    lines, lines/s, tokens/s and ETA on stderr
     alignment.py   word alignments from cross-attention
     plots.py       cross-attention heatmaps

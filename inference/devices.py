@@ -22,7 +22,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from common.errors import UserError
-from inference.resume import PartialOutput, StreamOutput, differences, open_output
+from inference.output import PartialOutput, StreamOutput, differences, open_output
 
 
 def shardings() -> tuple[NamedSharding | None, NamedSharding | None]:
@@ -100,7 +100,7 @@ class FollowerOutput:
 def open_shared_output(
     path: str, job: dict[str, Any] | None, restart: bool
 ) -> PartialOutput | StreamOutput | FollowerOutput:
-    """The job's output on process 0 (inference/resume.py `open_output`); a follower of
+    """The job's output on process 0 (inference/output.py `open_output`); a follower of
     its record on the others. A UserError on process 0 stops every process."""
     if jax.process_count() == 1:
         return open_output(path, job, restart)

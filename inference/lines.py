@@ -6,8 +6,8 @@
     write_lines("test.en", format_lines(done.hypotheses, "text"))
 
 Each step is a function of its inputs alone, so a driver that reads and writes a
-file in chunks (inference/stream.py: `LineReader` for the lines, `CorpusScores`
-for BLEU/chrF) calls them once per chunk. A line is encoded into one segment
+file in chunks (inference/stream.py: `LineReader` for the lines, search/bleu.py's
+`CorpusScores` for BLEU/chrF) calls them once per chunk. A line is encoded into one segment
 (ids + EOS), or into several when it is longer than `max_length` and `split` is
 asked for (else it is truncated); its translation joins its segments' ones.
 Bad input never shifts lines: an empty or whitespace-only line gives no
@@ -232,45 +232,3 @@ def format_lines(hypotheses: Sequence[list[dict[str, Any]]], output_format: str)
 def best_texts(hypotheses: Sequence[list[dict[str, Any]]]) -> list[str]:
     """Each line's best translation ('' for a line without hypotheses)."""
     return [line[0]["text"] if line else "" for line in hypotheses]
-
-
-class CorpusScores:
-    """BLEU and chrF of a corpus seen a chunk at a time, equal to `bleu_chrf` of all of it.
-
-    sacreBLEU's corpus scores are functions of per-sentence statistics summed
-    over the corpus (n-gram matches and totals, lengths); this keeps only those
-    sums, so memory holds no text, and `stats` can be saved and resumed:
-
-        scores = CorpusScores()
-        scores.add(hyps_of_chunk, refs_of_chunk)   # per chunk
-        scores.result()                            # as bleu_chrf(all hyps, all refs)
-        CorpusScores(scores.stats)                 # go on from saved sums
-    """
-
-    def __init__(self, stats: dict[str, list[int]] | None = None):
-        import sacrebleu
-
-        self._metrics = {"bleu": sacrebleu.metrics.BLEU(), "chrf": sacrebleu.metrics.CHRF()}
-        self.stats = {name: list(v) for name, v in (stats or {}).items()}
-
-    def add(self, hyps: Sequence[str], refs: Sequence[str]) -> None:
-        if not hyps:
-            return
-        for name, metric in self._metrics.items():
-            # The statistics corpus_score sums (sacreBLEU >= 2.0's own significance tests
-            # use the same two methods).
-            rows = metric._extract_corpus_statistics(list(hyps), [list(refs)])
-            sums = [int(sum(column)) for column in zip(*rows, strict=True)]
-            old = self.stats.get(name, [0] * len(sums))
-            self.stats[name] = [a + b for a, b in zip(old, sums, strict=True)]
-
-    def result(self) -> dict[str, Any]:
-        """As `bleu_chrf`: scores and signatures."""
-        out = {}
-        for name, metric in self._metrics.items():
-            # Also sets num_refs for the signature; an empty corpus scores 0.
-            (empty,) = metric._extract_corpus_statistics([""], [[""]])
-            stats = self.stats.get(name, [0] * len(empty))
-            out[name] = float(metric._compute_score_from_stats(stats).score)
-            out[f"{name}_signature"] = str(metric.get_signature())
-        return out

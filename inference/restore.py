@@ -23,7 +23,7 @@ from flax import nnx
 from common.errors import UserError
 from data import Tokenizer
 from data.tokenizer import TOKENIZER_FILENAME, has_tokenizer, load_tokenizer, tokenizer_names
-from inference.resume import files_identity
+from inference.output import files_identity
 from model import Transformer
 from training.checkpoints import CHECKPOINT_DIR, Checkpoints
 from training.config import CONFIG_FILE, load_config, model_config

@@ -6,7 +6,7 @@ Steps: check the input (and references); open a `Translator` (the workdir's
 live model, an exported one, or, with --dry_run, a stand-in that plans batches
 without a model); describe the job (its inputs, model and settings) and open
 the output, which goes on from an earlier run's record of the same job
-(inference/resume.py); translate chunk by chunk (inference/stream.py) with
+(inference/output.py); translate chunk by chunk (inference/stream.py) with
 progress on stderr (inference/progress.py); then the summary, BLEU/chrF
 against references and the plots' count. Progress, warnings and the summary
 go to stderr; BLEU/chrF go to stdout unless the translations do. Everything
@@ -29,20 +29,21 @@ from backends.stablehlo import export_translator
 from common.errors import UserError
 from data import load_split
 from inference import devices
-from inference.lines import CorpusScores, LineReader, count_lines
+from inference.lines import LineReader, count_lines
 from inference.options import DecodeOptions
-from inference.progress import Meter, warn
-from inference.resume import (
+from inference.output import (
     PartialOutput,
     StreamOutput,
     file_identity,
     lines_identity,
 )
+from inference.progress import Meter, warn
 from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
 from inference.targets import check_files
 from inference.translators import Loaded, dry_run, open_translator
 from model.defaults import DEFAULT_STOP
 from search import timing
+from search.bleu import CorpusScores
 
 # Options that are not settings of a job's output: the files and the checkpoint
 # (described by their identity instead: --checkpoint_step=N resumes a job that loaded

@@ -12,9 +12,9 @@ encoded in a thread of its own while one is translated, and the programs its
 batches need start compiling or loading then (`LiveTranslator.prepare`), so
 memory holds at most two chunks' lines and one chunk's translations; BLEU and
 chrF keep only their summed statistics (`CorpusScores`). Each finished batch's results also
-go to the output's journal (inference/resume.py), so that a run killed
+go to the output's journal (inference/output.py), so that a run killed
 mid-chunk loses only the batches in flight. An output that was started by an
-earlier run of the same job goes on from its record (inference/resume.py):
+earlier run of the same job goes on from its record (inference/output.py):
 the readers start at the recorded offsets and the counters at the recorded
 values, so the finished file and summary are those of one uninterrupted run.
 """
@@ -33,7 +33,6 @@ from common.errors import UserError
 from inference import devices
 from inference.alignment import add_alignments
 from inference.lines import (
-    CorpusScores,
     Translated,
     best_texts,
     encode_lines,
@@ -41,12 +40,13 @@ from inference.lines import (
     output_text,
     translate_segments,
 )
+from inference.output import Journal
 from inference.plots import plot_lines
 from inference.progress import Meter
-from inference.resume import Journal
 from inference.targets import encode_targets
 from model import Transformer
 from search import timing
+from search.bleu import CorpusScores
 from search.stages import Targets, output_tokens
 from search.translate import Translator
 
@@ -123,7 +123,7 @@ class StreamJob:
 
 
 class Output(Protocol):
-    """Where chunks go (inference/resume.py): `done` is the record an earlier run left;
+    """Where chunks go (inference/output.py): `done` is the record an earlier run left;
     `journal` (or None) keeps the running chunk's finished batches."""
 
     done: dict[str, Any]

@@ -17,9 +17,9 @@ from data import Tokenizer
 from data.tokenizer import load_tokenizer
 from inference import devices
 from inference.options import DecodeOptions
+from inference.output import files_identity
 from inference.progress import warn
 from inference.restore import load_workdir, workdir_identity
-from inference.resume import files_identity
 from model import Transformer
 from search.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
 

@@ -1,4 +1,8 @@
-"""Corpus BLEU and chrF (sacreBLEU), as training's evaluation and decode.py report them."""
+"""Corpus BLEU and chrF (sacreBLEU), as training's evaluation and decode.py report them:
+whole (`bleu_chrf`) or a chunk at a time (`CorpusScores`), one computation.
+
+    scores = bleu_chrf(hyps, refs)   # {"bleu", "chrf", "bleu_signature", "chrf_signature"}
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,51 @@ from typing import Any
 
 
 def bleu_chrf(hyps: Sequence[str], refs: Sequence[str]) -> dict[str, Any]:
-    """Corpus BLEU and chrF from sacreBLEU, with their signatures."""
-    import sacrebleu
+    """Corpus BLEU and chrF of `hyps` against `refs` (one reference each), with their
+    sacreBLEU signatures."""
+    scores = CorpusScores()
+    scores.add(hyps, refs)
+    return scores.result()
 
-    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
-    b = bleu.corpus_score(list(hyps), [list(refs)])
-    c = chrf.corpus_score(list(hyps), [list(refs)])
-    return {
-        "bleu": b.score,
-        "chrf": c.score,
-        "bleu_signature": str(bleu.get_signature()),
-        "chrf_signature": str(chrf.get_signature()),
-    }
+
+class CorpusScores:
+    """BLEU and chrF of a corpus seen a chunk at a time, equal to sacreBLEU's corpus scores
+    of all of it.
+
+    sacreBLEU's corpus scores are functions of per-sentence statistics summed
+    over the corpus (n-gram matches and totals, lengths); this keeps only those
+    sums, so memory holds no text, and `stats` can be saved and resumed:
+
+        scores = CorpusScores()
+        scores.add(hyps_of_chunk, refs_of_chunk)   # per chunk
+        scores.result()                            # as sacreBLEU's corpus_score of all
+        CorpusScores(scores.stats)                 # go on from saved sums
+    """
+
+    def __init__(self, stats: dict[str, list[int]] | None = None):
+        import sacrebleu
+
+        self._metrics = {"bleu": sacrebleu.metrics.BLEU(), "chrf": sacrebleu.metrics.CHRF()}
+        self.stats = {name: list(v) for name, v in (stats or {}).items()}
+
+    def add(self, hyps: Sequence[str], refs: Sequence[str]) -> None:
+        if not hyps:
+            return
+        for name, metric in self._metrics.items():
+            # The statistics corpus_score sums (sacreBLEU >= 2.0's own significance tests
+            # use the same two methods).
+            rows = metric._extract_corpus_statistics(list(hyps), [list(refs)])
+            sums = [int(sum(column)) for column in zip(*rows, strict=True)]
+            old = self.stats.get(name, [0] * len(sums))
+            self.stats[name] = [a + b for a, b in zip(old, sums, strict=True)]
+
+    def result(self) -> dict[str, Any]:
+        """{"bleu", "chrf", "bleu_signature", "chrf_signature"}."""
+        out = {}
+        for name, metric in self._metrics.items():
+            # Also sets num_refs for the signature; an empty corpus scores 0.
+            (empty,) = metric._extract_corpus_statistics([""], [[""]])
+            stats = self.stats.get(name, [0] * len(empty))
+            out[name] = float(metric._compute_score_from_stats(stats).score)
+            out[f"{name}_signature"] = str(metric.get_signature())
+        return out

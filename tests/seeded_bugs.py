@@ -63,7 +63,7 @@ BUGS = (
     ),
     Bug(
         "a decode resume takes an earlier chunk's journal for the running one",
-        "inference/resume.py",
+        "inference/output.py",
         'if entry.get("at") != self.at:',
         'if entry.get("at") > self.at:',
         ("tests/test_stream_parts.py", "tests/test_decode_stream.py"),

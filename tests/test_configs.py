@@ -15,14 +15,14 @@ def load(name):
     return importlib.import_module(f"configs.{name}").get_config()
 
 
-def model_config(c) -> TransformerConfig:
+def config_of(c) -> TransformerConfig:
     return TransformerConfig.from_dict({**c.model.to_dict(), "vocab_size": c.vocab_size})
 
 
 @pytest.mark.parametrize("name", ["tiny", "base", "big"])
 def test_config_builds_a_valid_model_config(name):
     c = load(name)
-    cfg = model_config(c)
+    cfg = config_of(c)
     assert cfg.vocab_size == c.vocab_size
     for field in (
         "dataset",

@@ -19,7 +19,7 @@ import pytest
 
 from backends.ct2 import CT2Translator, groups
 from backends.ct2_export import int8_saturates
-from inference.resume import PARTIAL
+from inference.output import PARTIAL
 from model.tokens import EOS_ID
 from tests.parity import NearTies, source_ids
 from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from data import TrainIterator, epoch_plans, files, packing, plans
+from data import TrainIterator, files, packing, plan_cache, plans
 from data.corpora import ParallelCorpus
-from data.epoch_plans import EpochPlans, PlanSpec
+from data.plan_cache import EpochPlans, PlanSpec
 from data.tokenized import TokenizedCorpus
 
 # --- The planners as they were before plans were streamed (commit f79a519) --------------
@@ -223,17 +223,17 @@ def test_a_damaged_or_foreign_stored_plan_is_made_again(tmp_path, caplog):
 
 def test_a_failed_or_killed_build_leaves_nothing_that_is_read(tmp_path, monkeypatch):
     tc = lengths_shard(3000, 32, 2, str(tmp_path))
-    real = epoch_plans._write_bucketed
+    real = plan_cache._write_bucketed
 
     def dies(*args):
         real(*args)
         raise KeyboardInterrupt  # after the files, before the manifest
 
-    monkeypatch.setattr(epoch_plans, "_write_bucketed", dies)
+    monkeypatch.setattr(plan_cache, "_write_bucketed", dies)
     with pytest.raises(KeyboardInterrupt):
         EpochPlans(tc, spec(False)).get(0)
     assert os.listdir(os.path.join(tmp_path, "plans")) == []
-    monkeypatch.setattr(epoch_plans, "_write_bucketed", real)
+    monkeypatch.setattr(plan_cache, "_write_bucketed", real)
     # A SIGKILLed build's temporary directory (a dead pid) is deleted by the next build.
     plans_dir = EpochPlans(tc, spec(False))
     dead = files.temp_dir(plans_dir._path(0))

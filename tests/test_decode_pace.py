@@ -272,15 +272,15 @@ def test_processes_that_disagree_on_the_input_stop_with_one_line(
 # Runs decode.py in a child that SIGKILLs itself once its journal holds `batches` batches.
 KILLER = """
 import os, runpy, signal, sys
-from inference import resume
+from inference import output
 batches = int(sys.argv[1])
-write = resume.Journal.write
+write = output.Journal.write
 def killing_write(self, indices, found):
     write(self, indices, found)
     self.written = getattr(self, "written", 0) + 1
     if self.written >= batches:
         os.kill(os.getpid(), signal.SIGKILL)
-resume.Journal.write = killing_write
+output.Journal.write = killing_write
 sys.argv = ["decode.py", *sys.argv[2:]]
 runpy.run_path("decode.py", run_name="__main__")
 """

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from inference.resume import PARTIAL, RECORD
+from inference.output import PARTIAL, RECORD
 from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
 
 WHOLE = "--read_lines=1000000"  # one chunk: the reference
@@ -126,9 +126,9 @@ def test_attention_plots_continue_across_chunks(workdir, tmp_path):  # noqa: F81
 # before their record (2).
 KILLER = """
 import os, runpy, signal, sys
-from inference import resume
+from inference import output
 lines, where = int(sys.argv[1]), int(sys.argv[2])
-append = resume.PartialOutput.append
+append = output.PartialOutput.append
 def killing_append(self, data, done):
     if done["lines"] >= lines:
         if where >= 1:
@@ -136,7 +136,7 @@ def killing_append(self, data, done):
             self._file.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     append(self, data, done)
-resume.PartialOutput.append = killing_append
+output.PartialOutput.append = killing_append
 sys.argv = ["decode.py", *sys.argv[3:]]
 runpy.run_path("decode.py", run_name="__main__")
 """

@@ -8,14 +8,15 @@ import os
 import random
 
 import pytest
+import sacrebleu
 
 from common.errors import UserError
-from inference.lines import CorpusScores, LineReader, count_lines, read_lines
+from inference.lines import LineReader, count_lines, read_lines
 from inference.options import DecodeOptions
+from inference.output import PARTIAL, RECORD, differences, file_identity, open_output
 from inference.progress import Meter, format_eta, progress_line
-from inference.resume import PARTIAL, RECORD, differences, file_identity, open_output
 from inference.stream import ListReader
-from search.bleu import bleu_chrf
+from search.bleu import CorpusScores, bleu_chrf
 
 HOSTILE = [
     b"",
@@ -70,7 +71,14 @@ def test_corpus_scores_in_chunks_equal_sacrebleu_corpus_scores():
     words = ["the", "a", "house", "is", "old", "very", "cat", "runs", ".", ",", "!", "Haus"]
     hyps = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 12))) for _ in range(300)]
     refs = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) for _ in range(300)]
-    want = bleu_chrf(hyps, refs)  # sacreBLEU over the whole corpus at once
+    bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
+    want = {  # sacreBLEU over the whole corpus at once
+        "bleu": bleu.corpus_score(hyps, [refs]).score,
+        "chrf": chrf.corpus_score(hyps, [refs]).score,
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+    }
+    assert bleu_chrf(hyps, refs) == want
     scores = CorpusScores()
     for i in range(0, 147, 7):
         scores.add(hyps[i : i + 7], refs[i : i + 7])
@@ -242,7 +250,7 @@ def test_chunk_lines_grow_with_the_batch_budget():
 def test_the_journal_keeps_its_chunks_batches_and_skips_a_torn_line(tmp_path):
     """A journal line a kill tore is skipped, and the next batch starts a line of its own;
     lines of another chunk are not this chunk's; clearing starts the next chunk."""
-    from inference.resume import Journal
+    from inference.output import Journal
     from search.hypothesis import Hypothesis
 
     path = str(tmp_path / "out.en.partial.journal")

@@ -17,7 +17,7 @@ from tests.conftest import small_train_config
 from training import metrics, optim, steps, validate
 from training.config import model_config
 from training.mesh import make_mesh, mesh_shape, shard_batch
-from training.packed import Packing
+from training.state_buffers import Packing
 
 # --- Schedules --------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from search.bleu import bleu_chrf
 from search.settings import SearchSettings
 from search.translate import translate_ids, vocab_limit
 from training.config import search_settings
-from training.input import eval_batches
+from training.input import process_eval_batches
 from training.mesh import batch_divisor, batch_sharding, shard_batch
 from training.steps import TrainSetup, TrainState, summarize
 
@@ -37,7 +37,8 @@ def eval_loss(
 ) -> dict[str, float]:
     """Token-weighted loss, accuracy and perplexity over every pair of `corpus`."""
     total = None
-    for batch, _ in eval_batches(config, tokenizer, corpus, global_multiple=batch_divisor(mesh)):
+    batches = process_eval_batches(config, tokenizer, corpus, global_multiple=batch_divisor(mesh))
+    for batch, _ in batches:
         sums = eval_step(params, rngs, shard_batch(batch, mesh))
         total = sums if total is None else jax.tree.map(jnp.add, total, sums)
     if total is None:

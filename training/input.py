@@ -3,7 +3,7 @@
     inputs = ShardedInput(config, tokenizer, corpus, global_multiple=rows_multiple)
     batch = next(inputs)              # numpy rows of this process
     state = inputs.get_state()        # [iterator state of each of this process's shards]
-    for batch, _ in eval_batches(config, tokenizer, dev, global_multiple=rows_multiple): ...
+    for batch, _ in process_eval_batches(config, tokenizer, dev, global_multiple=rows_multiple): ...
 
 The corpus is cut into `num_shards` strided shards (data/pipeline.py); shard s
 holds examples s, s + n, s + 2n, ... and its own batch plan with 1/n of the
@@ -88,7 +88,9 @@ def shard_multiple(global_multiple: int, num_shards: int) -> int:
     return global_multiple // math.gcd(global_multiple, num_shards)
 
 
-def eval_batches(config: Any, tokenizer: data.Tokenizer, corpus: Any, *, global_multiple: int):
+def process_eval_batches(
+    config: Any, tokenizer: data.Tokenizer, corpus: Any, *, global_multiple: int
+):
     """`data.eval_batches` of this process's shard of `corpus`, with the batch counts that
     every process agrees on (so all run the same eval steps). `global_multiple`: the
     global batch's rows must be a multiple of it (each process gives its share)."""

@@ -43,8 +43,8 @@ from training import config as config_lib
 from training import evaluate, init_from, metrics, steps
 from training.input import ShardedInput
 from training.mesh import batch_divisor, make_mesh, shard_batch
-from training.packed import Packing
 from training.resume import RunTotals, previous_run, restore_or_init
+from training.state_buffers import Packing
 
 _log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class _Training:
     def __init__(self, setup, state, totals: RunTotals, writer, progress, newest_checkpoint):
         config = setup.config
         # The state lives packed in a few buffers: a step's call costs a fraction of the
-        # host time it costs on the state's hundreds of arrays (training/packed.py).
+        # host time it costs on the state's hundreds of arrays (training/state_buffers.py).
         leaves, treedef = jax.tree.flatten(state)
         packing = Packing.of(leaves, pack=config.pack_state)
         pack = steps.make_pack(setup, treedef, packing)

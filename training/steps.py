@@ -31,7 +31,7 @@ from training.config import model_config
 from training.loss import chunked_loss_sums
 from training.mesh import BATCH_AXES, axis_rules, gathered, state_shardings
 from training.optim import make_optimizer, make_schedule
-from training.packed import Packing
+from training.state_buffers import Packing
 
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
@@ -239,7 +239,7 @@ def make_train_step(
 
 
 def make_packed_train_step(setup: TrainSetup, treedef: Any, packing: Packing) -> Callable[..., Any]:
-    """`make_train_step`'s step on the state packed into a few buffers (training/packed.py):
+    """`make_train_step`'s step on the state packed into a few buffers (training/state_buffers.py):
     `step(buffers, batch) -> (buffers, metrics)`, buffers = `packing.pack(leaves)` of
     leaves = `jax.tree.leaves(state)` (donated), treedef the state's structure.
 
