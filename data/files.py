@@ -15,11 +15,15 @@ written the same way by `atomic_write`:
 
     with atomic_write(path, "w") as f:    # a temporary file beside `path`, renamed at the end
         f.write(text)
+
+`files_identity(paths)` digests what a job was made from (a checkpoint, an export): its
+files' names, sizes and mtimes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import mmap
@@ -29,7 +33,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 from common.errors import UserError
@@ -213,3 +217,18 @@ def drop_mapped_pages(*arrays: Any) -> None:
         mapped = getattr(a, "_mmap", None)  # numpy.memmap's mmap (views share it)
         if mapped is not None and not mapped.closed:
             mapped.madvise(advice)
+
+
+def files_identity(paths: Iterable[str]) -> str:
+    """A digest of the names, sizes and mtimes of `paths` and of every file under those that
+    are directories (a checkpoint, an exported translator): rewriting any of them changes it."""
+    entries = []
+    for top in paths:
+        found = [top]
+        if os.path.isdir(top):
+            found = [os.path.join(d, f) for d, _, files in os.walk(top) for f in files]
+        for path in found:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(path)
+                entries.append(f"{os.path.abspath(path)}\t{st.st_size}\t{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()

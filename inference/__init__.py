@@ -9,10 +9,11 @@ StableHLO, CTranslate2 and OPUS-MT, are backends/).
     progress.py    lines, lines/s, tokens/s and ETA on stderr
     alignment.py   word alignments from cross-attention
     plots.py       cross-attention heatmaps
-    restore.py     a trained model back from a training workdir (the one import of training/)
     options.py     `DecodeOptions`, decode.py's settings, and their checks
     cli.py         decode.py's flags (one per DecodeOptions field) -> `DecodeOptions`
     run.py         decode.py's command: `run(options)`
 
-Nothing is imported here, so that importing one module loads only what it needs.
+A training workdir is read back by training/workdir.py, the one module of training/
+that inference/ imports. Nothing is imported here, so that importing one module loads
+only what it needs.
 """

@@ -38,7 +38,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from common.errors import UserError
@@ -79,21 +79,6 @@ def lines_identity(lines: Sequence[str], **what: Any) -> dict[str, Any]:
     for line in lines:
         digest.update(line.encode("utf-8", "surrogatepass") + b"\n")
     return {**what, "lines": len(lines), "sha256": digest.hexdigest()}
-
-
-def files_identity(paths: Iterable[str]) -> str:
-    """A digest of the names, sizes and mtimes of `paths` and of every file under those that
-    are directories (a checkpoint, an exported translator): rewriting any of them changes it."""
-    entries = []
-    for top in paths:
-        found = [top]
-        if os.path.isdir(top):
-            found = [os.path.join(d, f) for d, _, files in os.walk(top) for f in files]
-        for path in found:
-            with contextlib.suppress(FileNotFoundError):
-                st = os.stat(path)
-                entries.append(f"{os.path.abspath(path)}\t{st.st_size}\t{st.st_mtime_ns}")
-    return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()
 
 
 def _normalized(job: Any) -> Any:

@@ -14,14 +14,14 @@ from typing import Any
 from backends.stablehlo import ExportedTranslator
 from common.errors import UserError
 from data import Tokenizer
+from data.files import files_identity
 from data.tokenizer import load_tokenizer
 from inference import devices
 from inference.options import DecodeOptions
-from inference.output import files_identity
 from inference.progress import warn
-from inference.restore import load_workdir, workdir_identity
 from model import Transformer
 from search.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
+from training.workdir import load_workdir, workdir_identity
 
 
 @dataclasses.dataclass

@@ -83,7 +83,7 @@ def hypotheses(r) -> list[list[list[int]]]:
 def near_ties(workdir):  # noqa: F811
     """Our model's scores of two outputs, and each input line's source ids as decode.py
     encodes them."""
-    from inference.restore import load_workdir
+    from training.workdir import load_workdir
 
     model, config, _, tokenizer = load_workdir(workdir)
     ties = NearTies(model, penalty="average", alpha=0.6)

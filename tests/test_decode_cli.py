@@ -23,12 +23,12 @@ from flax import nnx
 from configs import tiny
 from data import Tokenizer
 from data.tokenizer import train_tokenizer
-from inference.restore import restore_model
 from model import EOS_ID, decoding, shift_right
 from tests import decode_runs
 from tests.conftest import session_dir
 from training import checkpoints, steps
 from training import config as config_lib
+from training.workdir import restore_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Enough Adam steps that the exact-translation test does not hinge on float rounding

@@ -152,8 +152,8 @@ def same_translations(workdir, lines):  # noqa: F811
     """check(got, want): the same hypotheses line for line, but at near-ties
     (tests/parity.py: another device count computes in other shapes, which round
     otherwise); scores to float32 rounding where the tokens are the same."""
-    from inference.restore import load_workdir
     from tests.parity import NearTies, source_ids
+    from training.workdir import load_workdir
 
     model, config, _, tokenizer = load_workdir(workdir)
     sources = source_ids(tokenizer, lines.read_bytes(), config.max_length)

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from common.errors import UserError
-from inference.restore import restore_model
 from tests.conftest import small_train_config, train_losses, write_reversal_tsv
 from tests.test_train_steps import reverse_batch
 from training import checkpoints, steps, train_and_evaluate
 from training.mesh import make_mesh, shard_batch
+from training.workdir import restore_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -149,7 +149,7 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(overrides, 
     import jax
     from flax import nnx
 
-    from inference.restore import restore_model
+    from training.workdir import restore_model
 
     model2, config, step = restore_model(str(two))
     model1, _, _ = restore_model(str(one), step=6)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from common.errors import UserError
-from inference.restore import restore_model
 from tests.conftest import small_train_config, train_rows, write_reversal_tsv
 from training import checkpoints
 from training import config as config_lib
+from training.workdir import restore_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,6 @@
 """Training: config checks, sharded train step, optimizer, Orbax checkpoints, evaluation,
 metrics. Used by train.py from a checkout (not installed as a package); a trained
-model is read back by inference/restore.py.
+model is read back by training/workdir.py (decode.py's one door into training/).
 
     from training import train_and_evaluate
     summary = train_and_evaluate(config, workdir)

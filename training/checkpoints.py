@@ -1,7 +1,7 @@
 """Orbax checkpoints in WORKDIR/checkpoints: saving, resuming, and moving damaged ones aside.
 
 A checkpoint step directory holds three items:
-    params  the model parameters (restored alone by inference/restore.py)
+    params  the model parameters (restored alone by training/workdir.py)
     train   step, optimizer state and dropout RNG streams
     data    the input position of every data shard, and run totals (JSON)
 `config.json` and `tokenizer.model` sit beside `checkpoints/` in the workdir.

@@ -1,4 +1,5 @@
-"""A trained model back from a training workdir, for inference: the one door into training/.
+"""A training workdir read back, for inference: the one module of training/ that
+inference/ imports.
 
     model, config, step = restore_model("workdir/tiny", average_last=5)
     model, config, step, tokenizer = load_workdir("workdir/tiny")   # decode.py's: UserError
@@ -6,9 +7,7 @@
 The workdir's config.json says how to build the model (training/config.py,
 training/steps.py: the code that built it for training), and its checkpoints
 hold the parameters (training/checkpoints.py); only the `params` item is read.
-This module is the only one of inference/ that imports training/, and nothing
-of training/ imports it: the in-loop evaluation, which does import inference/,
-already holds its model.
+Nothing else of training/ imports it: the in-loop evaluation already holds its model.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from flax import nnx
 
 from common.errors import UserError
 from data import Tokenizer
+from data.files import files_identity
 from data.tokenizer import TOKENIZER_FILENAME, has_tokenizer, load_tokenizer, tokenizer_names
-from inference.output import files_identity
 from model import Transformer
 from training.checkpoints import CHECKPOINT_DIR, Checkpoints
 from training.config import CONFIG_FILE, load_config, model_config
