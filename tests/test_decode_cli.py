@@ -137,7 +137,7 @@ def train_digit_workdir(wd: str) -> None:
     )
     config.model.update(dropout_rate=0.0, max_len=64)
     config_lib.save_config(config, wd)
-    model = steps.build_model(config)
+    model = config_lib.build_model(config, config_lib.model_config(config))
     loss = train_digits(model, tok)
     assert loss < 0.05, f"the digit task did not train (loss {loss})"
 

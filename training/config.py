@@ -2,6 +2,7 @@
 
     validate(config)                  # UserError naming the first bad field
     cfg = model_config(config)        # config.model + vocab_size -> TransformerConfig
+    model = build_model(config, cfg)  # freshly initialized from config.seed
     settings = search_settings(config)  # config.search -> SearchSettings (evaluations)
     save_config(config, workdir)      # WORKDIR/config.json
     config = load_config(workdir)     # back, on top of configs/default.py
@@ -27,10 +28,11 @@ from typing import Any
 
 import jax
 import ml_collections
+from flax import nnx
 
 from common.errors import UserError
 from data.files import atomic_write
-from model import TransformerConfig
+from model import Transformer, TransformerConfig
 from model.attention import resolve_config
 from search.settings import SearchSettings
 from training.mesh import AXES as MESH_AXES
@@ -100,6 +102,13 @@ def model_config(
     its attention_impl resolved for `platform` (default: this machine's backend), once:
     'auto' -> 'cudnn' or 'xla' (`model.attention.resolve_impl`)."""
     return resolve_config(_model_fields(config), platform)
+
+
+def build_model(config: ml_collections.ConfigDict, model_cfg: TransformerConfig) -> Transformer:
+    """A freshly initialized Transformer of `model_cfg` (`model_config(config)`, resolved
+    once by the caller): `params` from `config.seed`, dropout streams from `seed + 1`."""
+    rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
+    return Transformer(model_cfg, rngs=rngs)
 
 
 def _model_fields(config: ml_collections.ConfigDict) -> TransformerConfig:

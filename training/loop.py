@@ -74,8 +74,7 @@ class _Training:
         self.unpack, self.totals = steps.make_unpack(setup, treedef, packing), totals
         self.writer, self.progress, self.newest_checkpoint = writer, progress, newest_checkpoint
         peak = metrics.peak_flops_per_device(config)
-        model = config_lib.model_config(config)
-        self.window = metrics.TrainWindow(model, peak, jax.device_count())
+        self.window = metrics.TrainWindow(setup.model_config, peak, jax.device_count())
         self.nonfinite = metrics.NonFinite(
             config.nonfinite_policy, config.max_consecutive_nonfinite, totals.nonfinite_steps
         )

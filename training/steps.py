@@ -26,8 +26,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model import Transformer, TransformerConfig
-from training.config import model_config
+from model import TransformerConfig
+from training.config import build_model, model_config
 from training.loss import chunked_loss_sums
 from training.mesh import BATCH_AXES, axis_rules, gathered, state_shardings
 from training.optim import make_optimizer, make_schedule
@@ -65,15 +65,6 @@ class TrainSetup:
 
 
 # --- Model and state ------------------------------------------------------------
-
-
-def build_model(config: Any, model_cfg: TransformerConfig | None = None) -> Transformer:
-    """A freshly initialized Transformer: `params` from `seed`, dropout streams from `seed + 1`.
-
-    `model_cfg`: the resolved model config (default: `model_config(config)`, resolved here).
-    """
-    rngs = nnx.Rngs(params=config.seed, dropout=config.seed + 1)
-    return Transformer(model_cfg or model_config(config), rngs=rngs)
 
 
 def _init_fn(

@@ -4,8 +4,8 @@ inference/ imports.
     model, config, step = restore_model("workdir/tiny", average_last=5)
     model, config, step, tokenizer = load_workdir("workdir/tiny")   # decode.py's: UserError
 
-The workdir's config.json says how to build the model (training/config.py,
-training/steps.py: the code that built it for training), and its checkpoints
+The workdir's config.json says how to build the model (training/config.py: the
+code that built it for training), and its checkpoints
 hold the parameters (training/checkpoints.py); only the `params` item is read.
 Nothing else of training/ imports it: the in-loop evaluation already holds its model.
 """
@@ -25,8 +25,7 @@ from data.files import files_identity
 from data.tokenizer import TOKENIZER_FILENAME, has_tokenizer, load_tokenizer, tokenizer_names
 from model import Transformer
 from training.checkpoints import CHECKPOINT_DIR, Checkpoints
-from training.config import CONFIG_FILE, load_config, model_config
-from training.steps import build_model
+from training.config import CONFIG_FILE, build_model, load_config, model_config
 
 _log = logging.getLogger(__name__)
 
