@@ -84,6 +84,10 @@ def _parse_flags(argv: list[str]) -> list[str]:
         print(f"error: {e}\nPass --helpfull to see the flags.", file=sys.stderr)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         msg = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
+        from configs.default import RENAMED  # JAX-free, as the config files
+
+        if msg in RENAMED:
+            msg += f" (renamed: --config.{RENAMED[msg]})"
         print(f"error: bad --config override: {msg}", file=sys.stderr)
     sys.exit(1)
 

@@ -19,6 +19,11 @@ from model.defaults import (
     DEFAULT_STOP,
 )
 
+# Fields renamed, old -> new: a workdir's config.json written before keeps loading
+# (training/config.py), and a config file or --config flag that still sets the old name
+# is told the new one.
+RENAMED = {"eval_beam_size": "search.beam_size", "eval_alpha": "search.alpha"}
+
 
 def model_fields() -> dict:
     """TransformerConfig's fields and defaults, vocab_size aside (the data's field)."""

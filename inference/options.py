@@ -129,7 +129,7 @@ class DecodeOptions:
     @property
     def tokens_per_batch(self) -> int:
         """--batch_tokens, or the default of the platform the search runs on
-        (search/settings.py BATCH_TOKENS; CTranslate2's for --ct2: backends/ct2.py)."""
+        (search/defaults.py BATCH_TOKENS; CTranslate2's for --ct2: CT2_BATCH_TOKENS)."""
         if self.batch_tokens is not None:
             return self.batch_tokens
         if self.ct2:

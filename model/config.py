@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import jax.numpy as jnp
+from typing import TYPE_CHECKING, Any
 
 from model.tokens import UNK_ID
+
+if TYPE_CHECKING:
+    import jax.numpy as jnp
 
 ACTIVATIONS = ("relu", "gelu", "swish")
 NORMS = ("post", "pre")
@@ -105,10 +106,14 @@ class TransformerConfig:
 
     @property
     def compute_dtype(self) -> jnp.dtype:
+        import jax.numpy as jnp  # here: the configs read this module before JAX loads
+
         return jnp.dtype(self.dtype)
 
     @property
     def params_dtype(self) -> jnp.dtype:
+        import jax.numpy as jnp
+
         return jnp.dtype(self.param_dtype)
 
     @classmethod

@@ -37,12 +37,13 @@ def test_model_imports_nothing_of_the_application():
 
 def test_data_and_the_special_ids_import_without_jax():
     """The tokenized cache's worker processes import data/ (and through it the special
-    ids of model/tokens.py) without JAX: it would cost each of them ~2 s and ~200 MB."""
+    ids of model/tokens.py) without JAX: it would cost each of them ~2 s and ~200 MB. The
+    config files too (model/config.py's fields): train.py's flag errors come before JAX."""
     import subprocess
     import sys
 
     code = (
-        "import sys, data, data.cache, model; assert model.EOS_ID == 1; "
+        "import sys, data, data.cache, model, configs.default; assert model.EOS_ID == 1; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'grain')))"
     )
     out = subprocess.run(

@@ -219,6 +219,8 @@ def test_restore_model_without_checkpoints(tmp_path):
         # 7 does not divide tiny's d_model (192), so the model config is invalid.
         ("--config.model.num_heads=7", "divisible by num_heads"),
         ("--config.no_such_field=1", "no_such_field"),
+        ("--config.eval_beam_size=3", "eval_beam_size (renamed: --config.search.beam_size)"),
+        ("--config.search.alpha=-1", "bad config.search: alpha must be >= 0"),
     ],
 )
 def test_cli_user_errors_are_one_clear_line(tmp_path, flag, message):

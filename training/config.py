@@ -31,6 +31,7 @@ import ml_collections
 from flax import nnx
 
 from common.errors import UserError
+from configs.default import RENAMED
 from data.files import atomic_write
 from model import Transformer, TransformerConfig
 from model.attention import resolve_config
@@ -120,13 +121,8 @@ def search_settings(config: ml_collections.ConfigDict) -> SearchSettings:
     return SearchSettings(**config.search.to_dict())
 
 
-# Fields renamed: a workdir's config.json written before keeps loading, and a flag or
-# config file that still uses the old name is told the new one.
-RENAMED = {"eval_beam_size": "search.beam_size", "eval_alpha": "search.alpha"}
-
-
 def _renamed(saved: dict[str, Any]) -> dict[str, Any]:
-    """config.json's fields under their current names."""
+    """config.json's fields under their current names (configs/default.py `RENAMED`)."""
     saved = dict(saved)
     for old, new in RENAMED.items():
         if old in saved:
