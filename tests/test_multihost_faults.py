@@ -119,7 +119,7 @@ def test_a_killed_process_ends_the_other_with_a_clear_error(corpus, tmp_path):
     assert procs[0].returncode == 75, err[-3000:]  # EXIT_PEER_LOST
     assert "re-run the same command on every host to resume" in err.lower()
     last = err.strip().splitlines()[-1]
-    assert last.startswith("[train") and "ERROR" in last, err[-3000:]  # ours, and last
+    assert last.startswith("[job") and "ERROR" in last, err[-3000:]  # ours, and last
     assert "Traceback" not in err
     assert waited < 40, waited  # peer_timeout_seconds (10) + a few heartbeats, at most
     procs[1].communicate()
