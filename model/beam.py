@@ -33,14 +33,14 @@ from flax import nnx
 
 from model import constraints
 from model.constraints import Controls
-from model.defaults import BEAM_STOPS, DEFAULT_LENGTH_PENALTY, DEFAULT_MIN_LENGTH, DEFAULT_STOP
-from model.scoring import (
-    NEG_INF,
-    normalized_score,
-    restrict,
-    rooms,
-    row_limits,
+from model.defaults import (
+    BEAM_STOPS,
+    DEFAULT_LENGTH_PENALTY,
+    DEFAULT_MIN_LENGTH,
+    DEFAULT_STOP,
+    LENGTH_PENALTIES,
 )
+from model.scoring import NEG_INF, normalized_score, restrict, rooms, row_limits, top_k
 from model.tokens import BOS_ID, EOS_ID, PAD_ID
 from model.transformer import DecodeCache, Transformer
 
@@ -80,6 +80,10 @@ class Rule:
             raise ValueError(f"n_best must be in [1, {self.beam_size}], got {self.n_best}")
         if self.stop not in BEAM_STOPS:
             raise ValueError(f"stop must be one of {BEAM_STOPS}, got {self.stop!r}")
+        if self.penalty not in LENGTH_PENALTIES:
+            raise ValueError(
+                f"length_penalty must be one of {LENGTH_PENALTIES}, got {self.penalty!r}"
+            )
         if self.steps_per_check < 1:
             raise ValueError(f"steps_per_check must be >= 1, got {self.steps_per_check}")
         if self.min_length < 0:
@@ -115,29 +119,6 @@ class BeamState(NamedTuple):
     controls: Controls  # per source: its prefix [B, P] and phrases [B, Q, T] (constraints.py)
     progress: jax.Array  # [B, K, Q] int32, tokens of each phrase each live beam has produced
     fin_met: jax.Array  # [B, K, Q] bool, the phrases each finished hypothesis has met
-
-
-def top_k(x: jax.Array, k: int, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k(x, k)` over x [B, M] in two levels: the same values and indices.
-
-    XLA's CPU top-k sorts its way through all M entries of a row (K*V: 16,000 for
-    the tiny model at beam 4), about as slow as the output projection. Here the
-    row is cut into chunks of `chunk`; the k chunks with the largest maxima (ties:
-    the earlier chunk) hold the k largest entries (ties: the earlier index), and
-    only they, in their original order, go through the exact top-k.
-    """
-    b, m = x.shape
-    if m < 8 * chunk:
-        return jax.lax.top_k(x, k)
-    pad = (-m) % chunk
-    x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=NEG_INF)
-    chunks = x.reshape(b, -1, chunk)  # [B, M] -> [B, M/chunk, chunk]
-    _, picked = jax.lax.top_k(chunks.max(axis=-1), k)  # [B, k] chunk indices
-    picked = jnp.sort(picked, axis=1)  # original order, so that ties go to the earlier index
-    near = jnp.take_along_axis(chunks, picked[:, :, None], axis=1)  # [B, k, chunk]
-    values, pos = jax.lax.top_k(near.reshape(b, k * chunk), k)  # [B, k]
-    index = jnp.take_along_axis(picked, pos // chunk, axis=1) * chunk + pos % chunk
-    return values, index
 
 
 def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:

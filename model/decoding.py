@@ -43,7 +43,6 @@ from flax import nnx
 from model import beam
 from model.constraints import Controls
 from model.defaults import (
-    BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
@@ -285,16 +284,10 @@ def beam_search(
         raise ValueError(f"beam_size {beam_size} too large for a vocabulary of {vocab}")
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
-    if length_penalty not in LENGTH_PENALTIES:
-        raise ValueError(
-            f"length_penalty must be one of {LENGTH_PENALTIES}, got {length_penalty!r}"
-        )
-    if stop not in BEAM_STOPS:
-        raise ValueError(f"stop must be one of {BEAM_STOPS}, got {stop!r}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     per = beam.steps_per_check() if steps_per_check is None else steps_per_check
-    rule = beam.Rule(
+    rule = beam.Rule(  # checks the stop rule and the length penalty
         beam_size,
         stop=stop,
         penalty=length_penalty,
