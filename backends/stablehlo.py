@@ -43,7 +43,7 @@ from flax import nnx
 from data.files import atomic_write, atomic_write_bytes
 from data.plans import inference_widths
 from model import Transformer, beam
-from model.defaults import EXTRA_DECODE_LEN
+from model.scoring import output_limit
 from search.hypothesis import Hypothesis
 from search.settings import SearchSettings
 from search.stages import Targets, run_stages, stage_rooms
@@ -123,7 +123,7 @@ def export_translator(
         "program_bytes": sizes,
         "inputs": "flat params (params.npz p0000..), src int32 [b, W] (0 pad, EOS-terminated)",
         "outputs": "tokens int32 [b, n_best, L] (EOS-terminated, 0 after), scores f32 [b, n_best]",
-        "output_length": {str(w): min(w + EXTRA_DECODE_LEN, max_len) for w in widths},
+        "output_length": {str(w): output_limit(w, max_len) for w in widths},
         "num_params": len(leaves),
         "param_paths": paths,
         "model": dataclasses.asdict(model.config),

@@ -18,8 +18,8 @@ from typing import Any
 
 from common.errors import UserError
 from inference.lines import LineReader, encode_lines
-from model.defaults import EXTRA_DECODE_LEN
 from search.settings import SearchSettings
+from search.stages import prefix_room
 
 
 def split_phrases(line: str) -> list[str]:
@@ -112,7 +112,7 @@ def check_files(
             if prefixes is not None:
                 _, sources, _ = encode_lines(tokenizer, lines, max_length, False)
                 for n, (ids, prefix) in enumerate(zip(sources, prefixes, strict=True)):
-                    room = min(len(ids) + 1 + EXTRA_DECODE_LEN, max_len) - 1
+                    room = prefix_room(len(ids) + 1, max_len)  # its ids, then EOS
                     if ids and len(prefix) > room:
                         raise UserError(
                             f"--prefix line {first + n} is {len(prefix)} tokens, more than the "

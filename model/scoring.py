@@ -50,6 +50,12 @@ def normalized_score(
     return jnp.where(lp > 0, logp / jnp.where(lp > 0, lp, 1.0), NEG_INF)
 
 
+def output_limit(source_tokens: int, max_len: int) -> int:
+    """The most output tokens (EOS included) a source of `source_tokens` tokens (EOS
+    included) may produce: source length + 50 (paper 6.1), at most max_len."""
+    return min(source_tokens + EXTRA_DECODE_LEN, max_len)
+
+
 def decode_shape(model: Transformer, src: jax.Array, max_decode_len: int | None):
     """(L, extra): output columns, and per-row extra length (None = every row gets L)."""
     max_len = model.config.max_len
@@ -57,7 +63,7 @@ def decode_shape(model: Transformer, src: jax.Array, max_decode_len: int | None)
     if s > max_len:
         raise ValueError(f"source length {s} exceeds the model's max_len {max_len}")
     if max_decode_len is None:
-        return min(s + EXTRA_DECODE_LEN, max_len), EXTRA_DECODE_LEN
+        return output_limit(s, max_len), EXTRA_DECODE_LEN
     if not 0 < max_decode_len <= max_len:
         raise ValueError(f"max_decode_len must be in [1, {max_len}], got {max_decode_len}")
     return max_decode_len, None

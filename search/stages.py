@@ -34,14 +34,20 @@ from jax.sharding import NamedSharding, PartitionSpec
 from common.errors import UserError
 from data.plans import MIN_ROWS, plan_translation
 from model.constraints import Controls
-from model.defaults import DEFAULT_CONSTRAINT_TOKENS, DEFAULT_MAX_CONSTRAINTS, EXTRA_DECODE_LEN
-from model.scoring import FILLER, rooms
+from model.defaults import DEFAULT_CONSTRAINT_TOKENS, DEFAULT_MAX_CONSTRAINTS
+from model.scoring import FILLER, output_limit, rooms
 from search import timing
 from search.hypothesis import hypotheses
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
 Progress = Callable[[Sequence[int], Sequence[list[Any]]], None]
+
+
+def prefix_room(source_tokens: int, max_len: int) -> int:
+    """The most tokens a prefix of a source of `source_tokens` tokens (EOS included) may
+    have: its output's limit (model/scoring.py `output_limit`) less one, for EOS."""
+    return output_limit(source_tokens, max_len) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +65,7 @@ class Targets:
 
     def sizes(self, width: int, max_len: int) -> tuple[int, int, int]:
         """(P, Q, T): a batch's prefix room, phrases and tokens per phrase."""
-        p = min(width + EXTRA_DECODE_LEN, max_len) - 1 if self.prefixes is not None else 0
+        p = prefix_room(width, max_len) if self.prefixes is not None else 0
         q, t = (self.max_phrases, self.max_tokens) if self.constraints is not None else (0, 0)
         return p, q, t
 
@@ -86,7 +92,7 @@ class Targets:
         may have min(len + 50, max_len) tokens, EOS included) or whose phrases exceed
         the limits (decode.py checks its files before; this is for other callers)."""
         for i, source in enumerate(sources):
-            room = min(len(source) + EXTRA_DECODE_LEN, max_len) - 1
+            room = prefix_room(len(source), max_len)
             if self.prefixes is not None and source and len(self.prefixes[i]) > room:
                 raise UserError(
                     f"source #{i}: its prefix has {len(self.prefixes[i])} tokens, more than "
@@ -115,7 +121,7 @@ def stage_rooms(width: int, max_len: int) -> list[int]:
     """Tokens a batch of source width `width` has room for, stage by stage: width + 16,
     doubled, up to L = min(width + 50, max_len) (every source's limit; model/scoring.py
     `rooms`)."""
-    return rooms(width, min(width + EXTRA_DECODE_LEN, max_len))
+    return rooms(width, output_limit(width, max_len))
 
 
 class Search(Protocol):
