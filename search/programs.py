@@ -47,13 +47,13 @@ import os
 import pickle
 import re
 import sys
-import tempfile
 import threading
 from typing import Any
 
 import jax
 
 from common.cpus import usable_cpus
+from data.files import atomic_write_bytes
 from search import timing
 
 _directory: str | None = None
@@ -166,15 +166,8 @@ def _save(path: str, compiled: Any) -> None:
         blob = pickle.dumps(serialize_executable.serialize(compiled))
     except Exception:  # e.g. XLA:CPU's "`LessThan` is not serializable" (a small sort)
         blob, path = b"", path[: -len(SUFFIX)] + UNKEPT  # later processes: jax.jit
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
-    except OSError:  # e.g. a full or read-only disk: only the speed-up is lost
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    with contextlib.suppress(OSError):  # e.g. a full or read-only disk: only the speed-up is lost
+        atomic_write_bytes(path, blob)  # readers see the old file or the whole new one
 
 
 _events = threading.local()  # what XLA did for this thread's compiles (counts)
