@@ -111,6 +111,10 @@ def get_config() -> ml_collections.ConfigDict:
     # once): the [tokens, vocab] float32 logits, the largest buffers of a big batch,
     # are then never held whole (training/loss.py; same loss and gradients).
     c.loss_chunk_tokens = 0
+    # With loss_chunk_tokens > 0: how a chunk's logits are stored between the passes over
+    # them, 'float32' or 'bfloat16' (half the bytes; each logit rounded to bf16, the
+    # statistics still summed in float32). Evaluation always uses float32.
+    c.loss_logits_dtype = "float32"
     # Pass the train state to each step packed into one buffer per dtype instead of its
     # hundreds of arrays (training/state_buffers.py): the step's call returns in a fraction of
     # the host time, at the cost of one more state-sized temporary on the devices.

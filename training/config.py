@@ -86,6 +86,7 @@ _CHOICES = {
     "nonfinite_policy": NONFINITE_POLICIES,
     "long_pairs": LONG_PAIRS,
     "tokenizer_type": TOKENIZER_TYPES,
+    "loss_logits_dtype": ("float32", "bfloat16"),
 }
 
 

@@ -27,14 +27,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from model.precision import einsum_f32
-
 
 def _loss_stats(logits: jax.Array, targets: jax.Array, label_smoothing: float):
     """Sums (as steps.loss_sums) and d(summed smoothed loss)/d(logits) of one chunk.
 
-    logits [..., V] float32, targets [...] (0 = padding) -> (sums, grad [..., V] float32).
+    logits [..., V] float32 or bfloat16 (read as float32: every statistic is computed and
+    summed in float32), targets [...] (0 = padding) -> (sums, grad [..., V] float32).
     """
+    logits = logits.astype(jnp.float32)  # fused into each pass: a bf16 chunk is read as bf16
     vocab = logits.shape[-1]
     real = targets != 0  # [...]
     logits = jnp.where(real[..., None], logits, 0.0)  # select: padding stays finite both ways
@@ -56,20 +56,24 @@ def _loss_stats(logits: jax.Array, targets: jax.Array, label_smoothing: float):
     return sums, jnp.where(real[..., None], p - q, 0.0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked(y: jax.Array, w: jax.Array, targets: jax.Array, label_smoothing: float):
-    return _forward(y, w, targets, label_smoothing)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(y: jax.Array, w: jax.Array, targets: jax.Array, label_smoothing: float, logits_dtype):
+    return _forward(y, w, targets, label_smoothing, logits_dtype)[0]
 
 
-def _forward(y, w, targets, label_smoothing):
+def _forward(y, w, targets, label_smoothing, logits_dtype):
     """y [K, B, C, D] chunks, w [V, D], targets [K, B, C] -> (sums, (dy, dw [V, D]))."""
     wc = w.astype(y.dtype)  # [V, D] in the compute dtype, as Embed.attend uses it
+    # bf16 operands and bf16 logits: the GEMM still accumulates in float32 and rounds once
+    # on the way out, and every pass over the chunk then reads half the bytes.
+    acc = logits_dtype if y.dtype == logits_dtype else jnp.float32
 
     def chunk(dw, inputs):
         yc, tc = inputs  # [B, C, D], [B, C]
         # Padding rows to zero (a select): whatever a kernel left there never reaches dw.
         yc = jnp.where((tc != 0)[..., None], yc, jnp.zeros((), yc.dtype))
-        logits = einsum_f32("BCD,VD->BCV", yc, wc)  # [B, C, V] float32
+        logits = jnp.einsum("BCD,VD->BCV", yc, wc, preferred_element_type=acc)  # [B, C, V]
+        logits = logits.astype(logits_dtype)
         sums, grad = _loss_stats(logits, tc, label_smoothing)
         grad = grad.astype(y.dtype)  # as every gradient of a bf16 model: bf16 matmuls
         dy = jnp.einsum("BCV,VD->BCD", grad, wc)  # [B, C, D]
@@ -81,8 +85,8 @@ def _forward(y, w, targets, label_smoothing):
     return sums, (dy, dw.astype(w.dtype))
 
 
-def _backward(label_smoothing, residuals, cotangent):
-    del label_smoothing
+def _backward(label_smoothing, logits_dtype, residuals, cotangent):
+    del label_smoothing, logits_dtype
     dy, dw = residuals
     g = cotangent["loss"]  # only the loss is differentiated; the other sums are metrics
     return (g * dy).astype(dy.dtype), (g * dw).astype(dw.dtype), None
@@ -98,6 +102,7 @@ def chunked_loss_sums(
     label_smoothing: float,
     *,
     chunk_tokens: int,
+    logits_dtype: str = "float32",
 ) -> dict[str, jax.Array]:
     """`steps.loss_sums(logits, targets, label_smoothing)` for logits = y w^T, in chunks.
 
@@ -108,6 +113,9 @@ def chunked_loss_sums(
       label_smoothing: eps_ls.
       chunk_tokens: most tokens (B x C) per chunk; T is cut into K equal chunks of C
         positions, padded with padding tokens.
+      logits_dtype: the chunk's logits as stored between the passes over them: float32,
+        or bfloat16 (half the bytes; each logit rounded to 8 bits of mantissa, the
+        statistics still float32).
     Returns:
       {loss, nll, correct, tokens} sums, as `loss_sums`; only `loss` carries a gradient.
     """
@@ -118,4 +126,5 @@ def chunked_loss_sums(
     pad = k * c - t
     ys = jnp.pad(y, ((0, 0), (0, pad), (0, 0))).reshape(b, k, c, d).swapaxes(0, 1)
     ts = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, k, c).swapaxes(0, 1)  # [K, B, C]
-    return _chunked(ys, w, ts, float(label_smoothing))  # ys: [K, B, C, D]
+    dtype = jnp.dtype(logits_dtype)
+    return _chunked(ys, w, ts, float(label_smoothing), dtype)  # ys: [K, B, C, D]

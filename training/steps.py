@@ -151,11 +151,13 @@ def _forward_sums(
     deterministic: bool,
     chunk_tokens: int = 0,
     use_shardings: Any = None,
+    logits_dtype: str = "float32",
 ) -> tuple[jax.Array, tuple[dict[str, jax.Array], nnx.State]]:
     """(summed smoothed loss, (all sums, advanced RNG state)) of one (micro-)batch.
 
     chunk_tokens > 0: the loss is computed over the vocabulary in chunks of that many
-    tokens (training/loss.py), never holding the [B, T, V] logits.
+    tokens (training/loss.py), never holding the [B, T, V] logits; each chunk's logits
+    are stored as `logits_dtype`.
     use_shardings: the parameters' shardings where they are used (`mesh.gathered`:
     FSDP shards gathered). Without them XLA's partitioner may move activations
     instead of weights: a tiny FSDP step on 4 TPU chips had 53 all-to-alls and
@@ -173,7 +175,14 @@ def _forward_sums(
         if b is not None:  # logits = [y, 1] [w, b]^T: b's gradient comes with w's
             y = jnp.concatenate([y, jnp.ones_like(y[..., :1])], axis=-1)
             w = jnp.concatenate([w, b[:, None].astype(w.dtype)], axis=-1)
-        sums = chunked_loss_sums(y, w, batch["tgt_out"], label_smoothing, chunk_tokens=chunk_tokens)
+        sums = chunked_loss_sums(
+            y,
+            w,
+            batch["tgt_out"],
+            label_smoothing,
+            chunk_tokens=chunk_tokens,
+            logits_dtype=logits_dtype,
+        )
     else:
         logits = model(*args, deterministic=deterministic, **packing)  # [B, T, V]
         sums = loss_sums(logits, batch["tgt_out"], label_smoothing)
@@ -283,9 +292,15 @@ def _train_step_fn(setup: TrainSetup):
     """
     graphdef, tx, mesh = setup.graphdef, setup.tx, setup.mesh
     k = int(setup.config.grad_accum_steps)
-    label_smoothing = float(setup.config.label_smoothing)
-    chunk = int(setup.config.loss_chunk_tokens)
     use = gathered(setup.shardings.params)
+    # _forward_sums's arguments after the batch; evaluation keeps float32 logits.
+    loss_args = (
+        float(setup.config.label_smoothing),
+        False,  # dropout on
+        int(setup.config.loss_chunk_tokens),
+        use,
+        str(setup.config.loss_logits_dtype),
+    )
     schedule = make_schedule(setup.config)
     grad_fn = jax.value_and_grad(_forward_sums, argnums=1, has_aux=True)
 
@@ -293,16 +308,14 @@ def _train_step_fn(setup: TrainSetup):
         """(summed gradients, sums, advanced RNG state) over k micro-batches."""
         if k == 1:
             (_, (sums, rngs)), grads = grad_fn(
-                graphdef, state.params, state.rngs, batch, label_smoothing, False, chunk, use
+                graphdef, state.params, state.rngs, batch, *loss_args
             )
             return grads, sums, rngs
         micro = {name: _split_micro(x, k, mesh) for name, x in batch.items()}
 
         def body(carry, mb):
             grads, sums, rngs = carry
-            (_, (s, rngs)), g = grad_fn(
-                graphdef, state.params, rngs, mb, label_smoothing, False, chunk, use
-            )
+            (_, (s, rngs)), g = grad_fn(graphdef, state.params, rngs, mb, *loss_args)
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s), rngs), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)

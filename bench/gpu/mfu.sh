@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The train step's MFU on one GPU, with A/Bs of cheaper passes, in one call:
+#   bash bench/gpu/mfu.sh <output dir>
+# Run on the device machine with .whl/ (bench/gpu/fetch_wheels.sh) carried along. Every
+# run is bench/train.py on synthetic packed rows of 256 (the train step alone, batches
+# on the device ahead), 20 steps timed in 3 passes, in processes of their own:
+#   1. base, TOKENS-token batches (default 32768), as configured: threefry dropout
+#      bits, float32 logits in the loss's chunks
+#   2. the same with --prng_impl=unsafe_rbg (dropout bits from XLA's RngBitGenerator)
+#   3. the same with --loss_logits_dtype=bfloat16 (the loss's chunks read half the bytes)
+#   4. big, TOKENS-token batches, as configured
+# One JSON object and a table per run in <output dir>/mfu_*.log. A rehearsal on a CPU:
+#   NO_WHEELS=1 PY=.venv/bin/python BASE=tiny BIG=tiny TOKENS=1024 bash bench/gpu/mfu.sh DIR
+set -u
+PY=${PY:-python3} BASE=${BASE:-base} BIG=${BIG:-big} TOKENS=${TOKENS:-32768}
+[[ $# -ge 1 ]] || { sed -n 2,2p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+out=$1; mkdir -p "$out"
+t0=$(date +%s)
+stamp() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$out/steps.log"; }
+if [[ -z "${NO_WHEELS:-}" ]]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1
+common="--packing=packed --max_length=256 --batch_tokens=$TOKENS --steps=20"
+run() {  # name, then bench/train.py's flags
+  local name=$1; shift
+  timeout 150 $PY bench/train.py $common "$@" >"$out/mfu_$name.log" 2>&1
+  stamp "$name exit $?"
+}
+run base --configs=$BASE
+run base_rbg --configs=$BASE --prng_impl=unsafe_rbg
+run base_bf16_logits --configs=$BASE --loss_logits_dtype=bfloat16
+run big --configs=$BIG
