@@ -54,6 +54,43 @@ def test_chunked_loss_equals_numpy_and_whole_autodiff(chunk):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_logits_stay_within_bf16_rounding_of_float64():
+    """loss_logits_dtype='bfloat16' (bf16 operands, as on an accelerator): each logit
+    rounded once, the statistics in float32. The loss and its gradients stay within bf16's
+    rounding of a float64 NumPy reference, and the rounding does happen."""
+    y, w, targets = _problem(seed=3, t=9, v=300)
+    y16, w16 = jnp.asarray(y, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    yr, wr = np.asarray(y16, np.float64), np.asarray(w16, np.float64)  # what bf16 holds
+    logits = np.einsum("btd,vd->btv", yr, wr)
+    want_loss, _ = _numpy_smoothed_ce(logits, targets, 0.1)
+    # d(summed smoothed loss)/d(logits) = p - q at real tokens, by hand
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    v = logits.shape[-1]
+    q = np.where(np.arange(v) == targets[..., None], 0.9, 0.1 / (v - 1))
+    g = np.where((targets != 0)[..., None], p - q, 0.0)
+    want_grads = (np.einsum("btv,vd->btd", g, wr), np.einsum("btv,btd->vd", g, yr))
+
+    def run(dtype):
+        def loss(y, w):
+            sums = chunked_loss_sums(
+                y, w, jnp.asarray(targets), 0.1, chunk_tokens=5, logits_dtype=dtype
+            )
+            return sums["loss"], sums
+
+        (_, sums), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(y16, w16)
+        err = abs(float(steps.summarize(sums)["loss"]) - want_loss) / want_loss
+        rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+        return err, [rel(a, b) for a, b in zip(grads, want_grads, strict=True)]
+
+    err32, grads32 = run("float32")
+    err16, grads16 = run("bfloat16")
+    assert err32 < 1e-5 and err16 < 1e-3
+    assert err16 > err32  # the logits really were rounded
+    for e in grads32 + grads16:  # every gradient is bf16 in both (as the model's are)
+        assert e < 2e-2
+
+
 def test_chunked_loss_ignores_garbage_at_padded_positions():
     """NaN in the states of padding tokens (a fused kernel's leftovers) changes nothing."""
     y, w, targets = _problem(seed=1)
@@ -168,3 +205,18 @@ def test_train_step_with_a_chunked_loss_equals_the_whole():
     np.testing.assert_allclose(l0, l1, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p1), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+# Two train steps compiled: the config reaches the step.
+@pytest.mark.slow
+def test_train_step_reads_loss_logits_dtype():
+    batch = reverse_batch(np.random.default_rng(7), 8, 10, 40)
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = small_train_config(loss_chunk_tokens=24, loss_logits_dtype=dtype)
+        cfg.model.dropout_rate = 0.0
+        mesh, train_step, state = _setup(cfg)
+        _, m = train_step(state, shard_batch(batch, mesh))
+        losses[dtype] = float(m["loss"])
+    assert losses["bfloat16"] != losses["float32"]  # rounded logits...
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=1e-3)  # ...only rounded

@@ -9,7 +9,10 @@
 #   2. the same with --prng_impl=unsafe_rbg (dropout bits from XLA's RngBitGenerator)
 #   3. the same with --loss_logits_dtype=bfloat16 (the loss's chunks read half the bytes)
 #   4. big, TOKENS-token batches, as configured
-# One JSON object and a table per run in <output dir>/mfu_*.log. A rehearsal on a CPU:
+# One JSON object and a table per run in <output dir>/mfu_*.log, written as each run ends:
+# give the device call's $OUT itself, so that a call stopped at its limit still returns
+# the runs before. On an H100 each base run takes 85-105 s (most of it compiling), so
+# the four need about 7 minutes of a call. A rehearsal on a CPU:
 #   NO_WHEELS=1 PY=.venv/bin/python BASE=tiny BIG=tiny TOKENS=1024 bash bench/gpu/mfu.sh DIR
 set -u
 PY=${PY:-python3} BASE=${BASE:-base} BIG=${BIG:-big} TOKENS=${TOKENS:-32768}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # decode.py and train.py's evaluation at the accelerator's pace, on one GPU in one call:
-#   bash bench/gpu/pace.sh <output dir> [seconds of train.py, default 150]
+#   bash bench/gpu/pace.sh <output dir> [seconds of train.py, default 180]
 # Run on the device machine with .whl/ (bench/gpu/fetch_wheels.sh) and .data/de-en (the
 # Ding file) carried along; here, first: bash bench/gpu/fetch_wheels.sh; mkdir -p .data;
 # cp /usr/share/trans/de-en .data/
@@ -17,14 +17,16 @@
 #      (bench/decode_file.py: start-up, programs, host phases, device busy/idle)
 #   4. with CONSTRAINTS_S > 0 (seconds, default 0): bench/constraints.py on that model
 #      and the Ding test set (what --constraints and --prefix cost)
-# The train step's MFU is bench/gpu/mfu.sh's. Everything goes to the output dir: logs,
-# *.jsonl, the train metrics. A rehearsal on a CPU: NO_WHEELS=1 PY=.venv/bin/python \
+# The train step's MFU is bench/gpu/mfu.sh's. Everything goes to the output dir, 8 files
+# (the device tool returns 8 from $OUT): steps.log (the environment, each step's exit
+# status and time), compile_*.log, train.log, train_metrics.jsonl, decode_file.log and
+# .jsonl, constraints.log. A rehearsal on a CPU: NO_WHEELS=1 PY=.venv/bin/python \
 #   CONFIG=tiny LINES=2000 BATCHES=8 EVAL_EVERY=100 bash bench/gpu/pace.sh DIR 60
 set -u
 PY=${PY:-python3} CONFIG=${CONFIG:-base} LINES=${LINES:-100000} BATCHES=${BATCHES:-128}
-EVAL_EVERY=${EVAL_EVERY:-800} CONSTRAINTS_S=${CONSTRAINTS_S:-0}
+EVAL_EVERY=${EVAL_EVERY:-300} CONSTRAINTS_S=${CONSTRAINTS_S:-0}
 [[ $# -ge 1 ]] || { sed -n 2,2p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-out=$1; secs=${2:-150}; mkdir -p "$out"
+out=$1; secs=${2:-180}; mkdir -p "$out"
 rm -rf /tmp/w-pace /tmp/df /tmp/cons  # a rerun on a warm machine starts afresh too
 t0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$out/steps.log"; }
@@ -34,13 +36,16 @@ if [[ -z "${NO_WHEELS:-}" ]]; then  # the rehearsal's venv has them
 fi
 export ATTENTION_JAX_DING=$PWD/.data/de-en PYTHONUNBUFFERED=1
 { nvidia-smi -L; $PY -c 'import jax; print("jax", jax.__version__, jax.devices())'; } \
-  >"$out/env.txt" 2>&1
+  >>"$out/steps.log" 2>&1
 stamp "setup done"
 
 ab="--configs=$CONFIG --beam_sizes=4 --batch_sizes=$BATCHES --src_len=32 --iters=1"
-TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1,nvptx_compiler=1,autotuner_util=1 \
-  timeout 90 $PY bench/decode.py $ab >"$out/compile_default.log" 2>&1
+vmodule=gpu_compiler=1,nvptx_compiler=1,hlo_pass_pipeline=1  # XLA's phase and pass timers
+TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$vmodule \
+  timeout 90 $PY bench/decode.py $ab >/tmp/compile_default.log 2>&1
 stamp "compile A (XLA's defaults) exit $?"
+# Without the flag list each compile prints (MBs of it).
+grep -v 'gpu_compiler.cc:678\]' /tmp/compile_default.log >"$out/compile_default.log"
 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   timeout 90 $PY bench/decode.py $ab >"$out/compile_autotune0.log" 2>&1
 stamp "compile B (--xla_gpu_autotune_level=0) exit $?"
@@ -56,7 +61,7 @@ cp /tmp/w-pace/metrics.jsonl "$out/train_metrics.jsonl"
 timeout 240 $PY bench/decode_file.py --workdir=/tmp/w-pace --split=train --lines=$LINES \
   --scratch=/tmp/df --jsonl="$out/decode_file.jsonl" >"$out/decode_file.log" 2>&1
 stamp "decode_file exit $?"
-tail -n 4 /tmp/df/cold.out >"$out/decode_tail.txt" 2>/dev/null
+tail -n 4 /tmp/df/cold.out >>"$out/decode_file.log" 2>/dev/null
 
 if [[ $CONSTRAINTS_S -gt 0 ]]; then
   timeout "$CONSTRAINTS_S" $PY bench/constraints.py --workdir=/tmp/w-pace \
