@@ -36,6 +36,7 @@ _COMPILE_EVENTS = (
     "/jax/core/compile/backend_compile_duration",  # an XLA compile, or a read of its cache
 )
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+NAMES_SHOWN = 12  # program names in the breakdown
 
 
 class _State:
@@ -45,6 +46,7 @@ class _State:
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.marks: dict[str, float] = {}
         self.counts: dict[str, int] = collections.defaultdict(int)
+        self.names: collections.Counter[str] = collections.Counter()  # XLA programs, by name
         self.device: list[tuple[float, float]] = []  # searches on the device
         self.programs: list[tuple[float, float]] = []  # compiling or loading, any thread
         self.waits: list[tuple[float, float]] = []  # the main thread waiting for programs
@@ -83,12 +85,13 @@ def _on_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _on_duration(event: str, seconds: float, **_: Any) -> None:
+def _on_duration(event: str, seconds: float, fun_name: str = "?", **_: Any) -> None:
     if _state.on and event in _COMPILE_EVENTS:
         now = time.perf_counter()
         _program_time((now - seconds, now))
         if event == _COMPILE_EVENTS[-1]:
             _state.counts["xla_compiles_or_cache_reads"] += 1
+            _state.names[fun_name] += 1
 
 
 def _on_event(event: str, **_: Any) -> None:
@@ -237,6 +240,9 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
         # XLA programs compiled, and read from XLA's cache; search programs loaded whole
         # from search/programs.py's files, and written there
         "programs": {"compiled": compiles - reads, "xla_cache": reads, **counts},
+        # the same XLA programs (compiled or read) by name, the most frequent first: a
+        # helper compiled per shape shows here
+        "program_names": dict(_state.names.most_common(NAMES_SHOWN)),
         "phases_s": {k: round(v, 4) for k, v in sorted(raw.items())},
         "lines": lines,
         "target_tokens": tokens,
@@ -296,6 +302,9 @@ def table(b: dict[str, Any]) -> str:
         f"programs: {p['compiled']} compiled, {p['xla_cache']} from XLA's cache, "
         f"{p.get('loaded', 0)} loaded whole; {b['searches']} searches"
     )
+    if b.get("program_names"):
+        names = ", ".join(f"{name} {n}" for name, n in list(b["program_names"].items())[:5])
+        out.append(f"XLA programs by name: {names}")
     out.append(
         f"{b['lines']} lines, {b['target_tokens']} target tokens: "
         f"{b['target_tokens_per_s']} tokens/s after start-up"

@@ -46,6 +46,8 @@ def test_the_breakdown_adds_up(fresh):
     def compile_in_background():
         with timing.phase("programs"):
             time.sleep(0.30)
+        for name in ("jit(_search)", "jit(convert_element_type)", "jit(_search)"):
+            timing._on_duration(timing._COMPILE_EVENTS[-1], 0.0, fun_name=name)
 
     worker = threading.Thread(target=compile_in_background)
     worker.start()
@@ -84,6 +86,8 @@ def test_the_breakdown_adds_up(fresh):
     assert b["target_tokens_per_s_after_programs"] == pytest.approx(500 / after, rel=1e-2)
     assert b["searches"] == 3
     assert set(b["phases_s"]) == {"fetch", "programs_wait", "tokenize"}
+    assert b["program_names"] == {"jit(_search)": 2, "jit(convert_element_type)": 1}
+    assert b["programs"]["compiled"] == sum(b["program_names"].values())
 
 
 def test_programs_on_other_threads_never_make_a_share_above_one(fresh):
