@@ -21,7 +21,7 @@ to the device, and calling the compiled step until it returns (dispatch). Each c
 waits for the step before the next one, so the device is idle while the host works and
 the two are measured apart. The step is called three ways: on the `TrainState` pytree
 (`steps.make_train_step`), on its leaves in a list, and on the state packed into a few
-buffers (`steps.make_packed_train_step`, what train.py's loop calls; training/state_buffers.py).
+buffers (`steps.make_packed_steps`, what train.py's loop calls; training/state_buffers.py).
 When the host's time per step (this, plus the input pipeline's next batch) exceeds the
 device's, the device waits: small batches on a GPU. The call's time does not grow with
 the batch: on a CPU, where a base step of 8,192 tokens computes for ~30 s, use
@@ -239,9 +239,10 @@ def host(args: argparse.Namespace) -> None:
         start = steps.init_train_state(setup)
         leaves, treedef = jax.tree.flatten(start)
         packing = Packing.of(leaves, pack=pack)
-        box[name] = steps.make_pack(setup, treedef, packing)(start)
+        packed = steps.make_packed_steps(setup, treedef, packing)
+        box[name] = packed.pack(start)
         del start, leaves
-        step_fn = steps.make_packed_train_step(setup, treedef, packing)
+        step_fn = packed.step
 
         def call(name=name, step_fn=step_fn):
             box[name], m = step_fn(box[name], batch)

@@ -27,17 +27,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # kill *between* checkpoints, not about how fast a save finishes.
 CHILD = textwrap.dedent(
     """
-    import json, os, signal, sys, time
+    import dataclasses, json, os, signal, sys, time
     import jax
     from tests.conftest import small_train_config
     from training import loop, steps
 
     overrides, workdir, sig = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     at = int(sys.argv[4])
-    make = steps.make_packed_train_step  # the step the loop calls
+    make = steps.make_packed_steps  # the steps the loop calls
 
     def make_killing(setup, treedef, packing):
-        train_step = make(setup, treedef, packing)
+        packed = make(setup, treedef, packing)
+        train_step = packed.step
 
         def step(buffers, batch):
             buffers, metrics = train_step(buffers, batch)
@@ -51,10 +52,10 @@ CHILD = textwrap.dedent(
                 os.kill(os.getpid(), getattr(signal, sig))
             return buffers, metrics
 
-        return step
+        return dataclasses.replace(packed, step=step)
 
     if at > 0:
-        steps.make_packed_train_step = make_killing
+        steps.make_packed_steps = make_killing
     summary = loop.train_and_evaluate(small_train_config(**overrides), workdir)
     print("SUMMARY " + json.dumps({"step": summary["step"], "preempted": summary["preempted"]}))
     """

@@ -262,8 +262,8 @@ def test_the_packed_step_is_the_step_on_the_state():
         packing = Packing.of(leaves, pack=pack)
         # params and both Adam moments in one float32 buffer; typed PRNG keys stay apart
         assert (packing.num_buffers < 10) == pack
-        buffers = steps.make_pack(setup, treedef, packing)(fresh)
-        packed_step = steps.make_packed_train_step(setup, treedef, packing)
+        packed = steps.make_packed_steps(setup, treedef, packing)
+        buffers, packed_step = packed.pack(fresh), packed.step
         for b, want in zip(batches, wants, strict=True):
             buffers, got = packed_step(buffers, shard_batch(b, mesh))
             assert got.keys() == want.keys()
@@ -271,7 +271,7 @@ def test_the_packed_step_is_the_step_on_the_state():
                 tolerance = dict(rtol=1e-4) if pack and k == "perplexity" else {}  # exp(loss)
                 same(np.asarray(got[k]), np.asarray(want[k]), **tolerance)
         assert len(buffers) == packing.num_buffers
-        unpacked = steps.make_unpack(setup, treedef, packing)(buffers)
+        unpacked = packed.unpack(buffers)
         for a, b in zip(jax.tree.leaves(unpacked), jax.tree.leaves(state), strict=True):
             if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
                 a, b = jax.random.key_data(a), jax.random.key_data(b)

@@ -1,7 +1,7 @@
 """Fine-tuning from a trained OPUS-MT / Marian model: `config.init_from=DIR`.
 
     config = adopt_model(config)            # DIR's model: config.model.* and vocab_size
-    write_tokenizer(config, workdir)        # DIR's tokenizer files into the workdir
+    tokenizer = run_tokenizer(config, workdir, corpus)   # DIR's, copied into the workdir
     state = with_imported_params(state, setup)   # a fresh state, holding DIR's weights
 
 The run then trains as any other: its workdir holds DIR's tokenizer (source.spm,
@@ -24,9 +24,10 @@ import numpy as np
 from flax import nnx
 
 from backends import marian
+from common import distributed
 from common.errors import UserError
 from data.files import atomic_write_bytes
-from data.tokenizer import has_tokenizer, load_tokenizer
+from data.tokenizer import Tokenizer, get_tokenizer, has_tokenizer, load_tokenizer
 from training import config as config_lib
 from training import steps
 
@@ -97,6 +98,19 @@ def adopt_model(
     if changed:
         _log.info(f"config.init_from={directory}: the model's {', '.join(changed)}")
     return config
+
+
+def run_tokenizer(config: ml_collections.ConfigDict, workdir: str, corpus: Any) -> Tokenizer:
+    """The run's tokenizer, the workdir's: if it has none, process 0 copies config.init_from's
+    into it (`write_tokenizer`) or trains one on `corpus` (`data.get_tokenizer`), and the
+    other processes then load it."""
+    if jax.process_index() == 0:
+        write_tokenizer(config, workdir)
+        tokenizer = get_tokenizer(config, workdir, corpus)
+    distributed.sync("tokenizer")
+    if jax.process_index() != 0:
+        tokenizer = get_tokenizer(config, workdir, corpus)
+    return tokenizer
 
 
 def write_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> None:

@@ -67,11 +67,10 @@ class _Training:
         # host time it costs on the state's hundreds of arrays (training/state_buffers.py).
         leaves, treedef = jax.tree.flatten(state)
         packing = Packing.of(leaves, pack=config.pack_state)
-        pack = steps.make_pack(setup, treedef, packing)
-        self.buffers = pack(state) if packing.groups else leaves  # nothing packed: no copy
+        packed = steps.make_packed_steps(setup, treedef, packing)
+        self.buffers = packed.pack(state) if packing.groups else leaves  # none packed: no copy
         del state, leaves  # the buffers hold the state from here on
-        self.train_step = steps.make_packed_train_step(setup, treedef, packing)
-        self.unpack, self.totals = steps.make_unpack(setup, treedef, packing), totals
+        self.train_step, self.unpack, self.totals = packed.step, packed.unpack, totals
         self.writer, self.progress, self.newest_checkpoint = writer, progress, newest_checkpoint
         peak = metrics.peak_flops_per_device(config)
         self.window = metrics.TrainWindow(setup.model_config, peak, jax.device_count())
@@ -125,9 +124,8 @@ class _Training:
 class _Evaluation:
     """Dev-set evaluation of a state, written to metrics.jsonl and the log."""
 
-    def __init__(self, setup, tokenizer: data.Tokenizer, dev: Any, writer, progress):
-        self.setup, self.tokenizer, self.dev = setup, tokenizer, dev
-        self.eval_step = steps.make_eval_step(setup)
+    def __init__(self, setup, eval_step, tokenizer: data.Tokenizer, dev: Any, writer, progress):
+        self.setup, self.eval_step, self.tokenizer, self.dev = setup, eval_step, tokenizer, dev
         self.writer, self.progress = writer, progress
         self.best_bleu: float | None = None
 
@@ -197,18 +195,6 @@ class _Saving:
         self.last_saved, self.saved_at = step, time.time()
 
 
-def _tokenizer(config: ml_collections.ConfigDict, workdir: str, corpus: Any) -> data.Tokenizer:
-    """The workdir's tokenizer: process 0 trains it (or copies config.init_from's) if
-    missing, the others then load it."""
-    if jax.process_index() == 0:
-        init_from.write_tokenizer(config, workdir)
-        tokenizer = data.get_tokenizer(config, workdir, corpus)
-    distributed.sync("tokenizer")
-    if jax.process_index() != 0:
-        tokenizer = data.get_tokenizer(config, workdir, corpus)
-    return tokenizer
-
-
 def _check_writable(workdir: str) -> None:
     try:
         os.makedirs(workdir, exist_ok=True)
@@ -249,11 +235,12 @@ def _start(config: ml_collections.ConfigDict, workdir: str) -> _Parts:
 
     # --- Data ------------------------------------------------------------------------
     train_corpus, dev = data.load_split(config, "train"), data.load_split(config, "dev")
-    tokenizer = _tokenizer(config, workdir, train_corpus)
+    tokenizer = init_from.run_tokenizer(config, workdir, train_corpus)
 
     # --- Mesh, model and optimizer -------------------------------------------------------
     mesh = make_mesh(config)
     setup = steps.train_setup(config, mesh)
+    eval_step = steps.make_eval_step(setup)  # compiled at its first call
     num_params = sum(x.size for x in jax.tree.leaves(setup.abstract.params))
     _log.info(f"mesh {dict(mesh.shape)}, {num_params / 1e6:.2f}M params, {jax.default_backend()}")
     rows_multiple = batch_divisor(mesh) * config.grad_accum_steps  # rows of the global batch
@@ -273,7 +260,7 @@ def _start(config: ml_collections.ConfigDict, workdir: str) -> _Parts:
     writer = metrics.MetricWriter(workdir, enabled=is_main)
     progress = metrics.Progress(config.num_train_steps, step, enabled=is_main)
     training = _Training(setup, state, totals, writer, progress, manager.latest_step)
-    evaluation = _Evaluation(setup, tokenizer, dev, writer, progress)
+    evaluation = _Evaluation(setup, eval_step, tokenizer, dev, writer, progress)
     saving = _Saving(config, manager, inputs, step)
     return _Parts(mesh, inputs, manager, training, evaluation, saving)
 

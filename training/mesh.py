@@ -109,3 +109,17 @@ def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Ar
         k: jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(v)), np.asarray(v))
         for k, v in batch.items()
     }
+
+
+def split_micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
+    """[B, ...] -> [k, B/k, ...], micro-batch j = rows j, j+k, j+2k, ...
+
+    Strided rows keep each micro-batch spread over every data shard, so the
+    split needs no communication (a contiguous split would put micro-batch 0
+    on the first devices only).
+    """
+    b = x.shape[0]
+    x = x.reshape(b // k, k, *x.shape[1:])  # [B/k, k, ...]
+    x = jax.numpy.swapaxes(x, 0, 1)  # [k, B/k, ...]
+    spec = PartitionSpec(None, BATCH_AXES, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

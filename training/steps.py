@@ -17,6 +17,7 @@ The config is trusted here: `training.config.validate` has checked it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from model import TransformerConfig
 from training.config import build_model, model_config
 from training.loss import chunked_loss_sums
-from training.mesh import BATCH_AXES, axis_rules, gathered, state_shardings
+from training.mesh import axis_rules, gathered, split_micro, state_shardings
 from training.optim import make_optimizer, make_schedule
 from training.state_buffers import Packing
 
@@ -53,6 +54,8 @@ class TrainSetup:
     abstract: a TrainState of ShapeDtypeStructs that carry their shardings (what
       `init_train_state` creates and what a checkpoint restores into).
     shardings: the same tree of NamedShardings.
+    use_shardings: the parameters' shardings where the steps use them, FSDP shards
+      gathered (`_forward_sums`).
     """
 
     config: Any
@@ -62,16 +65,17 @@ class TrainSetup:
     tx: optax.GradientTransformation
     abstract: TrainState
     shardings: TrainState
+    use_shardings: nnx.State  # the parameters' shardings where used (`mesh.gathered`)
 
 
 # --- Model and state ------------------------------------------------------------
 
 
 def _init_fn(
-    config: Any, model_cfg: TransformerConfig, tx: optax.GradientTransformation
+    model: Callable[[], nnx.Module], tx: optax.GradientTransformation
 ) -> Callable[[], TrainState]:
     def init():
-        _, params, rngs = nnx.split(build_model(config, model_cfg), nnx.Param, ...)
+        _, params, rngs = nnx.split(model(), nnx.Param, ...)
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rngs)
 
     return init
@@ -84,21 +88,22 @@ def train_setup(config: Any, mesh: Mesh, platform: str | None = None) -> TrainSe
     (default: this machine; train.py --compile_for passes the target's).
     """
     model_cfg = model_config(config, platform)
+    model = functools.partial(build_model, config, model_cfg)
+    graphdef, _, _ = nnx.split(nnx.eval_shape(model), nnx.Param, ...)
     tx = make_optimizer(config)
-    abstract_model = nnx.eval_shape(lambda: build_model(config, model_cfg))
-    graphdef, _, _ = nnx.split(abstract_model, nnx.Param, ...)
-    abstract = jax.eval_shape(_init_fn(config, model_cfg, tx))
+    abstract = jax.eval_shape(_init_fn(model, tx))
     shardings = state_shardings(mesh, abstract, axis_rules(config))
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
-    return TrainSetup(config, mesh, model_cfg, graphdef, tx, abstract, shardings)
+    use = gathered(shardings.params)
+    return TrainSetup(config, mesh, model_cfg, graphdef, tx, abstract, shardings, use)
 
 
 def init_train_state(setup: TrainSetup) -> TrainState:
     """Initialize params and optimizer state directly into their shardings (no host copy)."""
-    init = _init_fn(setup.config, setup.model_config, setup.tx)
-    return jax.jit(init, out_shardings=setup.shardings)()
+    model = functools.partial(build_model, setup.config, setup.model_config)
+    return jax.jit(_init_fn(model, setup.tx), out_shardings=setup.shardings)()
 
 
 # --- Loss ---------------------------------------------------------------------
@@ -212,20 +217,6 @@ def summarize(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 # --- Steps --------------------------------------------------------------------
 
 
-def _split_micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
-    """[B, ...] -> [k, B/k, ...], micro-batch j = rows j, j+k, j+2k, ...
-
-    Strided rows keep each micro-batch spread over every data shard, so the
-    split needs no communication (a contiguous split would put micro-batch 0
-    on the first devices only).
-    """
-    b = x.shape[0]
-    x = x.reshape(b // k, k, *x.shape[1:])  # [B/k, k, ...]
-    x = jnp.swapaxes(x, 0, 1)  # [k, B/k, ...]
-    spec = PartitionSpec(None, BATCH_AXES, *([None] * (x.ndim - 2)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
 def make_train_step(
     setup: TrainSetup,
 ) -> Callable[[TrainState, dict[str, jax.Array]], tuple[TrainState, dict[str, jax.Array]]]:
@@ -238,44 +229,48 @@ def make_train_step(
     return jax.jit(fn, donate_argnums=0, out_shardings=(setup.shardings, replicated))
 
 
-def make_packed_train_step(setup: TrainSetup, treedef: Any, packing: Packing) -> Callable[..., Any]:
-    """`make_train_step`'s step on the state packed into a few buffers (training/state_buffers.py):
-    `step(buffers, batch) -> (buffers, metrics)`, buffers = `packing.pack(leaves)` of
-    leaves = `jax.tree.leaves(state)` (donated), treedef the state's structure.
+@dataclasses.dataclass(frozen=True)
+class PackedSteps:
+    """`make_train_step`'s step on the state packed into a few buffers
+    (training/state_buffers.py), with the compiled ways in and out (copies):
 
-    The same computation, called with a few arrays: a jitted call's host cost grows
-    with the arrays it takes and returns (base's TrainState has 608), and on a GPU
-    the host's time per step bounds small-batch training (docs/PERFORMANCE.md).
-    XLA fuses the optimizer's update with the packing, so results agree with
-    `make_train_step`'s to rounding (bit for bit when nothing is packed); a run
-    and its resumption take the same path, so resuming stays exact.
+      buffers = steps.pack(state)
+      buffers, metrics = steps.step(buffers, batch)   # buffers donated
+      state = steps.unpack(buffers)                    # they stay valid
     """
-    replicated = NamedSharding(setup.mesh, PartitionSpec())
+
+    pack: Callable[[TrainState], list[jax.Array]]
+    step: Callable[..., tuple[list[jax.Array], dict[str, jax.Array]]]
+    unpack: Callable[[list[jax.Array]], TrainState]
+
+
+def make_packed_steps(setup: TrainSetup, treedef: Any, packing: Packing) -> PackedSteps:
+    """The train step on packed buffers, `treedef` the state's structure.
+
+    The same computation as `make_train_step`'s, called with a few arrays: a jitted
+    call's host cost grows with the arrays it takes and returns (base's TrainState has
+    608), and on a GPU the host's time per step bounds small-batch training
+    (docs/PERFORMANCE.md). XLA fuses the optimizer's update with the packing, so
+    results agree with `make_train_step`'s to rounding (bit for bit when nothing is
+    packed); a run and its resumption take the same path, so resuming stays exact.
+    """
     fn = _train_step_fn(setup)
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    leaf_shardings = treedef.flatten_up_to(setup.shardings)
+    shardings = packing.shardings(leaf_shardings, replicated)
 
     def step(buffers, batch):
         state = jax.tree.unflatten(treedef, packing.unpack(buffers))
         state, metrics = fn(state, batch)
         return packing.pack(jax.tree.leaves(state)), metrics
 
-    shardings = packing.shardings(treedef.flatten_up_to(setup.shardings), replicated)
-    return jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated))
-
-
-def make_pack(setup: TrainSetup, treedef: Any, packing: Packing) -> Callable[..., Any]:
-    """`pack(state) -> buffers`, compiled (a copy of the state)."""
-    replicated = NamedSharding(setup.mesh, PartitionSpec())
-    shardings = packing.shardings(treedef.flatten_up_to(setup.shardings), replicated)
     pack = jax.jit(packing.pack, out_shardings=shardings)
-    return lambda state: pack(jax.tree.leaves(state))
-
-
-def make_unpack(setup: TrainSetup, treedef: Any, packing: Packing) -> Callable[..., Any]:
-    """`unpack(buffers) -> TrainState`, compiled, each leaf in its sharding (a copy: the
-    buffers stay valid, e.g. for a checkpoint between steps)."""
-    shardings = treedef.flatten_up_to(setup.shardings)
-    unpack = jax.jit(packing.unpack, out_shardings=shardings)
-    return lambda buffers: jax.tree.unflatten(treedef, unpack(buffers))
+    unpack = jax.jit(packing.unpack, out_shardings=leaf_shardings)
+    return PackedSteps(
+        pack=lambda state: pack(jax.tree.leaves(state)),
+        step=jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated)),
+        unpack=lambda buffers: jax.tree.unflatten(treedef, unpack(buffers)),
+    )
 
 
 def _train_step_fn(setup: TrainSetup):
@@ -292,13 +287,12 @@ def _train_step_fn(setup: TrainSetup):
     """
     graphdef, tx, mesh = setup.graphdef, setup.tx, setup.mesh
     k = int(setup.config.grad_accum_steps)
-    use = gathered(setup.shardings.params)
     # _forward_sums's arguments after the batch; evaluation keeps float32 logits.
     loss_args = (
         float(setup.config.label_smoothing),
         False,  # dropout on
         int(setup.config.loss_chunk_tokens),
-        use,
+        setup.use_shardings,
         str(setup.config.loss_logits_dtype),
     )
     schedule = make_schedule(setup.config)
@@ -311,7 +305,7 @@ def _train_step_fn(setup: TrainSetup):
                 graphdef, state.params, state.rngs, batch, *loss_args
             )
             return grads, sums, rngs
-        micro = {name: _split_micro(x, k, mesh) for name, x in batch.items()}
+        micro = {name: split_micro(x, k, mesh) for name, x in batch.items()}
 
         def body(carry, mb):
             grads, sums, rngs = carry
@@ -356,8 +350,7 @@ def make_eval_step(
     Add the sums of all batches up, then `summarize` them.
     """
     graphdef, label_smoothing = setup.graphdef, float(setup.config.label_smoothing)
-    chunk = int(setup.config.loss_chunk_tokens)
-    use = gathered(setup.shardings.params)
+    chunk, use = int(setup.config.loss_chunk_tokens), setup.use_shardings
 
     def eval_step(params, rngs, batch):
         args = (graphdef, params, rngs, batch, label_smoothing, True, chunk, use)
