@@ -91,6 +91,14 @@ class DecodeOptions:
         return beam, alpha, 1 if self.n_best is None else self.n_best
 
     @property
+    def backend(self) -> str:
+        """What translates: 'exported', 'ct2', 'marian' or 'workdir' (the live model)."""
+        for name in ("exported", "ct2", "marian"):
+            if getattr(self, name):
+                return name
+        return "workdir"
+
+    @property
     def fewest_tokens(self) -> int:
         """--min_length, or its default (model/defaults.py)."""
         return DEFAULT_MIN_LENGTH if self.min_length is None else self.min_length

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 from backends.stablehlo import ExportedTranslator
@@ -42,21 +43,23 @@ class Loaded:
 
 def open_translator(options: DecodeOptions) -> Loaded:
     """The translator of --exported, --ct2 (CTranslate2), or the live model of --workdir or
-    --marian (an OPUS-MT directory)."""
-    if options.exported:
-        return _open_exported(options)
-    if options.ct2:
-        return _open_ct2(options)
-    rows, replicated = devices.shardings()  # every device of the job, or None for one
-    if options.marian:
-        from backends.marian import load_directory
+    --marian (an OPUS-MT directory): `OPENERS[options.backend]`."""
+    return OPENERS[options.backend](options)
 
-        model, tokenizer = load_directory(options.marian, replicated)
-        identity = {"marian": files_identity([options.marian])}
-        description = f"the Marian model in {options.marian}"
-        return Loaded(
-            _live(options, model, tokenizer, rows), tokenizer, description, model, None, identity
-        )
+
+def _open_marian(options: DecodeOptions) -> Loaded:
+    from backends.marian import load_directory
+
+    rows, replicated = devices.shardings()  # every device of the job, or None for one
+    model, tokenizer = load_directory(options.marian, replicated)
+    identity = {"marian": files_identity([options.marian])}
+    description = f"the Marian model in {options.marian}"
+    translator = _live(options, model, tokenizer, rows)
+    return Loaded(translator, tokenizer, description, model, None, identity)
+
+
+def _open_workdir(options: DecodeOptions) -> Loaded:
+    rows, replicated = devices.shardings()
     model, config, step, tokenizer = load_workdir(
         options.workdir,
         step=options.checkpoint_step,
@@ -132,3 +135,12 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
     identity = {"ct2": os.path.abspath(options.ct2), "files": files_identity([options.ct2])}
     description = f"the CTranslate2 model in {options.ct2}"
     return Loaded(translator, tokenizer, description, identity=identity)
+
+
+# How each backend is opened (`DecodeOptions.backend`): a new backend is one entry.
+OPENERS: dict[str, Callable[[DecodeOptions], Loaded]] = {
+    "exported": _open_exported,
+    "ct2": _open_ct2,
+    "marian": _open_marian,
+    "workdir": _open_workdir,
+}
