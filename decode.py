@@ -25,7 +25,8 @@ counted), lines longer than the model's maximum are truncated (or split,
 stderr; BLEU/chrF go to stdout unless the translations do.
 
 This file only starts the process; its flags are inference/cli.py's, parsed into one
-`inference.options.DecodeOptions`, and the work is `inference.run.run` (docs/decoding.md).
+`inference.options.DecodeOptions`, and the work is `inference.run.run` (translating) or
+`inference.exports.write_translator` (--export, --export_ct2; docs/decoding.md).
 """
 
 from __future__ import annotations
@@ -73,12 +74,13 @@ def main(argv: list[str]) -> None:
             timing.enable(origin=_STARTED)
         cache = FLAGS.compilation_cache
         cache = xla.enable_compilation_cache(xla.default_cache_dir() if cache is None else cache)
+        from inference.exports import write_translator
         from inference.run import run
         from search import programs
 
         programs.enable_beside(cache)  # the search programs whole: a new process loads them
 
-        run(options)
+        (write_translator if options.export or options.export_ct2 else run)(options)
     except UserError as e:
         print(f"decode.py: error: {e}", file=sys.stderr)
         sys.exit(1)

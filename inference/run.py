@@ -20,12 +20,10 @@ import dataclasses
 import io
 import os
 import sys
-import time
 from typing import Any
 
 import jax
 
-from backends.stablehlo import export_translator
 from common.errors import UserError
 from data import load_split
 from inference import devices
@@ -40,7 +38,7 @@ from inference.output import (
 from inference.progress import Meter, warn
 from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
 from inference.targets import check_files
-from inference.translators import Loaded, dry_run, open_translator
+from inference.translators import Loaded, dry_run, open_translator, require_ctranslate2
 from model.defaults import DEFAULT_STOP
 from search import timing
 from search.bleu import CorpusScores
@@ -76,65 +74,6 @@ def check_inputs(options: DecodeOptions) -> int | None:
     except OSError as e:
         raise UserError(f"cannot read {e.filename}: {e.strerror}") from e
     return total
-
-
-def export(loaded: Loaded, options: DecodeOptions) -> None:
-    """--export: the live model as a self-contained translator (backends/stablehlo.py)."""
-    t0 = time.perf_counter()
-    s = options.settings
-    meta = export_translator(
-        loaded.model,
-        loaded.tokenizer.files(),
-        options.export,
-        s,
-        vocab_limit=loaded.translator.vocab_limit,
-        config=loaded.config.to_dict() if loaded.config is not None else None,
-        platforms=list(options.export_platforms) or None,
-    )
-    print(
-        f"decode.py: exported {len(meta['widths'])} search programs (widths "
-        f"{meta['widths'][0]}..{meta['widths'][-1]}, beam {s.beam_size}, alpha "
-        f"{s.alpha}, n_best {s.n_best}, {'+'.join(meta['platforms'])}) and "
-        f"{meta['num_params']} parameter arrays to {options.export} in "
-        f"{time.perf_counter() - t0:.1f} s",
-        file=sys.stderr,
-    )
-
-
-def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
-    """--export_ct2: the live model as a CTranslate2 model (backends/ct2_export.py)."""
-    from backends.ct2_export import export_ct2 as write
-
-    t0 = time.perf_counter()
-    tokenizer = loaded.tokenizer
-    pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-    if options.marian:
-        source = {"marian": os.path.abspath(options.marian)}
-    else:
-        source = {
-            "workdir": os.path.abspath(options.workdir),
-            "checkpoint": loaded.description,
-            "average_last": options.average_last,
-        }
-    settings = options.settings
-    try:
-        write(
-            loaded.model,
-            pieces,
-            tokenizer.files(),
-            options.export_ct2,
-            quantization=options.quantization,
-            alpha=settings.alpha,
-            beam_size=settings.beam_size,
-            source=source,
-        )
-    except (ImportError, OSError, ValueError) as e:
-        raise UserError(str(e)) from e
-    print(
-        f"decode.py: wrote the {options.quantization} CTranslate2 model of {loaded.description} "
-        f"to {options.export_ct2} in {time.perf_counter() - t0:.1f} s",
-        file=sys.stderr,
-    )
 
 
 def split_lines(config: Any, split: str) -> tuple[list[str], list[str]]:
@@ -217,20 +156,11 @@ def _kept(out: Any) -> str:
 
 def run(options: DecodeOptions) -> None:
     """decode.py after its flags were checked; raises UserError for what the user can fix."""
-    if options.ct2 or options.export_ct2:
-        from backends.ct2_export import import_ctranslate2
-
-        try:
-            import_ctranslate2()  # before the slow part: how to install it
-        except ImportError as e:
-            raise UserError(str(e)) from e
+    if options.ct2:
+        require_ctranslate2()
     total = check_inputs(options)
     devices.check_single_process_flags(options)
     loaded = open_translator(options)
-    if options.export:
-        return export(loaded, options)
-    if options.export_ct2:
-        return export_ct2(loaded, options)
     if options.dry_run:
         loaded = dry_run(loaded, options)
     max_len = loaded.translator.max_len

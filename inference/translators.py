@@ -71,6 +71,16 @@ def _open_workdir(options: DecodeOptions) -> Loaded:
     return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
 
 
+def require_ctranslate2() -> None:
+    """ImportError from importing ctranslate2 as a UserError that says how to install it."""
+    from backends.ct2_export import import_ctranslate2
+
+    try:
+        import_ctranslate2()
+    except ImportError as e:
+        raise UserError(str(e)) from e
+
+
 def _live(options: DecodeOptions, model: Transformer, tokenizer: Any, rows: Any) -> LiveTranslator:
     """The JAX model's translator, set as the options say."""
     limit = vocab_limit(tokenizer.vocab_size, model.config)
