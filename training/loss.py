@@ -57,7 +57,9 @@ def _loss_stats(logits: jax.Array, targets: jax.Array, label_smoothing: float):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked(y: jax.Array, w: jax.Array, targets: jax.Array, label_smoothing: float, logits_dtype):
+def _chunked(
+    y: jax.Array, w: jax.Array, targets: jax.Array, label_smoothing: float, logits_dtype: jnp.dtype
+):
     return _forward(y, w, targets, label_smoothing, logits_dtype)[0]
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -120,6 +121,6 @@ def split_micro(x: jax.Array, k: int, mesh: Mesh) -> jax.Array:
     """
     b = x.shape[0]
     x = x.reshape(b // k, k, *x.shape[1:])  # [B/k, k, ...]
-    x = jax.numpy.swapaxes(x, 0, 1)  # [k, B/k, ...]
+    x = jnp.swapaxes(x, 0, 1)  # [k, B/k, ...]
     spec = PartitionSpec(None, BATCH_AXES, *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

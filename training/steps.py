@@ -4,6 +4,7 @@
     state = init_train_state(setup)            # born sharded, no host copy
     train_step = make_train_step(setup)
     state, metrics = train_step(state, batch)  # donates `state`
+    packed = make_packed_steps(setup, treedef, packing)   # train.py's: the state in buffers
     sums = make_eval_step(setup)(state.params, state.rngs, batch)
 
 The model lives as `nnx.split` pieces: a static GraphDef plus two pytrees,
