@@ -21,7 +21,7 @@
 # (the device tool returns 8 from $OUT): steps.log (the environment, each step's exit
 # status and time), compile_*.log, train.log, train_metrics.jsonl, decode_file.log and
 # .jsonl, constraints.log. A rehearsal on a CPU: NO_WHEELS=1 PY=.venv/bin/python \
-#   CONFIG=tiny LINES=2000 BATCHES=8 EVAL_EVERY=100 bash bench/gpu/pace.sh DIR 60
+#   CONFIG=tiny LINES=1000 BATCHES=8 EVAL_EVERY=20 bash bench/gpu/pace.sh DIR 75
 set -u
 PY=${PY:-python3} CONFIG=${CONFIG:-base} LINES=${LINES:-100000} BATCHES=${BATCHES:-128}
 EVAL_EVERY=${EVAL_EVERY:-300} CONSTRAINTS_S=${CONSTRAINTS_S:-0}
