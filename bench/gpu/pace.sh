@@ -14,7 +14,8 @@
 #      search's programs, the later ones must not)
 #   3. decode.py end to end on 100,000 lines (Ding's training sources, cycled) with
 #      that model, beam 4: an empty compilation cache, then the one it filled
-#      (bench/decode_file.py: start-up, programs, host phases, device busy/idle)
+#      (bench/decode_file.py: start-up, programs, host phases, device busy/idle);
+#      DECODE_FLAGS go to decode.py (e.g. --batch_tokens=8192)
 #   4. with CONSTRAINTS_S > 0 (seconds, default 0): bench/constraints.py on that model
 #      and the Ding test set (what --constraints and --prefix cost)
 # The train step's MFU is bench/gpu/mfu.sh's. Everything goes to the output dir, 8 files
@@ -24,7 +25,7 @@
 #   CONFIG=tiny LINES=1000 BATCHES=8 EVAL_EVERY=20 bash bench/gpu/pace.sh DIR 75
 set -u
 PY=${PY:-python3} CONFIG=${CONFIG:-base} LINES=${LINES:-100000} BATCHES=${BATCHES:-128}
-EVAL_EVERY=${EVAL_EVERY:-300} CONSTRAINTS_S=${CONSTRAINTS_S:-0}
+EVAL_EVERY=${EVAL_EVERY:-300} CONSTRAINTS_S=${CONSTRAINTS_S:-0} DECODE_FLAGS=${DECODE_FLAGS:-}
 [[ $# -ge 1 ]] || { sed -n 2,2p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 out=$1; secs=${2:-180}; mkdir -p "$out"
 rm -rf /tmp/w-pace /tmp/df /tmp/cons  # a rerun on a warm machine starts afresh too
@@ -59,7 +60,7 @@ stamp "train.py exit $?"
 cp /tmp/w-pace/metrics.jsonl "$out/train_metrics.jsonl"
 
 timeout 240 $PY bench/decode_file.py --workdir=/tmp/w-pace --split=train --lines=$LINES \
-  --scratch=/tmp/df --jsonl="$out/decode_file.jsonl" >"$out/decode_file.log" 2>&1
+  --scratch=/tmp/df --jsonl="$out/decode_file.jsonl" -- $DECODE_FLAGS >"$out/decode_file.log" 2>&1
 stamp "decode_file exit $?"
 tail -n 4 /tmp/df/cold.out >>"$out/decode_file.log" 2>/dev/null
 
