@@ -46,6 +46,7 @@ from backends.ct2_export import (
     import_ctranslate2,
 )
 from common.cpus import usable_cpus
+from data.files import read_versioned_json
 from data.tokenizer import tokenizer_names
 from model.defaults import DEFAULT_MIN_LENGTH
 from model.tokens import EOS_ID
@@ -278,16 +279,8 @@ class CT2Translator:
 
 def read_settings(directory: str) -> dict[str, Any]:
     """decoding.json of a directory `decode.py --export_ct2` wrote (ValueError otherwise)."""
-    path = os.path.join(directory, DECODING_JSON)
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"{path} is missing: is {directory!r} a directory written by "
-            "`decode.py --workdir=W --export_ct2=DIR`?"
-        )
-    with open(path) as f:
-        settings = json.load(f)
-    if settings.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format version {settings.get('format_version')} unknown")
+    writer = "decode.py --workdir=W --export_ct2=DIR"
+    settings = read_versioned_json(directory, DECODING_JSON, FORMAT_VERSION, writer)
     for name in ("model.bin", "shared_vocabulary.json", *tokenizer_names(directory)):
         if not os.path.isfile(os.path.join(directory, name)):
             raise ValueError(f"{directory}/{name} is missing; export the model again")

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.files import atomic_write, atomic_write_bytes
+from data.files import atomic_write, atomic_write_bytes, read_versioned_json
 from data.plans import inference_widths
 from model import Transformer, beam
 from model.scoring import output_limit
@@ -196,20 +196,9 @@ class ExportedTranslator:
     @classmethod
     def load(cls, directory: str, batch_tokens: int | None = None) -> ExportedTranslator:
         """Read metadata.json and params.npz (ValueError with the fix if they are missing)."""
+        writer = "decode.py --workdir=W --export=DIR"
+        metadata = read_versioned_json(directory, METADATA, FORMAT_VERSION, writer)
         path = os.path.join(directory, METADATA)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{path} is missing: is {directory!r} a directory written by "
-                "`decode.py --workdir=W --export=DIR`?"
-            )
-        with open(path) as f:
-            metadata = json.load(f)
-        version = metadata.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ValueError(
-                f"{path}: format version {version}, this decode.py reads {FORMAT_VERSION}: "
-                "export the translator again with this version"
-            )
         for width in metadata["widths"]:
             if metadata["rooms"][str(width)] != stage_rooms(width, metadata["max_len"]):
                 raise ValueError(f"{path}: stages of another version; export the translator again")

@@ -219,6 +219,24 @@ def drop_mapped_pages(*arrays: Any) -> None:
             mapped.madvise(advice)
 
 
+def read_versioned_json(directory: str, name: str, version: int, writer: str) -> dict[str, Any]:
+    """DIRECTORY/NAME, a JSON file that the command `writer` writes with this
+    "format_version": ValueError that says what to run if it is missing or of another
+    version (an export from another release of this code)."""
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing: is {directory!r} a directory written by `{writer}`?")
+    with open(path) as f:
+        contents = json.load(f)
+    found = contents.get("format_version")
+    if found != version:
+        raise ValueError(
+            f"{path}: format version {found}, this version reads {version}: write it again "
+            f"with `{writer}`"
+        )
+    return contents
+
+
 def files_identity(paths: Iterable[str]) -> str:
     """A digest of the names, sizes and mtimes of `paths` and of every file under those that
     are directories (a checkpoint, an exported translator): rewriting any of them changes it."""
