@@ -77,7 +77,7 @@ class Rule:
         if self.n_best is None:
             object.__setattr__(self, "n_best", self.beam_size)
         if not 1 <= self.n_best <= self.beam_size:
-            raise ValueError(f"n_best must be in [1, {self.beam_size}], got {self.n_best}")
+            raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}]: {self.n_best}")
         if self.stop not in BEAM_STOPS:
             raise ValueError(f"stop must be one of {BEAM_STOPS}, got {self.stop!r}")
         if self.penalty not in LENGTH_PENALTIES:

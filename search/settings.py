@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from data.plans import MIN_ROWS
 from model import beam
 from model.defaults import (
-    BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_CONSTRAINT_TOKENS,
@@ -22,7 +21,6 @@ from model.defaults import (
     DEFAULT_MAX_CONSTRAINTS,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
-    LENGTH_PENALTIES,
 )
 from search.defaults import default_batch_tokens
 from search.stages import Targets
@@ -60,18 +58,12 @@ class SearchSettings:
     constraint_tokens: int = DEFAULT_CONSTRAINT_TOKENS
 
     def __post_init__(self) -> None:
-        if not 1 <= self.n_best <= self.beam_size:
-            raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}]: {self.n_best}")
+        # n_best, stop, length penalty, steps per check and min_length: the Rule's checks
+        per = 1 if self.steps_per_check is None else self.steps_per_check
+        beam.Rule(self.beam_size, self.n_best, self.stop, self.length_penalty, None, per,
+                  self.min_length)  # fmt: skip
         if not self.alpha >= 0:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
-        if self.length_penalty not in LENGTH_PENALTIES:
-            raise ValueError(
-                f"length_penalty must be one of {LENGTH_PENALTIES}, got {self.length_penalty!r}"
-            )
-        if self.stop not in BEAM_STOPS:
-            raise ValueError(f"stop must be one of {BEAM_STOPS}, got {self.stop!r}")
-        if self.min_length < 0:
-            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
 
     @property
     def tokens_per_batch(self) -> int:
