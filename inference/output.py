@@ -223,10 +223,10 @@ class PartialOutput:
                     os.remove(path + JOURNAL)
             self._file.truncate(self.done.get("output_bytes", 0))
             self._file.seek(0, os.SEEK_END)
-            if resumed is None:
-                self._save({})
             # a job that cannot be resumed (stdin) keeps no journal
             self.journal = Journal(path + JOURNAL, self.done.get("lines", 0)) if self.job else None
+            if resumed is None:
+                self._save({})
         except BaseException:
             self._file.close()
             raise

@@ -191,6 +191,9 @@ def run(options: DecodeOptions) -> None:
     report(totals, loaded, options, max_length)
     if options.stats:
         write_stats(options, totals, earlier, loaded)
+    if options.reference or options.split:  # last: the line a user looks for
+        scores = CorpusScores(totals.scores).summary()
+        print(scores, file=sys.stderr if options.output == "-" else sys.stdout)
 
 
 def write_stats(options: DecodeOptions, totals: Totals, earlier: Totals, loaded: Loaded) -> None:
@@ -271,7 +274,7 @@ def _translate(
 
 
 def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: int) -> None:
-    """Warnings, the summary line (stderr), scores and the plots written."""
+    """Warnings, the summary line and the plots written (stderr)."""
     if totals.bad_utf8:
         warn(f"{totals.bad_utf8} line(s) had invalid UTF-8 (replaced)")
     if totals.long:
@@ -286,16 +289,7 @@ def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: i
         f"{totals.segments / seconds:.1f} sentences/s, {totals.tokens / seconds:.0f} tokens/s",
         file=sys.stderr,
     )
-    if options.reference or options.split:
-        print_scores(CorpusScores(totals.scores).result(), options.output)
     if options.plot_attention:
         print(
             f"wrote {totals.plots} attention plot(s) to {options.plot_attention}", file=sys.stderr
         )
-
-
-def print_scores(scores: dict[str, Any], output: str) -> None:
-    """BLEU and chrF with their signatures: on stdout, or stderr when it holds the output."""
-    out = sys.stderr if output == "-" else sys.stdout
-    print(f"BLEU = {scores['bleu']:.2f}  {scores['bleu_signature']}", file=out)
-    print(f"chrF = {scores['chrf']:.2f}  {scores['chrf_signature']}", file=out)

@@ -11,9 +11,9 @@ record of everything counted so far (`Totals`). The next chunk is read and
 encoded in a thread of its own while one is translated, and the programs its
 batches need start compiling or loading then (`LiveTranslator.prepare`), so
 memory holds at most two chunks' lines and one chunk's translations; BLEU and
-chrF keep only their summed statistics (`CorpusScores`). Each finished batch's results also
-go to the output's journal (inference/output.py), so that a run killed
-mid-chunk loses only the batches in flight. An output that was started by an
+chrF keep only their summed statistics (`CorpusScores`, in `Totals.scores`). Each
+finished batch's results also go to the output's journal (inference/output.py), so
+that a run killed mid-chunk loses only the batches in flight. An output that was started by an
 earlier run of the same job goes on from its record (inference/output.py):
 the readers start at the recorded offsets and the counters at the recorded
 values, so the finished file and summary are those of one uninterrupted run.
@@ -240,7 +240,6 @@ def _chunk(
     job: StreamJob,
     chunk: _Read,
     totals: Totals,
-    scores: CorpusScores | None,
     meter: Meter,
     journal: Journal | None = None,
 ) -> tuple[bytes, Totals]:
@@ -252,8 +251,11 @@ def _chunk(
     start = time.perf_counter()
     translated = translate_chunk(job, chunk, meter, journal)
     seconds = time.perf_counter() - start
-    if scores is not None:
-        scores.add(best_texts(translated.hypotheses), _references(job, len(lines)))
+    scores = totals.scores
+    if job.references is not None:  # the sums so far, with this chunk's added
+        corpus = CorpusScores(scores)
+        corpus.add(best_texts(translated.hypotheses), _references(job, len(lines)))
+        scores = corpus.stats
     plots = totals.plots
     if job.plot_attention and plots < job.num_plots:
         count = job.num_plots - plots
@@ -276,7 +278,7 @@ def _chunk(
         tokens=totals.tokens + sum(len(h[0].tokens) + 1 for h in translated.search if h),
         seconds=totals.seconds + seconds,
         plots=plots,
-        scores=scores.stats if scores is not None else None,
+        scores=scores,
     )
     return text.encode("utf-8"), totals
 
@@ -284,7 +286,6 @@ def _chunk(
 def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
     """Translate `job.source` chunk by chunk into `out`, from where its record says."""
     totals = Totals.from_record(out.done)
-    scores = CorpusScores(totals.scores) if job.references is not None else None
     journal = getattr(out, "journal", None)
     # The next chunk is read and encoded while this one is translated: at most two
     # chunks of lines in memory, and the device does not wait for the tokenizer.
@@ -295,7 +296,7 @@ def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
         while (chunk := upcoming.result()) is not None:
             first += len(chunk.lines)
             upcoming = reader.submit(_read, job, first)
-            data, totals = _chunk(job, chunk, totals, scores, meter, journal)
+            data, totals = _chunk(job, chunk, totals, meter, journal)
             with timing.phase("write"):
                 out.append(data, dataclasses.asdict(totals))
             del chunk, data

@@ -59,3 +59,12 @@ class CorpusScores:
             out[name] = float(metric._compute_score_from_stats(stats).score)
             out[f"{name}_signature"] = str(metric.get_signature())
         return out
+
+    def summary(self) -> str:
+        """Two lines, as decode.py prints them: 'BLEU = 27.31  nrefs:1|case:mixed|...' and
+        'chrF = 55.02  nrefs:1|...'."""
+        r = self.result()
+        return "\n".join(
+            f"{label} = {r[name]:.2f}  {r[name + '_signature']}"
+            for name, label in (("bleu", "BLEU"), ("chrf", "chrF"))
+        )

@@ -86,6 +86,10 @@ def test_corpus_scores_in_chunks_equal_sacrebleu_corpus_scores():
     for i in range(147, 300, 11):
         resumed.add(hyps[i : min(i + 11, 300)], refs[i : min(i + 11, 300)])
     assert resumed.result() == want
+    assert resumed.summary().splitlines() == [  # the two lines decode.py prints
+        f"BLEU = {want['bleu']:.2f}  {want['bleu_signature']}",
+        f"chrF = {want['chrf']:.2f}  {want['chrf_signature']}",
+    ]
     empty = CorpusScores().result()
     assert empty["bleu"] == 0.0 and empty["chrf"] == 0.0 and "nrefs:1" in empty["bleu_signature"]
 
