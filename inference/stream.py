@@ -13,10 +13,11 @@ batches need start compiling or loading then (`LiveTranslator.prepare`), so
 memory holds at most two chunks' lines and one chunk's translations; BLEU and
 chrF keep only their summed statistics (`CorpusScores`, in `Totals.scores`). Each
 finished batch's results also go to the output's journal (inference/output.py), so
-that a run killed mid-chunk loses only the batches in flight. An output that was started by an
-earlier run of the same job goes on from its record (inference/output.py):
-the readers start at the recorded offsets and the counters at the recorded
-values, so the finished file and summary are those of one uninterrupted run.
+that a run killed mid-chunk loses only the batches in flight. An output that was
+started by an earlier run of the same job goes on from its record
+(inference/output.py): the readers start at the recorded offsets and the counters
+at the recorded values, so the finished file and summary are those of one
+uninterrupted run.
 """
 
 from __future__ import annotations
