@@ -133,7 +133,7 @@ def _refuse(options: dict[str, Any], weights: dict[str, np.ndarray]) -> list[str
     return problems
 
 
-def model_config(
+def transformer_config(
     options: dict[str, Any], weights: dict[str, np.ndarray], path: str
 ) -> TransformerConfig:
     """Our TransformerConfig of a Marian model (UserError naming what we cannot honour)."""
@@ -203,7 +203,7 @@ def _ffn(get, ffn: Any, name: str) -> None:
 
 
 def set_weights(model: Transformer, weights: dict[str, np.ndarray], path: str) -> None:
-    """Copy a Marian model's arrays into `model` (built with `model_config`)."""
+    """Copy a Marian model's arrays into `model` (built with `transformer_config`)."""
     cfg, pre = model.config, model.config.norm == "pre"
     get = lambda name: _get(weights, name, path)
     n = cfg.num_heads
@@ -368,7 +368,7 @@ def load_marian(directory: str) -> tuple[Transformer, list[str]]:
     else:
         path = find_files(directory)[0]
         weights, options = read_npz(path)
-    config = model_config(options, weights, path)
+    config = transformer_config(options, weights, path)
     if config.vocab_size != len(pieces):
         raise UserError(
             f"{directory}: the vocabulary has {len(pieces) - 2} tokens, the embedding "
