@@ -13,7 +13,7 @@ also read several shards and concatenate their rows: with a fixed
 processes (the shards agree on widths and batch counts as processes do).
 Packed rows are planned per shard, so several shards on one process may
 differ in row counts; each step then pads to the largest.
-Each shard is tokenized once into the cache (`cache_dir(config, workdir)`)
+Each shard is tokenized once into the cache (`data_cache_dir(config, workdir)`)
 and memory-mapped from it at every later start.
 
 The batch planner (data/plans.py) is pure; this module is where the shards of
@@ -46,7 +46,7 @@ def num_shards(config: Any) -> int:
     return config.data_shards or jax.process_count()
 
 
-def cache_dir(config: Any, workdir: str | None) -> str | None:
+def data_cache_dir(config: Any, workdir: str | None) -> str | None:
     """config.data_cache_dir, else WORKDIR/data_cache (None: no workdir, tokenize in memory)."""
     if config.data_cache_dir:
         return os.path.expanduser(config.data_cache_dir)
@@ -129,8 +129,9 @@ class ShardedInput:
         self.shard_ids = list(range(first, first + per_process))
         multiple = shard_multiple(global_multiple, self.num_shards)
         # Each shard is tokenized (or mapped from the cache) once, here.
+        cache = data_cache_dir(config, workdir)
         shards = [
-            train_shard(config, tokenizer, corpus, s, self.num_shards, cache_dir(config, workdir))
+            train_shard(config, tokenizer, corpus, s, self.num_shards, cache)
             for s in self.shard_ids
         ]
         widths = None
