@@ -72,6 +72,8 @@ def test_shipped_configs_pass_validation(name):
         ("grad_accum_steps", 0, "grad_accum_steps must be > 0"),
         ("grad_clip_norm", -1.0, "grad_clip_norm must be >= 0"),
         ("data_shards", -1, "data_shards must be >= 0"),
+        ("loss_logits_dtype", "float16", "loss_logits_dtype must be one of"),
+        ("loss_logits_dtype", "bfloat16", "takes effect only with config.loss_chunk_tokens > 0"),
         ("search.beam_size", 0, r"bad config.search: n_best must be in \[1, beam_size=0\]"),
         ("search.alpha", -0.5, "bad config.search: alpha must be >= 0"),
         ("search.length_penalty", "wu", "bad config.search: length_penalty must be one of"),

@@ -167,6 +167,12 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
     for name, allowed in _CHOICES.items():
         if config[name] not in allowed:
             raise UserError(f"config.{name} must be one of {allowed}, got {config[name]!r}")
+    if config.loss_logits_dtype != "float32" and not config.loss_chunk_tokens:
+        raise UserError(  # the loss over the whole vocabulary at once keeps float32 logits
+            f"config.loss_logits_dtype={config.loss_logits_dtype!r} takes effect only with "
+            "config.loss_chunk_tokens > 0: set --config.loss_chunk_tokens=2048 (as base and "
+            "big do), or leave loss_logits_dtype at 'float32'"
+        )
     for name in ("label_smoothing", "adam_b1", "adam_b2"):
         if not 0.0 <= config[name] < 1.0:
             raise UserError(f"config.{name} must be in [0, 1), got {config[name]}")
