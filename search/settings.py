@@ -59,9 +59,14 @@ class SearchSettings:
 
     def __post_init__(self) -> None:
         # n_best, stop, length penalty, steps per check and min_length: the Rule's checks
-        per = 1 if self.steps_per_check is None else self.steps_per_check
-        beam.Rule(self.beam_size, self.n_best, self.stop, self.length_penalty, None, per,
-                  self.min_length)  # fmt: skip
+        beam.Rule(
+            self.beam_size,
+            n_best=self.n_best,
+            stop=self.stop,
+            penalty=self.length_penalty,
+            steps_per_check=1 if self.steps_per_check is None else self.steps_per_check,
+            min_length=self.min_length,
+        )
         if not self.alpha >= 0:
             raise ValueError(f"alpha must be >= 0, got {self.alpha}")
 
