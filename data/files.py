@@ -226,9 +226,12 @@ def read_versioned_json(directory: str, name: str, version: int, writer: str) ->
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing: is {directory!r} a directory written by `{writer}`?")
-    with open(path) as f:
-        contents = json.load(f)
-    found = contents.get("format_version")
+    try:
+        with open(path) as f:
+            contents = json.load(f)
+    except ValueError as e:  # cut short or edited: the export is unusable as it is
+        raise ValueError(f"{path} is not valid JSON ({e}): write it again with `{writer}`") from e
+    found = contents.get("format_version") if isinstance(contents, dict) else None
     if found != version:
         raise ValueError(
             f"{path}: format version {found}, this version reads {version}: write it again "

@@ -27,3 +27,7 @@ def test_a_missing_or_older_export_names_the_command_that_writes_it(
     message = str(e.value)
     assert f"format version {version - 1}, this version reads {version}" in message
     assert message.endswith(f"write it again with {writer}")
+    (tmp_path / name).write_text('{"format_version": ')  # a write cut short
+    cut = f"{name} is not valid JSON .*write it again with {writer}"
+    with pytest.raises(ValueError, match=cut):
+        read(str(tmp_path))
