@@ -39,7 +39,7 @@ import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
-from inference import cli  # noqa: E402 (defines the flags)
+from attention_jax.inference import cli  # noqa: E402 (defines the flags)
 
 FLAGS = cli.FLAGS
 flags.adopt_module_key_flags(cli)  # --help lists them as decode.py's
@@ -47,7 +47,7 @@ flags.adopt_module_key_flags(cli)  # --help lists them as decode.py's
 
 def start_processes() -> None:
     """jax.distributed for a job of several processes (before JAX starts a backend)."""
-    from common import distributed
+    from attention_jax.common import distributed
 
     where = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     distributed.initialize(*where, mode=FLAGS.distributed)
@@ -59,8 +59,8 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
     logging.set_verbosity(logging.WARNING)  # Orbax logs every checkpoint read at INFO
     # Imported here so that `--help` and flag errors are fast and JAX-free.
-    from common import log, xla
-    from common.errors import UserError
+    from attention_jax.common import log, xla
+    from attention_jax.common.errors import UserError
 
     xla.set_gpu_flags()  # before JAX initializes a backend
     log.setup()
@@ -69,14 +69,14 @@ def main(argv: list[str]) -> None:
         options.check()
         start_processes()
         if options.stats:
-            from search import timing
+            from attention_jax.search import timing
 
             timing.enable(origin=_STARTED)
         cache = FLAGS.compilation_cache
         cache = xla.enable_compilation_cache(xla.default_cache_dir() if cache is None else cache)
-        from inference.exports import write_translator
-        from inference.run import run
-        from search import programs
+        from attention_jax.inference.exports import write_translator
+        from attention_jax.inference.run import run
+        from attention_jax.search import programs
 
         programs.enable_beside(cache)  # the search programs whole: a new process loads them
 

@@ -84,7 +84,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         print(f"error: {e}\nPass --helpfull to see the flags.", file=sys.stderr)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         msg = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
-        from configs.default import RENAMED  # JAX-free, as the config files
+        from attention_jax.configs.default import RENAMED  # JAX-free, as the config files
 
         if msg in RENAMED:
             msg += f" (renamed: --config.{RENAMED[msg]})"
@@ -94,7 +94,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 def _compile_for() -> int:
     """--compile_for: the ahead-of-time report (aot/fit.py); no training."""
-    from aot import targets
+    from attention_jax.aot import targets
 
     try:
         target = targets.parse_target(_COMPILE_FOR.value)
@@ -102,11 +102,11 @@ def _compile_for() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     targets.prepare_environment(target)  # before JAX starts a backend
-    from aot import fit
-    from aot import report as aot_report
-    from common import log, xla
-    from common.errors import UserError
-    from training.init_from import adopt_model
+    from attention_jax.aot import fit
+    from attention_jax.aot import report as aot_report
+    from attention_jax.common import log, xla
+    from attention_jax.common.errors import UserError
+    from attention_jax.training.init_from import adopt_model
 
     xla.set_gpu_flags()  # what train.py runs with on a GPU
 
@@ -150,16 +150,16 @@ def main(argv: list[str]) -> None:
     if not _WORKDIR.value:
         print("error: --workdir is required (or --compile_for=TARGET)", file=sys.stderr)
         sys.exit(1)
-    from common import xla
+    from attention_jax.common import xla
 
     xla.set_gpu_flags()  # before JAX initializes a backend
     cache = xla.default_cache_dir() if _CACHE.value is None else _CACHE.value
     cache = xla.enable_compilation_cache(cache)
     # Imported here so that `--help` and flag errors are fast and JAX-free.
-    from common import distributed, log
-    from common.errors import UserError
-    from search import programs
-    from training import train_and_evaluate
+    from attention_jax.common import distributed, log
+    from attention_jax.common.errors import UserError
+    from attention_jax.search import programs
+    from attention_jax.training import train_and_evaluate
 
     programs.enable_beside(cache)  # the evaluation's search programs, as decode.py's
 

@@ -34,19 +34,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from aot import hlo
-from aot.roofline import kernel_roofline
-from aot.targets import Target, abstract_devices, parse_target
-from common.errors import UserError
-from data.plans import length_buckets, rows_per_batch
-from model.decoding import beam_search
-from model.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
-from search.defaults import default_batch_tokens
-from training import config as config_lib
-from training import steps
-from training.input import shard_multiple
-from training.mesh import AXES, batch_divisor, batch_sharding, make_mesh, mesh_shape
-from training.metrics import train_flops
+from attention_jax.aot import hlo
+from attention_jax.aot.roofline import kernel_roofline
+from attention_jax.aot.targets import Target, abstract_devices, parse_target
+from attention_jax.common.errors import UserError
+from attention_jax.data.plans import length_buckets, rows_per_batch
+from attention_jax.decoding import beam_search
+from attention_jax.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
+from attention_jax.search.defaults import default_batch_tokens
+from attention_jax.training import config as config_lib
+from attention_jax.training import steps
+from attention_jax.training.input import shard_multiple
+from attention_jax.training.mesh import AXES, batch_divisor, batch_sharding, make_mesh, mesh_shape
+from attention_jax.training.metrics import train_flops
 
 PACKING_KEYS = steps.PACKING_KEYS
 

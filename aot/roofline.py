@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from aot.hlo import array_bytes, collective_kind
+from attention_jax.aot.hlo import array_bytes, collective_kind
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\(([^)]*)\)(.*)$")

@@ -39,22 +39,22 @@ from typing import Any
 
 import numpy as np
 
-from backends.ct2_export import (
+from attention_jax.backends.ct2_export import (
     DECODING_JSON,
     DEVICES,
     FORMAT_VERSION,
     import_ctranslate2,
 )
-from common.cpus import usable_cpus
-from data.files import read_versioned_json
-from data.tokenizer import tokenizer_names
-from model.defaults import DEFAULT_MIN_LENGTH
-from model.tokens import EOS_ID
-from search.defaults import CT2_BATCH_TOKENS
-from search.hypothesis import Hypothesis
-from search.settings import SearchSettings
-from search.stages import Targets, check_lengths
-from search.translate import Progress
+from attention_jax.common.cpus import usable_cpus
+from attention_jax.data.files import read_versioned_json
+from attention_jax.data.tokenizer import tokenizer_names
+from attention_jax.defaults import DEFAULT_MIN_LENGTH
+from attention_jax.search.defaults import CT2_BATCH_TOKENS
+from attention_jax.search.hypothesis import Hypothesis
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.stages import Targets, check_lengths
+from attention_jax.search.translate import Progress
+from attention_jax.tokens import EOS_ID
 
 _log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from model import Transformer, TransformerConfig
-from model.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, EXTRA_DECODE_LEN
-from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from attention_jax import Transformer, TransformerConfig
+from attention_jax.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, EXTRA_DECODE_LEN
+from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FORMAT_VERSION = 1
 DECODING_JSON = "decoding.json"

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import UserError
-from data.tokenizer import MarianTokenizer, read_sentencepiece_models
-from model import Transformer, TransformerConfig
-from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from attention_jax import Transformer, TransformerConfig
+from attention_jax.common.errors import UserError
+from attention_jax.data.tokenizer import MarianTokenizer, read_sentencepiece_models
+from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 MARIAN_EOS, MARIAN_UNK = 0, 1
 _ABSENT = -30.0  # the logit bias of PAD and BOS, tokens a Marian model does not have

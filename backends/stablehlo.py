@@ -40,14 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.files import atomic_write, atomic_write_bytes, read_versioned_json
-from data.plans import inference_widths
-from model import Transformer, beam
-from model.scoring import output_limit
-from search.hypothesis import Hypothesis
-from search.settings import SearchSettings
-from search.stages import Targets, run_stages, stage_rooms
-from search.translate import Progress, search_fn
+from attention_jax import Transformer, beam
+from attention_jax.data.files import atomic_write, atomic_write_bytes, read_versioned_json
+from attention_jax.data.plans import inference_widths
+from attention_jax.scoring import output_limit
+from attention_jax.search.hypothesis import Hypothesis
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.stages import Targets, run_stages, stage_rooms
+from attention_jax.search.translate import Progress, search_fn
 
 # 2: staged programs (start_S*, resume_S*_C*) beside the one-program search_S*.
 # 3: the staged programs take `keep` and `until` and stop early; a resume for every room.

@@ -24,7 +24,7 @@ def _time_impl(q, k, v, g, mask, impl):
     import jax
     import jax.numpy as jnp
 
-    from model.attention import dot_product_attention
+    from attention_jax.attention import dot_product_attention
 
     def attend(q, k, v):
         return dot_product_attention(q, k, v, mask, impl=impl)
@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from model.attention import Mask
+    from attention_jax.attention import Mask
 
     on_gpu = jax.default_backend() == "gpu"
     impls = args.impls.split(",") if args.impls else (["xla", "cudnn"] if on_gpu else ["xla"])

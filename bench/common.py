@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tools.package_links import link_package, package_dirs
 from tools.report import report, table  # noqa: F401  (the benchmarks print through bench.common)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +24,7 @@ DECODE_SUMMARY = re.compile(
 
 
 def set_gpu_flags() -> None:
-    from common.xla import set_gpu_flags as set_flags
+    from attention_jax.common.xla import set_gpu_flags as set_flags
 
     set_flags()
 
@@ -33,9 +34,9 @@ def build_train_step(config):
 
     The same set-up as `training.train_and_evaluate` (`steps.train_setup`), checks included.
     """
-    from training import config as config_lib
-    from training import mesh as mesh_lib
-    from training import steps
+    from attention_jax.training import config as config_lib
+    from attention_jax.training import mesh as mesh_lib
+    from attention_jax.training import steps
 
     config_lib.validate(config)
     mesh = mesh_lib.make_mesh(config)
@@ -195,6 +196,15 @@ def run_sampled(
     }
 
 
+def _has_package_dirs(checkout: str) -> bool:
+    """Whether `checkout` maps its folders onto one import name (pyproject.toml)."""
+    try:
+        package_dirs(checkout)
+    except (OSError, KeyError):
+        return False
+    return True
+
+
 def run_decode(args: Sequence[str], *, decode_py: str = DECODE_PY) -> dict[str, Any]:
     """One decode.py process (this checkout's, or `decode_py` of another), run to its end.
 
@@ -204,9 +214,17 @@ def run_decode(args: Sequence[str], *, decode_py: str = DECODE_PY) -> dict[str, 
     tokens_per_s. Exits the benchmark with decode.py's error if it fails.
     """
     # The checkout first, then the caller's path (e.g. where a GPU machine's wheels are).
-    paths = [os.path.dirname(os.path.abspath(decode_py)), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    checkout = os.path.dirname(os.path.abspath(decode_py))
+    with (
+        tempfile.TemporaryDirectory() as site,
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+    ):
+        paths = [checkout, os.environ.get("PYTHONPATH", "")]
+        if checkout != ROOT and _has_package_dirs(checkout):
+            link_package(site, checkout)  # its code, not this checkout's editable install
+            paths.insert(0, site)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, decode_py, *args], stdout=out, stderr=err, env=env)
         _, status, usage = os.wait4(proc.pid, 0)

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scratch", default=None)
     args, rest = p.parse_known_args(argv)
     extra = [a for a in rest if a != "--"]
-    from data import load_split
-    from training.config import load_config
+    from attention_jax.data import load_split
+    from attention_jax.training.config import load_config
 
     corpus = load_split(load_config(args.workdir), "test")
     pairs = [corpus[i] for i in range(len(corpus))]

@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 
+from attention_jax.data.files import atomic_write
 from bench import common
-from data.files import atomic_write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_MODEL = {
@@ -223,9 +223,9 @@ def pipeline_only(args) -> None:
     import grain  # noqa: F401  (train.py has these loaded before its data: not timed)
     import jax  # noqa: F401
 
-    import data
+    from attention_jax import data
+    from attention_jax.data.plan_cache import EpochPlans
     from bench.input_pipeline import measure
-    from data.plan_cache import EpochPlans
 
     config = importlib_config(args.config)
     for flag in config_flags(args, args.tsv, os.path.join(args.dir, "dev.tsv")):
@@ -261,7 +261,7 @@ def pipeline_only(args) -> None:
 def importlib_config(name: str):
     import importlib
 
-    return importlib.import_module(f"configs.{name}").get_config()
+    return importlib.import_module(f"attention_jax.configs.{name}").get_config()
 
 
 def _set(config, dotted: str, value: str) -> None:

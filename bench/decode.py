@@ -26,8 +26,8 @@ def _bench_one(model, src, beam_size: int, iters: int, steps_per_check: int | No
     import jax
     import numpy as np
 
-    from model import EOS_ID
-    from model.decoding import translate
+    from attention_jax import EOS_ID
+    from attention_jax.decoding import translate
 
     run = lambda: translate(model, src, beam_size=beam_size, steps_per_check=steps_per_check)
     t0 = time.perf_counter()
@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     import numpy as np
     from flax import nnx
 
-    from model import EOS_ID, Transformer, TransformerConfig, beam
+    from attention_jax import EOS_ID, Transformer, TransformerConfig, beam
 
     checks = [int(x) for x in args.steps_per_check.split(",")] if args.steps_per_check else [None]
 
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     batch_sizes = [int(b) for b in (args.batch_sizes or default_batches).split(",")]
     rows, meta_configs = [], {}
     for name in args.configs.split(","):
-        cfg = importlib.import_module(f"configs.{name}").get_config()
+        cfg = importlib.import_module(f"attention_jax.configs.{name}").get_config()
         fields = {**cfg.model.to_dict(), "vocab_size": args.vocab_size or cfg.vocab_size}
         fields.update(dropout_rate=0.0, max_len=max(cfg.model.max_len, args.src_len + 50))
         if on_cpu:

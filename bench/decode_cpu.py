@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     os.makedirs(args.scratch, exist_ok=True)
     names = args.backends.split(",")
 
-    from data.corpora import prepare_ding
+    from attention_jax.data.corpora import prepare_ding
 
     pairs = prepare_ding()["test"]
     src, ref = os.path.join(args.scratch, "test.de"), os.path.join(args.scratch, "test.en")

@@ -88,8 +88,8 @@ MEASURES = ("pace", "memory", "resume", "programs")
 
 def split_sources(workdir: str, split: str) -> list[str]:
     """The source sides of `split` of the workdir's dataset (its config.json)."""
-    from data import load_split
-    from training.config import load_config
+    from attention_jax.data import load_split
+    from attention_jax.training.config import load_config
 
     corpus = load_split(load_config(workdir), split)
     return [corpus[i][0] for i in range(len(corpus))]
@@ -97,7 +97,7 @@ def split_sources(workdir: str, split: str) -> list[str]:
 
 def ding_sources(split: str) -> list[str]:
     """The German side of a split of the Ding corpus (parsed once, cached by data/)."""
-    from data.corpora import prepare_ding
+    from attention_jax.data.corpora import prepare_ding
 
     return [de for de, _ in prepare_ding()[split]]
 
@@ -221,9 +221,9 @@ def plan_costs(workdir: str, sources: list[str], chunks: list[int], batch_tokens
     """Per chunk size, the batches `data.plans.plan_translation` makes of the sources read
     in chunks of that many lines: batches, rows (with the filler that pads a width's last
     batch), padded source tokens; compared with one chunk for everything."""
-    from data.plans import plan_translation
-    from data.tokenizer import load_tokenizer
-    from training.config import load_config
+    from attention_jax.data.plans import plan_translation
+    from attention_jax.data.tokenizer import load_tokenizer
+    from attention_jax.training.config import load_config
 
     max_len = load_config(workdir).model.max_len
     tokenizer = load_tokenizer(workdir)  # ours, or a fine-tuned OPUS-MT model's

@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 
-import data
+from attention_jax import data
+from attention_jax.data.plans import length_buckets
 from bench import common
-from data.plans import length_buckets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Target tokens/s of the tiny train step on the 2-core CPU box (docs/PERFORMANCE.md).
@@ -86,7 +86,7 @@ def padding_by_scheme(config, tc) -> list[dict]:
 
 
 def ding_main(args) -> None:
-    config = importlib.import_module(f"configs.{args.config}").get_config()
+    config = importlib.import_module(f"attention_jax.configs.{args.config}").get_config()
     workdir = args.workdir or os.path.join(tempfile.gettempdir(), f"bench-input-{args.config}")
     t0 = time.perf_counter()
     corpus = data.load_split(config, "train")
@@ -130,7 +130,7 @@ def ding_main(args) -> None:
     from bench.train import synthetic_corpus
 
     # tiny's batches and shape count at max_length 64, base's at 256.
-    base = importlib.import_module("configs.base").get_config()
+    base = importlib.import_module("attention_jax.configs.base").get_config()
     for name, c in (("wmt_like_64", config), ("wmt_like_256", base)):
         c = c.copy_and_resolve_references()
         c.packing, max_length = False, c.max_length

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=58101)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    from backends.marian import load_marian
+    from attention_jax.backends.marian import load_marian
     from tests.marian_files import write_marian
 
     pieces = ["</s>", "<unk>", *(f"▁p{i}" for i in range(args.vocab - 2))]

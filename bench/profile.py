@@ -76,11 +76,11 @@ def pieces(args: argparse.Namespace) -> None:
     import jax
     from flax import nnx
 
-    from training import config as config_lib
-    from training import metrics, steps
-    from training.loss import chunked_loss_sums
+    from attention_jax.training import config as config_lib
+    from attention_jax.training import metrics, steps
+    from attention_jax.training.loss import chunked_loss_sums
 
-    config = importlib.import_module(f"configs.{args.config}").get_config()
+    config = importlib.import_module(f"attention_jax.configs.{args.config}").get_config()
     config.batch_tokens = args.batch_tokens or config.batch_tokens
     config.model.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     config.mesh_data, config.mesh_fsdp, config.mesh_tensor = -1, 1, 1
@@ -154,8 +154,8 @@ def _random_batch(mesh, vocab_size: int, batch_tokens: int, length: int) -> tupl
     as `batch_tokens` holds, a multiple of the mesh's batch divisor); returns (B, batch)."""
     import numpy as np
 
-    from model import BOS_ID
-    from training import mesh as mesh_lib
+    from attention_jax import BOS_ID
+    from attention_jax.training import mesh as mesh_lib
 
     divisor = mesh_lib.batch_divisor(mesh)
     rows = batch_tokens // length
@@ -212,11 +212,11 @@ def host(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
 
-    from training import mesh as mesh_lib
-    from training import steps
-    from training.state_buffers import Packing
+    from attention_jax.training import mesh as mesh_lib
+    from attention_jax.training import steps
+    from attention_jax.training.state_buffers import Packing
 
-    config = importlib.import_module(f"configs.{args.config}").get_config()
+    config = importlib.import_module(f"attention_jax.configs.{args.config}").get_config()
     config.batch_tokens = args.batch_tokens or config.batch_tokens
     if args.dtype or jax.default_backend() == "cpu":
         config.model.dtype = args.dtype or "float32"

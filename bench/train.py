@@ -33,7 +33,7 @@ def synthetic_corpus(n: int, vocab: int, max_length: int, seed: int = 0):
     """A TokenizedCorpus of random ids whose lengths look like WMT sentence pairs."""
     import numpy as np
 
-    from data.tokenized import TokenizedCorpus
+    from attention_jax.data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(seed)
     src_len = np.clip(rng.lognormal(np.log(25), 0.6, n), 1, max_length - 1).astype(np.int32)
@@ -83,7 +83,7 @@ def _config(name: str, args):
     a data-parallel mesh of every device."""
     import jax
 
-    config = importlib.import_module(f"configs.{name}").get_config()
+    config = importlib.import_module(f"attention_jax.configs.{name}").get_config()
     on_cpu = jax.default_backend() == "cpu"
     config.packing = args.packing == "packed"
     config.max_length = args.max_length or config.max_length
@@ -100,10 +100,10 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
     import jax
     import numpy as np
 
-    from data.pipeline import TrainIterator
-    from training import config as config_lib
-    from training import mesh as mesh_lib
-    from training import metrics
+    from attention_jax.data.pipeline import TrainIterator
+    from attention_jax.training import config as config_lib
+    from attention_jax.training import mesh as mesh_lib
+    from attention_jax.training import metrics
 
     config = _config(name, args)
     mesh, _, state, train_step = common.build_train_step(config)

@@ -17,15 +17,27 @@ from __future__ import annotations
 import logging
 import sys
 
-# Logger namespaces of this project -> the tag printed in front of their lines.
+# The library's root logger: every module logs under it (`__name__`).
+ROOT_LOGGER = "attention_jax"
+# Its subpackages -> the tag printed in front of their lines; the network's modules
+# (attention_jax.attention, ...) print as [model], any other subpackage by its name.
 TAGS = {
     "training": "train",
     "data": "data",
-    "model": "model",
     "inference": "inference",
     "backends": "backends",  # exports, CTranslate2, OPUS-MT
     "common": "job",  # common/distributed.py: the processes of a train or decode job
 }
+SUBPACKAGES = (*TAGS, "search", "aot", "configs")
+
+
+def tag(name: str) -> str:
+    """The tag of logger `name`: 'attention_jax.training.loop' -> 'train'."""
+    parts = name.split(".")
+    if parts[0] != ROOT_LOGGER:
+        return name
+    sub = parts[1] if len(parts) > 1 else ""
+    return TAGS.get(sub, sub) if sub in SUBPACKAGES else "model"
 
 
 def _process_index() -> int:
@@ -46,21 +58,20 @@ class _StderrHandler(logging.Handler):
         index = _process_index()
         if index != 0 and record.levelno < logging.WARNING:
             return
-        tag = TAGS.get(record.name.split(".")[0], record.name)
+        label = tag(record.name)
         if index != 0:
-            tag += f" p{index}"
+            label += f" p{index}"
         level = "" if record.levelno < logging.WARNING else f"{record.levelname}: "
         try:
-            print(f"[{tag}] {level}{record.getMessage()}", file=sys.stderr, flush=True)
+            print(f"[{label}] {level}{record.getMessage()}", file=sys.stderr, flush=True)
         except Exception:
             self.handleError(record)
 
 
 def setup(level: int = logging.INFO) -> None:
     """Route this project's loggers to stderr (idempotent)."""
-    for name in TAGS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-            logger.addHandler(_StderrHandler())
-        logger.setLevel(level)
-        logger.propagate = False  # absl's root handler would print them a second time
+    logger = logging.getLogger(ROOT_LOGGER)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.setLevel(level)
+    logger.propagate = False  # absl's root handler would print them a second time

@@ -28,7 +28,7 @@ step 2,000 and test BLEU is 4.65 after 5,050 steps (6.5 minutes).
 
 import ml_collections
 
-from configs import default
+from attention_jax.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:

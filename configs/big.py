@@ -23,7 +23,7 @@ ones. Our measured runtimes and BLEU are in the README.
 
 import ml_collections
 
-from configs import default
+from attention_jax.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:

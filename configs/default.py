@@ -10,8 +10,8 @@ import dataclasses
 
 import ml_collections
 
-from model.config import TransformerConfig
-from model.defaults import (
+from attention_jax.config import TransformerConfig
+from attention_jax.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,

@@ -18,7 +18,7 @@ measured curve and test BLEU.
 
 import ml_collections
 
-from configs import default
+from attention_jax.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -19,7 +19,7 @@ GPU or TPU.
 import ml_collections
 from ml_collections import config_dict
 
-from configs import default
+from attention_jax.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -16,7 +16,7 @@ token); and 1024-token batches beat 2048 and 512.
 
 import ml_collections
 
-from configs import default
+from attention_jax.configs import default
 
 
 def get_config() -> ml_collections.ConfigDict:

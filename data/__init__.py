@@ -13,9 +13,9 @@ Importing this package is light (numpy and SentencePiece, never JAX; grain loads
 when a plan is made): the cache's worker processes import it.
 """
 
-from data.corpora import ParallelCorpus, TsvCorpus, load_split
-from data.pipeline import TrainIterator, eval_batches
-from data.tokenizer import Tokenizer, get_tokenizer
+from attention_jax.data.corpora import ParallelCorpus, TsvCorpus, load_split
+from attention_jax.data.pipeline import TrainIterator, eval_batches
+from attention_jax.data.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
     "ParallelCorpus",

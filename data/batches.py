@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.tokenized import TokenizedCorpus
-from model.tokens import BOS_ID, EOS_ID
+from attention_jax.data.tokenized import TokenizedCorpus
+from attention_jax.tokens import BOS_ID, EOS_ID
 
 
 def _gather(

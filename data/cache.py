@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from common.cpus import usable_cpus
-from data import files
-from data.corpora import read_pairs
-from data.tokenized import (
+from attention_jax.common.cpus import usable_cpus
+from attention_jax.data import files
+from attention_jax.data.corpora import read_pairs
+from attention_jax.data.tokenized import (
     TokenizedCorpus,
     chunk_starts,
     concat_chunks,
@@ -105,7 +105,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(corpus: Any, files: dict[str, bytes], spec: ShardSpec, ids: np.dtype) -> None:
-    from data.tokenizer import from_files
+    from attention_jax.data.tokenizer import from_files
 
     # One core per worker: SentencePiece's own threads would only compete with the others.
     tokenizer = from_files(files, num_threads=1)

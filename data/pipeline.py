@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import UserError
-from data.batches import assemble_bucketed, assemble_packed
-from data.cache import ShardSpec, tokenized_shard
-from data.plan_cache import EpochPlans, PlanSpec
-from data.plans import (
+from attention_jax.common.errors import UserError
+from attention_jax.data.batches import assemble_bucketed, assemble_packed
+from attention_jax.data.cache import ShardSpec, tokenized_shard
+from attention_jax.data.plan_cache import EpochPlans, PlanSpec
+from attention_jax.data.plans import (
     bucket_batches,
     bucket_of,
     bucket_table,
@@ -43,7 +43,7 @@ from data.plans import (
     plan_bucketed,
     rows_per_batch,
 )
-from data.tokenized import (
+from attention_jax.data.tokenized import (
     TokenizedCorpus,
     apply_long_pairs,
     effective_lengths,
@@ -51,7 +51,7 @@ from data.tokenized import (
     mapped_rss,
     release_pages,
 )
-from data.tokenizer import Tokenizer
+from attention_jax.data.tokenizer import Tokenizer
 
 # grain is imported where it is used, and JAX never: the cache's worker processes
 # import this package and need neither (each would cost them ~2 s and ~200 MB).

@@ -40,10 +40,16 @@ from typing import Any
 
 import numpy as np
 
-from data import files
-from data.packing import PackedPlan, packed_rows, plan_packed
-from data.plans import bucket_batches, bucket_members, bucket_of, epoch_rng, plan_bucketed
-from data.tokenized import TokenizedCorpus, effective_lengths, length_chunks
+from attention_jax.data import files
+from attention_jax.data.packing import PackedPlan, packed_rows, plan_packed
+from attention_jax.data.plans import (
+    bucket_batches,
+    bucket_members,
+    bucket_of,
+    epoch_rng,
+    plan_bucketed,
+)
+from attention_jax.data.tokenized import TokenizedCorpus, effective_lengths, length_chunks
 
 # Bump when a plan for the same inputs would come out differently (the packer's window,
 # the shuffles): stored plans are keyed on it.

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from common.errors import UserError
-from data.corpora import read_pairs
-from data.files import atomic_write_bytes
-from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, visible
+from attention_jax.common.errors import UserError
+from attention_jax.data.corpora import read_pairs
+from attention_jax.data.files import atomic_write_bytes
+from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, visible
 
 TOKENIZER_FILENAME = "tokenizer.model"
 SOURCE_SPM, TARGET_SPM = "source.spm", "target.spm"  # OPUS-MT's SentencePiece models

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from data import files
+from attention_jax.data import files
 
 # Bump when the validity rules or the index layout change: cached indexes are keyed on it.
 INDEX_VERSION = 1

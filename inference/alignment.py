@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from data.plans import inference_width, plan_static
-from inference.lines import Translated
-from model import BOS_ID, EOS_ID, Transformer
+from attention_jax import BOS_ID, EOS_ID, Transformer
+from attention_jax.data.plans import inference_width, plan_static
+from attention_jax.inference.lines import Translated
 
 WORD_START = "▁"
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from absl import flags
 
-from model.defaults import (
+from attention_jax.defaults import (
     BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
@@ -25,10 +25,10 @@ from model.defaults import (
     DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
-from search.defaults import BATCH_TOKENS, CT2_BATCH_TOKENS
+from attention_jax.search.defaults import BATCH_TOKENS, CT2_BATCH_TOKENS
 
 if TYPE_CHECKING:
-    from inference.options import DecodeOptions
+    from attention_jax.inference.options import DecodeOptions
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
@@ -183,7 +183,9 @@ def job_flags() -> list[str]:
 
 def options_from_flags() -> DecodeOptions:
     """The parsed flags as one `DecodeOptions`."""
-    from inference.options import DecodeOptions  # JAX: not before the flags are parsed
+    from attention_jax.inference.options import (
+        DecodeOptions,  # JAX: not before the flags are parsed
+    )
 
     values = {name: FLAGS[name].value for name in job_flags()}
     values.update({name: values[name] if FLAGS[name].present else None for name in _SEARCH})

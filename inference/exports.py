@@ -14,11 +14,11 @@ import os
 import sys
 import time
 
-from backends.stablehlo import export_translator
-from common.errors import UserError
-from inference import devices
-from inference.options import DecodeOptions
-from inference.translators import Loaded, open_translator, require_ctranslate2
+from attention_jax.backends.stablehlo import export_translator
+from attention_jax.common.errors import UserError
+from attention_jax.inference import devices
+from attention_jax.inference.options import DecodeOptions
+from attention_jax.inference.translators import Loaded, open_translator, require_ctranslate2
 
 
 def write_translator(options: DecodeOptions) -> None:
@@ -58,7 +58,7 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
 
 def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
     """--export_ct2: the live model as a CTranslate2 model (backends/ct2_export.py)."""
-    from backends.ct2_export import export_ct2 as write
+    from attention_jax.backends.ct2_export import export_ct2 as write
 
     t0 = time.perf_counter()
     tokenizer = loaded.tokenizer

@@ -22,12 +22,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from data.files import atomic_write
-from model import EOS_ID
-from search import timing
-from search.hypothesis import Hypothesis
-from search.stages import Targets
-from search.translate import Progress, Translator
+from attention_jax import EOS_ID
+from attention_jax.data.files import atomic_write
+from attention_jax.search import timing
+from attention_jax.search.hypothesis import Hypothesis
+from attention_jax.search.stages import Targets
+from attention_jax.search.translate import Progress, Translator
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from backends.ct2_export import DEVICES, QUANTIZATIONS
-from common.errors import UserError
-from model.defaults import (
+from attention_jax.backends.ct2_export import DEVICES, QUANTIZATIONS
+from attention_jax.common.errors import UserError
+from attention_jax.defaults import (
     BEAM_STOPS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
@@ -26,8 +26,8 @@ from model.defaults import (
     DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
-from search.defaults import CT2_BATCH_TOKENS, default_batch_tokens
-from search.settings import SearchSettings
+from attention_jax.search.defaults import CT2_BATCH_TOKENS, default_batch_tokens
+from attention_jax.search.settings import SearchSettings
 
 LONG_LINES = ("truncate", "split")
 OUTPUT_FORMATS = ("text", "jsonl")

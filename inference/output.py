@@ -41,9 +41,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-from common.errors import UserError
-from data.files import atomic_write
-from search.hypothesis import Hypothesis
+from attention_jax.common.errors import UserError
+from attention_jax.data.files import atomic_write
+from attention_jax.search.hypothesis import Hypothesis
 
 PARTIAL = ".partial"  # the output while it is written
 RECORD = ".partial.json"  # its progress record

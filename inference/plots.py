@@ -9,8 +9,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from inference.lines import Translated
-from model import BOS_ID, EOS_ID, Transformer
+from attention_jax import BOS_ID, EOS_ID, Transformer
+from attention_jax.inference.lines import Translated
 
 
 def plot_attention(

@@ -24,24 +24,29 @@ from typing import Any
 
 import jax
 
-from common.errors import UserError
-from data import load_split
-from inference import devices
-from inference.lines import LineReader, count_lines
-from inference.options import DecodeOptions
-from inference.output import (
+from attention_jax.common.errors import UserError
+from attention_jax.data import load_split
+from attention_jax.defaults import DEFAULT_STOP
+from attention_jax.inference import devices
+from attention_jax.inference.lines import LineReader, count_lines
+from attention_jax.inference.options import DecodeOptions
+from attention_jax.inference.output import (
     PartialOutput,
     StreamOutput,
     file_identity,
     lines_identity,
 )
-from inference.progress import Meter, warn
-from inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
-from inference.targets import check_files
-from inference.translators import Loaded, dry_run, open_translator, require_ctranslate2
-from model.defaults import DEFAULT_STOP
-from search import timing
-from search.bleu import CorpusScores
+from attention_jax.inference.progress import Meter, warn
+from attention_jax.inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
+from attention_jax.inference.targets import check_files
+from attention_jax.inference.translators import (
+    Loaded,
+    dry_run,
+    open_translator,
+    require_ctranslate2,
+)
+from attention_jax.search import timing
+from attention_jax.search.bleu import CorpusScores
 
 # Options that are not settings of a job's output: the files and the checkpoint
 # (described by their identity instead: --checkpoint_step=N resumes a job that loaded

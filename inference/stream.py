@@ -30,10 +30,11 @@ from typing import Any, Protocol
 
 import jax
 
-from common.errors import UserError
-from inference import devices
-from inference.alignment import add_alignments
-from inference.lines import (
+from attention_jax import Transformer
+from attention_jax.common.errors import UserError
+from attention_jax.inference import devices
+from attention_jax.inference.alignment import add_alignments
+from attention_jax.inference.lines import (
     Translated,
     best_texts,
     encode_lines,
@@ -41,15 +42,14 @@ from inference.lines import (
     output_text,
     translate_segments,
 )
-from inference.output import Journal
-from inference.plots import plot_lines
-from inference.progress import Meter
-from inference.targets import encode_targets
-from model import Transformer
-from search import timing
-from search.bleu import CorpusScores
-from search.stages import Targets, output_tokens
-from search.translate import Translator
+from attention_jax.inference.output import Journal
+from attention_jax.inference.plots import plot_lines
+from attention_jax.inference.progress import Meter
+from attention_jax.inference.targets import encode_targets
+from attention_jax.search import timing
+from attention_jax.search.bleu import CorpusScores
+from attention_jax.search.stages import Targets, output_tokens
+from attention_jax.search.translate import Translator
 
 
 class Reader(Protocol):

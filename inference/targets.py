@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from common.errors import UserError
-from inference.lines import LineReader, encode_lines
-from search.settings import SearchSettings
-from search.stages import prefix_room
+from attention_jax.common.errors import UserError
+from attention_jax.inference.lines import LineReader, encode_lines
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.stages import prefix_room
 
 
 def split_phrases(line: str) -> list[str]:

@@ -12,17 +12,22 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from backends.stablehlo import ExportedTranslator
-from common.errors import UserError
-from data import Tokenizer
-from data.files import files_identity
-from data.tokenizer import load_tokenizer
-from inference import devices
-from inference.options import DecodeOptions
-from inference.progress import warn
-from model import Transformer
-from search.translate import LiveTranslator, PlanOnlyTranslator, Translator, vocab_limit
-from training.workdir import load_workdir, workdir_identity
+from attention_jax import Transformer
+from attention_jax.backends.stablehlo import ExportedTranslator
+from attention_jax.common.errors import UserError
+from attention_jax.data import Tokenizer
+from attention_jax.data.files import files_identity
+from attention_jax.data.tokenizer import load_tokenizer
+from attention_jax.inference import devices
+from attention_jax.inference.options import DecodeOptions
+from attention_jax.inference.progress import warn
+from attention_jax.search.translate import (
+    LiveTranslator,
+    PlanOnlyTranslator,
+    Translator,
+    vocab_limit,
+)
+from attention_jax.training.workdir import load_workdir, workdir_identity
 
 
 @dataclasses.dataclass
@@ -48,7 +53,7 @@ def open_translator(options: DecodeOptions) -> Loaded:
 
 
 def _open_marian(options: DecodeOptions) -> Loaded:
-    from backends.marian import load_directory
+    from attention_jax.backends.marian import load_directory
 
     rows, replicated = devices.shardings()  # every device of the job, or None for one
     model, tokenizer = load_directory(options.marian, replicated)
@@ -73,7 +78,7 @@ def _open_workdir(options: DecodeOptions) -> Loaded:
 
 def require_ctranslate2() -> None:
     """ImportError from importing ctranslate2 as a UserError that says how to install it."""
-    from backends.ct2_export import import_ctranslate2
+    from attention_jax.backends.ct2_export import import_ctranslate2
 
     try:
         import_ctranslate2()
@@ -117,8 +122,8 @@ def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
 
 
 def _open_ct2(options: DecodeOptions) -> Loaded:
-    from backends.ct2 import CT2Translator
-    from backends.ct2_export import int8_saturates
+    from attention_jax.backends.ct2 import CT2Translator
+    from attention_jax.backends.ct2_export import int8_saturates
 
     try:
         translator = CT2Translator.load(

@@ -1,7 +1,7 @@
 """The Transformer of "Attention Is All You Need" as a reusable Flax NNX library.
 
 from flax import nnx
-from model import Transformer, TransformerConfig
+from attention_jax import Transformer, TransformerConfig
 
 model = Transformer(TransformerConfig(vocab_size=8000), rngs=nnx.Rngs(0))
 logits = model(src, tgt_in)  # [B, S], [B, T] int32 -> [B, T, V] float32
@@ -16,20 +16,20 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from model.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 if TYPE_CHECKING:
-    from model.config import TransformerConfig
-    from model.layers import KVCache
-    from model.transformer import DecodeCache, Transformer, shift_right
+    from attention_jax.config import TransformerConfig
+    from attention_jax.layers import KVCache
+    from attention_jax.transformer import DecodeCache, Transformer, shift_right
 
 # name -> the module that defines it
 _LAZY = {
-    "TransformerConfig": "model.config",
-    "KVCache": "model.layers",
-    "DecodeCache": "model.transformer",
-    "Transformer": "model.transformer",
-    "shift_right": "model.transformer",
+    "TransformerConfig": "attention_jax.config",
+    "KVCache": "attention_jax.layers",
+    "DecodeCache": "attention_jax.transformer",
+    "Transformer": "attention_jax.transformer",
+    "shift_right": "attention_jax.transformer",
 }
 
 __all__ = [

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from model.config import TransformerConfig
-from model.precision import einsum_f32
-from model.tokens import PAD_ID
+from attention_jax.config import TransformerConfig
+from attention_jax.precision import einsum_f32
+from attention_jax.tokens import PAD_ID
 
 log = logging.getLogger(__name__)
 

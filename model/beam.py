@@ -31,18 +31,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model import constraints
-from model.constraints import Controls
-from model.defaults import (
+from attention_jax import constraints
+from attention_jax.constraints import Controls
+from attention_jax.defaults import (
     BEAM_STOPS,
     DEFAULT_LENGTH_PENALTY,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
-from model.scoring import NEG_INF, normalized_score, restrict, rooms, row_limits, top_k
-from model.tokens import BOS_ID, EOS_ID, PAD_ID
-from model.transformer import DecodeCache, Transformer
+from attention_jax.scoring import NEG_INF, normalized_score, restrict, rooms, row_limits, top_k
+from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+from attention_jax.transformer import DecodeCache, Transformer
 
 
 @dataclasses.dataclass(frozen=True)

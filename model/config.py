@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from model.tokens import UNK_ID
+from attention_jax.tokens import UNK_ID
 
 if TYPE_CHECKING:
     import jax.numpy as jnp

@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model import beam
-from model.constraints import Controls
-from model.defaults import (
+from attention_jax import beam
+from attention_jax.constraints import Controls
+from attention_jax.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
@@ -51,7 +51,7 @@ from model.defaults import (
     EXTRA_DECODE_LEN,
     LENGTH_PENALTIES,
 )
-from model.scoring import (
+from attention_jax.scoring import (
     NEG_INF,
     decode_shape,
     length_penalty,
@@ -59,8 +59,8 @@ from model.scoring import (
     restrict,
     row_limits,
 )
-from model.tokens import BOS_ID, EOS_ID, PAD_ID
-from model.transformer import DecodeCache, Transformer
+from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+from attention_jax.transformer import DecodeCache, Transformer
 
 # The defaults (model/defaults.py) and scoring names (model/scoring.py) are model.decoding's too.
 __all__ = [

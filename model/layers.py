@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from model.attention import Mask, attention_weights, cached_attention, dot_product_attention
-from model.config import TransformerConfig
-from model.precision import einsum_f32
-from model.sharding import EMBED, HEADS, KV, MLP, VOCAB
+from attention_jax.attention import Mask, attention_weights, cached_attention, dot_product_attention
+from attention_jax.config import TransformerConfig
+from attention_jax.precision import einsum_f32
+from attention_jax.sharding import EMBED, HEADS, KV, MLP, VOCAB
 
 # Glorot/Xavier uniform over the combined fan-in/fan-out of multi-dim kernels.
 _xavier = nnx.initializers.variance_scaling

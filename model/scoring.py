@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from model.defaults import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN, LENGTH_PENALTIES
-from model.tokens import BOS_ID, EOS_ID, PAD_ID
-from model.transformer import Transformer
+from attention_jax.defaults import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN, LENGTH_PENALTIES
+from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
+from attention_jax.transformer import Transformer
 
 NEG_INF = -jnp.inf
 # The first stage's room, beyond the batch's source width: on the Ding test set

@@ -26,18 +26,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from model.attention import Mask, resolve_config, source_mask, target_mask, target_source_mask
-from model.config import TransformerConfig
-from model.layers import DecoderLayer, Embed, EncoderLayer, KVCache, LayerNorm, Unembed
-from model.sharding import EMBED, VOCAB
-from model.tokens import BOS_ID, PAD_ID
+from attention_jax.attention import (
+    Mask,
+    resolve_config,
+    source_mask,
+    target_mask,
+    target_source_mask,
+)
+from attention_jax.config import TransformerConfig
+from attention_jax.layers import DecoderLayer, Embed, EncoderLayer, KVCache, LayerNorm, Unembed
+from attention_jax.sharding import EMBED, VOCAB
+from attention_jax.tokens import BOS_ID, PAD_ID
 
 
 @functools.lru_cache(maxsize=8)
 def _position_table(length: int, d_model: int, halves: bool = False) -> np.ndarray:
-    # Imported here, not at the top: `python -m model.positional` (the picture of
+    # Imported here, not at the top: `python -m attention_jax.positional` (the picture of
     # the table) then runs a module that `import model` has not loaded already.
-    from model.positional import sinusoidal_positions
+    from attention_jax.positional import sinusoidal_positions
 
     return sinusoidal_positions(length, d_model, halves)
 

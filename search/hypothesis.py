@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from model import EOS_ID, PAD_ID
+from attention_jax import EOS_ID, PAD_ID
 
 
 @dataclasses.dataclass(frozen=True)

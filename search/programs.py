@@ -52,9 +52,9 @@ from typing import Any
 
 import jax
 
-from common.cpus import usable_cpus
-from data.files import atomic_write_bytes
-from search import timing
+from attention_jax.common.cpus import usable_cpus
+from attention_jax.data.files import atomic_write_bytes
+from attention_jax.search import timing
 
 _directory: str | None = None
 # key -> a loaded or compiled executable (jax.stages.Compiled), or the jitted function
@@ -96,9 +96,9 @@ def _environment() -> str:
     import flax
     import jaxlib
 
-    import model
+    import attention_jax
 
-    model_dir = os.path.dirname(os.path.abspath(model.__file__))
+    model_dir = os.path.dirname(os.path.abspath(attention_jax.__file__))
     digest = hashlib.sha256()
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".py"):

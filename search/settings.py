@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from data.plans import MIN_ROWS
-from model import beam
-from model.defaults import (
+from attention_jax import beam
+from attention_jax.data.plans import MIN_ROWS
+from attention_jax.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_CONSTRAINT_TOKENS,
@@ -22,8 +22,8 @@ from model.defaults import (
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
 )
-from search.defaults import default_batch_tokens
-from search.stages import Targets
+from attention_jax.search.defaults import default_batch_tokens
+from attention_jax.search.stages import Targets
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,13 +31,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from common.errors import UserError
-from data.plans import MIN_ROWS, plan_translation
-from model.constraints import Controls
-from model.defaults import DEFAULT_CONSTRAINT_TOKENS, DEFAULT_MAX_CONSTRAINTS
-from model.scoring import FILLER, output_limit, rooms
-from search import timing
-from search.hypothesis import hypotheses
+from attention_jax.common.errors import UserError
+from attention_jax.constraints import Controls
+from attention_jax.data.plans import MIN_ROWS, plan_translation
+from attention_jax.defaults import DEFAULT_CONSTRAINT_TOKENS, DEFAULT_MAX_CONSTRAINTS
+from attention_jax.scoring import FILLER, output_limit, rooms
+from attention_jax.search import timing
+from attention_jax.search.hypothesis import hypotheses
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses

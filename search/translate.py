@@ -31,13 +31,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from model import Transformer, beam
-from model.constraints import Controls
-from model.scoring import decode_shape
-from search import programs
-from search.hypothesis import Hypothesis, hypotheses
-from search.settings import SearchSettings
-from search.stages import (
+from attention_jax import Transformer, beam
+from attention_jax.constraints import Controls
+from attention_jax.scoring import decode_shape
+from attention_jax.search import programs
+from attention_jax.search.hypothesis import Hypothesis, hypotheses
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.stages import (
     Progress,
     Targets,
     batch_of,

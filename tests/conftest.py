@@ -33,7 +33,7 @@ TEST_CACHE = os.environ.get("ATTENTION_JAX_TEST_CACHE", os.path.join(ROOT, ".cac
 TEST_CACHE_BYTES = 2 << 30
 if TEST_CACHE != "off":
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(TEST_CACHE_BYTES)  # subprocesses too
-    from common import xla
+    from attention_jax.common import xla
 
     xla.enable_compilation_cache(TEST_CACHE)
     import jax
@@ -63,7 +63,7 @@ def _compilation_cache(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _log_to_stderr():
     """The project's log lines on stderr, as train.py and decode.py print them."""
-    from common import log
+    from attention_jax.common import log
 
     log.setup()
 
@@ -76,10 +76,9 @@ def _log_to_caplog():
     calls log.setup() again, which turns propagation off."""
     import logging
 
-    from common import log
+    from attention_jax.common import log
 
-    for name in log.TAGS:
-        logging.getLogger(name).propagate = True
+    logging.getLogger(log.ROOT_LOGGER).propagate = True
 
 
 _COUNTS = {"compiles": 0, "subprocesses": 0}
@@ -151,7 +150,7 @@ def perturbed_model(seed: int = 0, **overrides):
     import jax
     from flax import nnx
 
-    from model import Transformer, TransformerConfig
+    from attention_jax import Transformer, TransformerConfig
 
     model = Transformer(TransformerConfig(**model_fields(**overrides)), rngs=nnx.Rngs(seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -164,7 +163,7 @@ def perturbed_model(seed: int = 0, **overrides):
 
 def small_train_config(**overrides):
     """configs/tiny.py shrunk for tests (d_model 32, one layer each side, no periodic eval)."""
-    from configs import tiny
+    from attention_jax.configs import tiny
 
     c = tiny.get_config()
     c.vocab_size = 300

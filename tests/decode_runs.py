@@ -44,7 +44,7 @@ def _in_process(args: list[str], stdin: bytes) -> subprocess.CompletedProcess:
     from absl import flags
 
     import decode  # defines decode.py's flags (once)
-    from search import timing
+    from attention_jax.search import timing
 
     out, err = io.BytesIO(), io.BytesIO()
     streams = [io.TextIOWrapper(b, encoding="utf-8", write_through=True) for b in (out, err)]

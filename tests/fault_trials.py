@@ -70,8 +70,8 @@ def full_state(workdir: str, step: int):
     """The whole TrainState of checkpoint `step`, as numpy leaves (raises if unusable)."""
     import jax
 
-    from training import checkpoints, load_config, steps
-    from training.mesh import make_mesh
+    from attention_jax.training import checkpoints, load_config, steps
+    from attention_jax.training.mesh import make_mesh
 
     config = load_config(workdir)
     config.mesh_data = 1

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import BOS_ID, EOS_ID, PAD_ID
-from model.scoring import length_penalty
+from attention_jax import BOS_ID, EOS_ID, PAD_ID
+from attention_jax.scoring import length_penalty
 
 # How close two scores (log-probabilities, or their length-normalized means) must be
 # for the model not to tell them apart: float32 searches of one model in two
@@ -48,7 +48,7 @@ def _logp(graphdef, state, src, tgt_in):
 def source_ids(tokenizer: Any, data: bytes, max_length: int) -> list[list[int]]:
     """Each line of an input file's bytes as decode.py encodes it: its ids, cut to
     max_length - 1, then EOS (an empty line: no ids)."""
-    from inference.lines import encode_lines
+    from attention_jax.inference.lines import encode_lines
 
     lines = data.decode("utf-8", errors="replace").split("\n")[:-1]
     lines = [line.rstrip("\r") for line in lines]

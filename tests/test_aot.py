@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from aot import fit, hlo, targets
-from common.errors import UserError
-from data.plans import rows_per_batch
+from attention_jax.aot import fit, hlo, targets
+from attention_jax.common.errors import UserError
+from attention_jax.data.plans import rows_per_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,8 +114,8 @@ def _mesh(data, fsdp=1, tensor=1):
 
 
 def test_batch_shapes_follow_the_input_pipeline():
-    from configs import base, tiny
-    from data.plans import length_buckets
+    from attention_jax.configs import base, tiny
+    from attention_jax.data.plans import length_buckets
 
     c = base.get_config()  # 25k tokens, max_length 256, 34 fitted widths
     shapes, others = fit.batch_shapes(c, _mesh(8), num_processes=1, all_buckets=False)
@@ -136,7 +136,7 @@ def test_batch_shapes_follow_the_input_pipeline():
 
 
 def test_eval_rows_are_shared_by_the_processes():
-    from configs import base
+    from attention_jax.configs import base
 
     c = base.get_config()
     assert fit.eval_rows(c, _mesh(8), 1, 256) == rows_per_batch(25_000, 256, 8)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import Transformer, TransformerConfig, attention
-from model.attention import (
+from attention_jax import Transformer, TransformerConfig, attention
+from attention_jax.attention import (
     Mask,
     attention_weights,
     causal_mask,
@@ -161,8 +161,8 @@ def pipeline_batch() -> dict[str, np.ndarray]:
     every side), which the pipeline emits to give every process the same number of
     batches.
     """
-    from data.batches import assemble_bucketed
-    from data.tokenized import TokenizedCorpus
+    from attention_jax.data.batches import assemble_bucketed
+    from attention_jax.data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(0)
     src_len = np.array([0, 4, 7, 10], np.int32)
@@ -435,7 +435,7 @@ def test_auto_falls_back_to_xla_with_one_warning(monkeypatch, caplog, failure):
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _qkv_for(mask, seed=3, h=8))
     want = dot_product_attention(q, k, v, mask, impl="xla")
     attend = lambda q, k, v: dot_product_attention(q, k, v, mask, impl="auto")
-    with caplog.at_level("WARNING", logger="model.attention"):
+    with caplog.at_level("WARNING", logger="attention_jax.attention"):
         np.testing.assert_array_equal(attend(q, k, v), want)
         np.testing.assert_array_equal(jax.jit(attend)(q, k, v), want)
         jax.grad(lambda q: attend(q, k, v).astype(jnp.float32).sum())(q)
@@ -443,7 +443,7 @@ def test_auto_falls_back_to_xla_with_one_warning(monkeypatch, caplog, failure):
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         batch = {k: jnp.asarray(v) for k, v in pipeline_batch().items()}
         assert np.isfinite(np.asarray(nnx.jit(lambda m: _masked_loss(m, batch)[0])(model)))
-    warnings = [r for r in caplog.records if r.name == "model.attention"]
+    warnings = [r for r in caplog.records if r.name == "attention_jax.attention"]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     message = warnings[0].getMessage()
     assert "\n" not in message and "RuntimeError" in message and "'xla'" in message
@@ -463,7 +463,7 @@ def test_auto_uses_the_fused_path_where_the_probe_passes(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_cudnn_kernel", counting)
     mask = length_mask([5, 2, 0], [5, 5, 0], 5, 5, causal=True)
     q, k, v = _qkv_for(mask, seed=4, h=16)
-    with caplog.at_level("WARNING", logger="model.attention"):
+    with caplog.at_level("WARNING", logger="attention_jax.attention"):
         for dtype, fused in [(jnp.bfloat16, True), (jnp.float32, False)]:
             calls.clear()
             qd, kd, vd = (jnp.asarray(x, dtype) for x in (q, k, v))
@@ -475,5 +475,5 @@ def test_auto_uses_the_fused_path_where_the_probe_passes(monkeypatch, caplog):
         qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
         dot_product_attention(qb, kb, vb, mask.dense, impl="auto")
         assert not calls
-    assert not [r for r in caplog.records if r.name == "model.attention"]
+    assert not [r for r in caplog.records if r.name == "attention_jax.attention"]
     assert attention._cudnn_works.cache_info().misses == 1  # one probe per (dtype, head dim)

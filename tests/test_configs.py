@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from common.errors import UserError
-from model import TransformerConfig
-from training import load_config, validate
+from attention_jax import TransformerConfig
+from attention_jax.common.errors import UserError
+from attention_jax.training import load_config, validate
 
 
 def load(name):
-    return importlib.import_module(f"configs.{name}").get_config()
+    return importlib.import_module(f"attention_jax.configs.{name}").get_config()
 
 
 def config_of(c) -> TransformerConfig:

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import EOS_ID, beam, constraints, decoding
-from model.constraints import Controls
+from attention_jax import EOS_ID, beam, constraints, decoding
+from attention_jax.constraints import Controls
 from tests.test_decoding import as_list, make, ragged_src
 
 

@@ -17,10 +17,10 @@ import sys
 import numpy as np
 import pytest
 
-from backends.ct2 import CT2Translator, groups
-from backends.ct2_export import int8_saturates
-from inference.output import PARTIAL
-from model.tokens import EOS_ID
+from attention_jax.backends.ct2 import CT2Translator, groups
+from attention_jax.backends.ct2_export import int8_saturates
+from attention_jax.inference.output import PARTIAL
+from attention_jax.tokens import EOS_ID
 from tests.parity import NearTies, source_ids
 from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
 from tests.test_decode_stream import hostile_input, run_killed
@@ -83,7 +83,7 @@ def hypotheses(r) -> list[list[list[int]]]:
 def near_ties(workdir):  # noqa: F811
     """Our model's scores of two outputs, and each input line's source ids as decode.py
     encodes them."""
-    from training.workdir import load_workdir
+    from attention_jax.training.workdir import load_workdir
 
     model, config, _, tokenizer = load_workdir(workdir)
     ties = NearTies(model, penalty="average", alpha=0.6)

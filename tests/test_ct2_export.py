@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from backends import ct2_export
-from model import EOS_ID, Transformer, TransformerConfig, shift_right
+from attention_jax import EOS_ID, Transformer, TransformerConfig, shift_right
+from attention_jax.backends import ct2_export
 from tests import conftest
 
 ctranslate2 = pytest.importorskip("ctranslate2")

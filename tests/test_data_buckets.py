@@ -7,14 +7,14 @@ import itertools
 import numpy as np
 import pytest
 
-from data import TrainIterator
-from data.corpora import ParallelCorpus
-from model import BOS_ID, EOS_ID
+from attention_jax import BOS_ID, EOS_ID
+from attention_jax.data import TrainIterator
+from attention_jax.data.corpora import ParallelCorpus
 from tests.test_data_pipeline import TOK, config
 
 
 def test_default_buckets_are_fine_and_few():
-    from data.plans import length_buckets
+    from attention_jax.data.plans import length_buckets
 
     for max_length, count in ((64, 13), (256, 25)):
         b = length_buckets(max_length).tolist()
@@ -38,7 +38,7 @@ def _slots(lengths, widths, rows):
 
 
 def test_fitted_buckets_are_optimal_against_exhaustive_search():
-    from data.plans import fit_buckets
+    from attention_jax.data.plans import fit_buckets
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -62,8 +62,8 @@ def test_fitted_buckets_are_optimal_against_exhaustive_search():
 def test_fitted_buckets_beat_the_rule_and_need_fewer_shapes_on_small_corpora():
     """Fitted widths never pad more than any rule with as many shapes; a small corpus, whose
     partly filled last batches would cost more than finer widths save, gets fewer."""
-    from data.pipeline import TrainIterator
-    from data.plans import length_buckets
+    from attention_jax.data.pipeline import TrainIterator
+    from attention_jax.data.plans import length_buckets
 
     tc = wmt_like_corpus(20_000, 64)
     for n, budget in ((20_000, 1024), (300, 1024)):
@@ -87,7 +87,7 @@ def test_fitted_buckets_beat_the_rule_and_need_fewer_shapes_on_small_corpora():
 
 def wmt_like_corpus(n: int, max_length: int, seed: int = 0):
     """Token lengths like WMT pairs (log-normal source, median 25; target ~1.1x), random ids."""
-    from data.tokenized import TokenizedCorpus
+    from attention_jax.data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(seed)
     src = np.clip(rng.lognormal(np.log(25), 0.6, n), 1, max_length - 1).astype(np.int16)
@@ -103,8 +103,8 @@ def wmt_like_corpus(n: int, max_length: int, seed: int = 0):
 def test_bucketed_padding_on_wmt_like_lengths():
     """Fitted buckets pad a WMT-like corpus 9.6% with tiny's 13 shapes, no more than the
     rule's 13 widths (9.9%); powers of two pad 28%."""
-    from data.pipeline import TrainIterator
-    from data.plans import length_buckets
+    from attention_jax.data.pipeline import TrainIterator
+    from attention_jax.data.plans import length_buckets
 
     tc = wmt_like_corpus(200_000, 64)
     c = config(max_length=64, batch_tokens=1024, num_length_buckets=13)
@@ -152,7 +152,7 @@ def reference_first_fit(order, src_len, tgt_len, length, window=16):
 
 
 def test_packed_plan_equals_the_reference_first_fit(monkeypatch):
-    from data import packing
+    from attention_jax.data import packing
 
     rng = np.random.default_rng(0)
     src_len = rng.integers(1, 33, 5000)
@@ -169,7 +169,7 @@ def test_one_process_reading_two_shards_fits_one_set_of_widths():
     """config.data_shards=2 on one process: both shards batch with the widths fitted to
     their summed lengths (alone they would fit different ones), so every step has one of
     those widths and the 1- and 2-process runs plan the same shapes."""
-    from training.input import ShardedInput
+    from attention_jax.training.input import ShardedInput
 
     # Even pairs (shard 0) short, odd pairs (shard 1) long.
     words = lambda i, n: " ".join([str(i)] + ["7"] * (n - 1))
@@ -196,7 +196,7 @@ def test_one_process_reading_two_shards_fits_one_set_of_widths():
 def test_carry_over_leaves_one_partial_batch_and_never_narrows_a_pair():
     """Leftover pairs of a bucket move to wider buckets: every pair still appears once, in a
     bucket at least as wide as its own, and only the widest bucket has a partial batch."""
-    from data.plans import bucket_of, plan_bucketed
+    from attention_jax.data.plans import bucket_of, plan_bucketed
 
     rng = np.random.default_rng(3)
     lengths = rng.integers(1, 33, 5000)
@@ -242,7 +242,7 @@ def test_packed_batch_equals_one_pair_at_a_time(length):
     length - 1 ids, empty sides, empty rows (at the start, middle and end)."""
     from types import SimpleNamespace
 
-    from data.batches import assemble_packed
+    from attention_jax.data.batches import assemble_packed
 
     rng = np.random.default_rng(length)
     n = 300
@@ -278,7 +278,7 @@ def test_packed_batch_of_empty_sides_at_the_ends_of_the_cache():
     the flat array's length), and a cache whose target side holds no ids at all."""
     from types import SimpleNamespace
 
-    from data.batches import assemble_packed
+    from attention_jax.data.batches import assemble_packed
 
     src_len, tgt_len = np.array([0, 3, 2, 0]), np.array([0, 0, 0, 0])
     tc = SimpleNamespace(

@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 
-from configs import default
-from data import TrainIterator, cache, files, get_tokenizer, load_split
-from data.cache import ShardSpec, tokenized_shard
-from data.corpora import ParallelCorpus, TfdsCorpus
-from data.tokenized import FIELDS
+from attention_jax.configs import default
+from attention_jax.data import TrainIterator, cache, files, get_tokenizer, load_split
+from attention_jax.data.cache import ShardSpec, tokenized_shard
+from attention_jax.data.corpora import ParallelCorpus, TfdsCorpus
+from attention_jax.data.tokenized import FIELDS
 from tests.conftest import write_reversal_tsv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,9 +158,9 @@ def test_ding_and_tfds_corpora_are_cached_too(tokenizer, tmp_path, monkeypatch):
 _KILLED_BUILD = textwrap.dedent(
     """
     import sys, time
-    from data import cache, load_split, tokenized
-    from data.tokenizer import Tokenizer
-    from configs import default
+    from attention_jax.data import cache, load_split, tokenized
+    from attention_jax.data.tokenizer import Tokenizer
+    from attention_jax.configs import default
 
     tsv, tok_path, root = sys.argv[1:4]
     c = default.get_config()
@@ -233,9 +233,9 @@ _SHARD_BUILD = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from data import cache, load_split
-    from data.tokenizer import Tokenizer
-    from configs import default
+    from attention_jax.data import cache, load_split
+    from attention_jax.data.tokenizer import Tokenizer
+    from attention_jax.configs import default
 
     tsv, tok_path, root, index = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     c = default.get_config()
@@ -357,7 +357,7 @@ def _rss_file_mb() -> float | None:
 
 
 def test_release_pages_unmaps_what_reading_mapped_and_keeps_the_data(tmp_path):
-    from data.tokenized import TokenizedCorpus, release_pages
+    from attention_jax.data.tokenized import TokenizedCorpus, release_pages
 
     if _rss_file_mb() is None:
         pytest.skip("no /proc/self/status here")
@@ -380,8 +380,8 @@ def test_release_pages_unmaps_what_reading_mapped_and_keeps_the_data(tmp_path):
 def test_reading_a_tsv_unmaps_its_line_index_again(tmp_path):
     """A cache build reads a TSV's mapped line index from end to end, in every worker:
     read_pairs leaves none of the index's pages in the process, and reads right."""
-    from data import tsv
-    from data.corpora import read_pairs
+    from attention_jax.data import tsv
+    from attention_jax.data.corpora import read_pairs
 
     if _rss_file_mb() is None:
         pytest.skip("no /proc/self/status here")

@@ -8,11 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from configs import default
-from data import TrainIterator, eval_batches
-from data.corpora import ParallelCorpus
-from model import BOS_ID, EOS_ID
-from training.mesh import shard_batch
+from attention_jax import BOS_ID, EOS_ID
+from attention_jax.configs import default
+from attention_jax.data import TrainIterator, eval_batches
+from attention_jax.data.corpora import ParallelCorpus
+from attention_jax.training.mesh import shard_batch
 
 
 class WordTokenizer:
@@ -283,7 +283,7 @@ def test_shard_batch_single_device():
 
 _EIGHT_DEVICES = """
 import numpy as np, jax
-from training.mesh import shard_batch
+from attention_jax.training.mesh import shard_batch
 mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "tensor"))
 batch = {"src": np.arange(16 * 8, dtype=np.int32).reshape(16, 8)}
 out = shard_batch(batch, mesh)["src"]
@@ -309,7 +309,7 @@ def test_shard_batch_on_eight_fake_devices():
 
 
 def test_budget_too_small_is_a_clear_error():
-    from common.errors import UserError
+    from attention_jax.common.errors import UserError
 
     with pytest.raises(UserError, match="batch_tokens"):
         TrainIterator(config(batch_tokens=64), TOK, make_corpus(), batch_multiple=4)
@@ -319,7 +319,7 @@ def test_budget_too_small_is_a_clear_error():
 def test_the_iterator_unmaps_the_shards_pages_over_the_limit(
     monkeypatch, limit_gb, rss_gb, releases
 ):
-    from data import pipeline
+    from attention_jax.data import pipeline
 
     released = []
     monkeypatch.setattr(pipeline, "RELEASE_EVERY", 3)

@@ -10,11 +10,11 @@ import os
 import numpy as np
 import pytest
 
-from configs import default
-from data import TrainIterator, files, packing, plan_cache, plans
-from data.corpora import ParallelCorpus
-from data.plan_cache import EpochPlans, PlanSpec
-from data.tokenized import TokenizedCorpus
+from attention_jax.configs import default
+from attention_jax.data import TrainIterator, files, packing, plan_cache, plans
+from attention_jax.data.corpora import ParallelCorpus
+from attention_jax.data.plan_cache import EpochPlans, PlanSpec
+from attention_jax.data.tokenized import TokenizedCorpus
 
 # --- The planners as they were before plans were streamed (commit f79a519) --------------
 

@@ -6,11 +6,11 @@ import os
 import pytest
 from ml_collections import ConfigDict
 
-from common.errors import UserError
-from configs import default
-from data import Tokenizer, get_tokenizer
-from data.corpora import ParallelCorpus
-from model import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from attention_jax import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from attention_jax.common.errors import UserError
+from attention_jax.configs import default
+from attention_jax.data import Tokenizer, get_tokenizer
+from attention_jax.data.corpora import ParallelCorpus
 
 GERMAN = [
     "Grüße aus Köln, die Straße ist groß.",
@@ -132,9 +132,9 @@ def test_an_opus_mt_tokenizer_cuts_targets_with_its_target_model_in_workers_too(
 ):
     """A MarianTokenizer (two SentencePiece models, one vocabulary) rebuilt in the worker
     processes from its files: the same arrays as in-process, targets cut by target.spm."""
-    from data import cache
-    from data.cache import ShardSpec, tokenized_shard
-    from data.tokenizer import MarianTokenizer, train_tokenizer
+    from attention_jax.data import cache
+    from attention_jax.data.cache import ShardSpec, tokenized_shard
+    from attention_jax.data.tokenizer import MarianTokenizer, train_tokenizer
 
     pairs = corpus()
     source = train_tokenizer(pairs.sources, 320)

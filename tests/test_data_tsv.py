@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from configs import default
-from data import load_split, tsv
-from data.corpora import read_tsv
+from attention_jax.configs import default
+from attention_jax.data import load_split, tsv
+from attention_jax.data.corpora import read_tsv
 
 
 @pytest.fixture(autouse=True)
@@ -195,7 +195,7 @@ def test_small_files_are_indexed_in_memory(tmp_path):
 def test_held_out_lines_are_the_first_of_the_seeded_permutation(n):
     """Shuffled in int32 to halve the index build's memory: the lines of the int64
     permutation all the same (its draws depend on n alone)."""
-    from data.tsv import SPLIT_SEED, held_out_lines
+    from attention_jax.data.tsv import SPLIT_SEED, held_out_lines
 
     k = min(1000, n // 20)
     order = np.random.default_rng(SPLIT_SEED).permutation(n)

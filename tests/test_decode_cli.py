@@ -20,15 +20,15 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import tiny
-from data import Tokenizer
-from data.tokenizer import train_tokenizer
-from model import EOS_ID, decoding, shift_right
+from attention_jax import EOS_ID, decoding, shift_right
+from attention_jax.configs import tiny
+from attention_jax.data import Tokenizer
+from attention_jax.data.tokenizer import train_tokenizer
+from attention_jax.training import checkpoints, steps
+from attention_jax.training import config as config_lib
+from attention_jax.training.workdir import restore_model
 from tests import decode_runs
 from tests.conftest import session_dir
-from training import checkpoints, steps
-from training import config as config_lib
-from training.workdir import restore_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Enough Adam steps that the exact-translation test does not hinge on float rounding

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import EOS_ID, Transformer, TransformerConfig, beam
-from search.settings import SearchSettings
+from attention_jax import EOS_ID, Transformer, TransformerConfig, beam
+from attention_jax.search.settings import SearchSettings
 from tests.conftest import model_fields
 from tests.test_decode_cli import (
     ROOT,
@@ -56,7 +56,7 @@ def test_every_steps_per_check_gives_the_same_tokens_and_scores(model, monkeypat
     """k steps between tests of the stopping condition: k = 1..8 for beam 4 (a room of
     13 tokens: odd, and k = 8 leaves a remainder), and a few k for greedy search and for
     a large search (two steps at a time): the same tokens and scores."""
-    from model.decoding import beam_search
+    from attention_jax.decoding import beam_search
 
     src = _batch(6, 11, seed=4)
 
@@ -80,7 +80,7 @@ def test_every_steps_per_check_gives_the_same_tokens_and_scores(model, monkeypat
 def test_skipped_sources_leave_the_others_hypotheses_as_they_were(model):
     """A resumed chunk's journal holds some sources: told to skip them, the search gives
     them none and every other source exactly what it had (its batch keeps its shape)."""
-    from search.translate import translate_ids
+    from attention_jax.search.translate import translate_ids
 
     sources = _sources(30, seed=5)
     settings = SearchSettings(beam_size=4, n_best=2, batch_tokens=96, min_rows=1)
@@ -95,7 +95,7 @@ def test_the_dry_run_skips_sources_as_the_search_does():
     """decode.py --dry_run on a resumed chunk: the sources its journal holds get no
     hypotheses and are not reported again, and the others are echoed in the batches
     they would have had without the skip."""
-    from search.translate import PlanOnlyTranslator
+    from attention_jax.search.translate import PlanOnlyTranslator
 
     sources = [*_sources(30, seed=6), []]
     settings = SearchSettings(batch_tokens=64)
@@ -152,8 +152,8 @@ def same_translations(workdir, lines):  # noqa: F811
     """check(got, want): the same hypotheses line for line, but at near-ties
     (tests/parity.py: another device count computes in other shapes, which round
     otherwise); scores to float32 rounding where the tokens are the same."""
+    from attention_jax.training.workdir import load_workdir
     from tests.parity import NearTies, source_ids
-    from training.workdir import load_workdir
 
     model, config, _, tokenizer = load_workdir(workdir)
     sources = source_ids(tokenizer, lines.read_bytes(), config.max_length)
@@ -272,7 +272,7 @@ def test_processes_that_disagree_on_the_input_stop_with_one_line(
 # Runs decode.py in a child that SIGKILLs itself once its journal holds `batches` batches.
 KILLER = """
 import os, runpy, signal, sys
-from inference import output
+from attention_jax.inference import output
 batches = int(sys.argv[1])
 write = output.Journal.write
 def killing_write(self, indices, found):

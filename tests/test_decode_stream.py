@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from inference.output import PARTIAL, RECORD
+from attention_jax.inference.output import PARTIAL, RECORD
 from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
 
 WHOLE = "--read_lines=1000000"  # one chunk: the reference
@@ -126,7 +126,7 @@ def test_attention_plots_continue_across_chunks(workdir, tmp_path):  # noqa: F81
 # before their record (2).
 KILLER = """
 import os, runpy, signal, sys
-from inference import output
+from attention_jax.inference import output
 lines, where = int(sys.argv[1]), int(sys.argv[2])
 append = output.PartialOutput.append
 def killing_append(self, data, done):

@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, beam, decoding, scoring
+from attention_jax import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    Transformer,
+    TransformerConfig,
+    beam,
+    decoding,
+    scoring,
+)
 from tests.conftest import model_fields
 from tests.parity import TIE
 

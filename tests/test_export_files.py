@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from backends import ct2, ct2_export, stablehlo
+from attention_jax.backends import ct2, ct2_export, stablehlo
 
 
 @pytest.mark.parametrize(

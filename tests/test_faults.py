@@ -15,12 +15,12 @@ import jax
 import numpy as np
 import pytest
 
-from common.errors import UserError
+from attention_jax.common.errors import UserError
+from attention_jax.training import checkpoints, steps, train_and_evaluate
+from attention_jax.training.mesh import make_mesh, shard_batch
+from attention_jax.training.workdir import restore_model
 from tests.conftest import small_train_config, train_losses, write_reversal_tsv
 from tests.test_train_steps import reverse_batch
-from training import checkpoints, steps, train_and_evaluate
-from training.mesh import make_mesh, shard_batch
-from training.workdir import restore_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,7 +195,7 @@ def test_a_vocabulary_too_small_for_the_corpus_is_one_line_naming_the_minimum(co
 
 @pytest.mark.slow  # ~40 s: trains and decodes
 def test_a_vocabulary_larger_than_the_corpus_supports_trains_and_decodes(corpus, tmp_path, capfd):
-    from data import Tokenizer
+    from attention_jax.data import Tokenizer
 
     w = tmp_path / "w"
     summary = train_and_evaluate(cfg(corpus, vocab_size=3000, num_train_steps=10), str(w))
@@ -442,7 +442,7 @@ CHILD = textwrap.dedent(
     import json, sys
     import jax
     from tests.conftest import small_train_config
-    from training import train_and_evaluate
+    from attention_jax.training import train_and_evaluate
     assert jax.device_count() == int(sys.argv[3]), jax.devices()
     overrides = json.loads(sys.argv[1])
     s = train_and_evaluate(small_train_config(**overrides), sys.argv[2])

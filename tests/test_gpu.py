@@ -21,8 +21,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import BOS_ID, EOS_ID, PAD_ID, Transformer, TransformerConfig, attention, decoding
-from model.attention import dot_product_attention, resolve_impl
+from attention_jax import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    Transformer,
+    TransformerConfig,
+    attention,
+    decoding,
+)
+from attention_jax.attention import dot_product_attention, resolve_impl
 from tests.conftest import model_fields
 from tests.test_attention import length_mask
 
@@ -136,7 +144,7 @@ def test_auto_picks_cudnn_on_this_gpu(caplog):
     A failure means 'auto' fell back to XLA attention on this machine, and the
     benchmarks measured that; the message gives the reason the probe logged.
     """
-    with caplog.at_level("WARNING", logger="model.attention"):
+    with caplog.at_level("WARNING", logger="attention_jax.attention"):
         impl = resolve_impl("auto", jnp.bfloat16, 64)
     assert impl == "cudnn", [r.getMessage() for r in caplog.records]
 
@@ -180,12 +188,12 @@ def test_auto_falls_back_to_xla_when_cudnn_raises(monkeypatch, caplog):
         logits = nnx.merge(graphdef, params, rest)(src, tgt)
         return jnp.where(tgt != PAD_ID, jax.nn.logsumexp(logits, axis=-1), 0.0).sum()
 
-    with caplog.at_level("WARNING", logger="model.attention"):
+    with caplog.at_level("WARNING", logger="attention_jax.attention"):
         value, grads = jax.jit(jax.value_and_grad(loss))(params)
         value_again = jax.jit(loss)(params)
     assert np.isfinite(float(value)) and float(value) == pytest.approx(float(value_again))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-    warnings = [r.getMessage() for r in caplog.records if r.name == "model.attention"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "attention_jax.attention"]
     assert len(warnings) == 1 and "CUDNN_STATUS_NOT_SUPPORTED" in warnings[0], warnings
 
 
@@ -203,9 +211,9 @@ TRAIN_RTOL = 0.01
 
 
 def _train_losses(dtype: str, batches) -> list[float]:
+    from attention_jax.training import mesh as mesh_lib
     from bench import common
     from tests.conftest import small_train_config
-    from training import mesh as mesh_lib
 
     config = small_train_config()
     config.model.dtype = dtype
@@ -225,8 +233,8 @@ def _synthetic_batches(num: int, rows: int = 16, length: int = 16, vocab: int = 
     """A copy task laid out by data.pipeline: ragged rows of 0..15 Zipf-distributed ids
     before EOS/BOS (odd lengths, length 1 included), two all-padding filler rows each.
     Learnable enough that 20 steps move the loss, so the two runs are compared in motion."""
-    from data.batches import assemble_bucketed
-    from data.tokenized import TokenizedCorpus
+    from attention_jax.data.batches import assemble_bucketed
+    from attention_jax.data.tokenized import TokenizedCorpus
 
     rng = np.random.default_rng(0)
     real = rows - 2

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import Transformer, TransformerConfig
-from model.precision import einsum_f32
+from attention_jax import Transformer, TransformerConfig
+from attention_jax.precision import einsum_f32
+from attention_jax.training import steps
+from attention_jax.training.loss import chunked_loss_sums
+from attention_jax.training.mesh import shard_batch
 from tests.conftest import small_train_config
 from tests.test_train_steps import _numpy_smoothed_ce, _setup, reverse_batch
-from training import steps
-from training.loss import chunked_loss_sums
-from training.mesh import shard_batch
 
 
 def _problem(seed=0, b=3, t=7, d=16, v=50):

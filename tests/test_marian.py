@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import yaml
 
-from backends import marian
-from common.errors import UserError
-from data.tokenizer import MARIAN_VOCAB
-from model import EOS_ID, shift_right
-from model.decoding import translate
-from model.scoring import EXTRA_DECODE_LEN
+from attention_jax import EOS_ID, shift_right
+from attention_jax.backends import marian
+from attention_jax.common.errors import UserError
+from attention_jax.data.tokenizer import MARIAN_VOCAB
+from attention_jax.decoding import translate
+from attention_jax.scoring import EXTRA_DECODE_LEN
 from tests.marian_files import PIECES, vocab_yml, write_hugging_face, write_marian
 
 ctranslate2 = pytest.importorskip("ctranslate2")
@@ -146,7 +146,7 @@ def opus_mt_directory(tmp_path, eos: float = 2.0):
     their pieces; returns (directory, German lines, the two SentencePiece processors)."""
     import sentencepiece as spm
 
-    from data.tokenizer import train_tokenizer
+    from attention_jax.data.tokenizer import train_tokenizer
     from tests.test_decode_cli import digit_pairs
 
     pairs = digit_pairs(np.random.default_rng(3), 300)

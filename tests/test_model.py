@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model import BOS_ID, KVCache, Transformer, TransformerConfig, shift_right
-from model.sharding import partition_specs
+from attention_jax import BOS_ID, KVCache, Transformer, TransformerConfig, shift_right
+from attention_jax.sharding import partition_specs
 from tests.conftest import model_fields, perturbed_model
 from tests.test_model_options import MARIAN
 

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import BOS_ID, Transformer, TransformerConfig, shift_right
-from model.positional import sinusoidal_positions
+from attention_jax import BOS_ID, Transformer, TransformerConfig, shift_right
+from attention_jax.positional import sinusoidal_positions
 from tests.conftest import model_fields, perturbed_model
 
 MARIAN = dict(
@@ -101,7 +101,7 @@ def test_the_papers_model_has_none_of_them():
 def test_the_chunked_training_loss_counts_the_logits_bias():
     """training/steps.py's loss over vocabulary chunks (no [B, T, V] logits) against the
     whole logits of a model with a logits bias: the same sums and gradients."""
-    from training.steps import _forward_sums
+    from attention_jax.training.steps import _forward_sums
 
     m = perturbed_model(10, **MARIAN)
     graphdef, params, rngs = nnx.split(m, nnx.Param, ...)

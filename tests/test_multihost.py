@@ -24,14 +24,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = textwrap.dedent(
     """
     import json, sys
-    from common import distributed
+    from attention_jax.common import distributed
     pid, nproc, port, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     overrides = json.loads(sys.argv[5])
     if nproc > 1:
         distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
     import jax
     from tests.conftest import small_train_config
-    from training import train_and_evaluate
+    from attention_jax.training import train_and_evaluate
 
     assert jax.process_count() == nproc and jax.device_count() == 4, jax.devices()
     summary = train_and_evaluate(small_train_config(**overrides), workdir)
@@ -149,7 +149,7 @@ def test_two_processes_match_one_and_their_checkpoint_resumes_on_one(overrides, 
     import jax
     from flax import nnx
 
-    from training.workdir import restore_model
+    from attention_jax.training.workdir import restore_model
 
     model2, config, step = restore_model(str(two))
     model1, _, _ = restore_model(str(one), step=6)
@@ -167,13 +167,13 @@ WIDTHS_WORKER = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from common import distributed
+    from attention_jax.common import distributed
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
-    from configs import default
-    from data.pipeline import TrainIterator
-    from data.tokenized import TokenizedCorpus
-    from training.input import agreed_widths, max_over_processes
+    from attention_jax.configs import default
+    from attention_jax.data.pipeline import TrainIterator
+    from attention_jax.data.tokenized import TokenizedCorpus
+    from attention_jax.training.input import agreed_widths, max_over_processes
 
     # Process 0's shard holds short pairs, process 1's long ones.
     rng = np.random.default_rng(pid)

@@ -134,7 +134,7 @@ RECIPE_FILES = sorted(
 def test_a_recipe_changes_every_field_it_sets(path):
     """A config file sets a search or batch field only to change it: the default restated
     is a second home (other fields, such as base.py's paper settings, may pin a value)."""
-    reference = importlib.import_module("configs.default").get_config()
+    reference = importlib.import_module("attention_jax.configs.default").get_config()
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         assignments = recipe_assignments(f.read())
     assert assignments  # the parse found the recipe's fields

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from model.positional import sinusoidal_positions
+from attention_jax.positional import sinusoidal_positions
 
 
 @pytest.mark.parametrize("length,d_model", [(1, 2), (50, 16), (7, 9), (128, 512)])
@@ -41,7 +41,14 @@ def test_the_picture_command_draws_the_matrix(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "PE.png"
     r = subprocess.run(
-        [sys.executable, "-m", "model.positional", f"--plot={out}", "--length=50", "--d_model=128"],
+        [
+            sys.executable,
+            "-m",
+            "attention_jax.positional",
+            f"--plot={out}",
+            "--length=50",
+            "--d_model=128",
+        ],
         cwd=root,
         capture_output=True,
         text=True,

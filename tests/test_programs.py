@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from search import programs
-from search.settings import SearchSettings
-from search.translate import translate_ids
+from attention_jax.search import programs
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.translate import translate_ids
 from tests.test_decoding import make
 from tests.test_stages import sources_of
 
@@ -127,10 +127,10 @@ def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path):
         import json, sys
         sys.path.insert(0, {ROOT!r})
         import jax
-        from common import xla
+        from attention_jax.common import xla
         xla.enable_compilation_cache(sys.argv[2])
         jax.jit(lambda x: x * 2 + 1)(1.0)  # as decode.py compiles before its searches
-        from search import programs
+        from attention_jax.search import programs
         from tests.test_programs import search
         from tests.test_decoding import make
         model = make(seed=3, vocab_size=40, max_len=96)

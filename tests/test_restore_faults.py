@@ -13,10 +13,10 @@ import jax
 import orbax.checkpoint as ocp
 import pytest
 
-from common.errors import UserError
+from attention_jax.common.errors import UserError
+from attention_jax.training import checkpoint_errors, train_and_evaluate
+from attention_jax.training.workdir import restore_model
 from tests import test_faults
-from training import checkpoint_errors, train_and_evaluate
-from training.workdir import restore_model
 
 # tests/test_faults.py's finished 20-step run (checkpoints at 10 and 20), and its helpers.
 corpus, base, cfg, copy = test_faults.corpus, test_faults.base, test_faults.cfg, test_faults.copy

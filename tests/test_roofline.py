@@ -6,7 +6,7 @@ module's docstring states, not read from the code under test.
 
 import pytest
 
-from aot.roofline import kernel_roofline
+from attention_jax.aot.roofline import kernel_roofline
 
 # A loop of 13 chunks: slice a [64, 512] chunk out of x, multiply it by w (cuBLAS), write
 # the product into a [13, 64, 1024] buffer in place; before it, causal cuDNN attention and

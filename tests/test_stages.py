@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import EOS_ID, beam, decoding
-from search import stages
-from search.settings import SearchSettings
-from search.translate import LiveSearch, translate_ids
+from attention_jax import EOS_ID, beam, decoding
+from attention_jax.search import stages
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.translate import LiveSearch, translate_ids
 from tests.test_decoding import make, ragged_src
 
 
@@ -172,7 +172,7 @@ def test_the_search_rule_is_greedy_for_beam_one():
 
 @pytest.mark.slow  # exports 8 widths' programs: ~30 s on 2 cores
 def test_an_exported_translator_translates_as_the_live_model(model, tmp_path):
-    from backends.stablehlo import ExportedTranslator, export_translator
+    from attention_jax.backends.stablehlo import ExportedTranslator, export_translator
 
     settings = SearchSettings(beam_size=4, alpha=0.6, n_best=2)
     export_translator(model, {"tokenizer.model": b"unused"}, str(tmp_path), settings)

@@ -10,13 +10,13 @@ import random
 import pytest
 import sacrebleu
 
-from common.errors import UserError
-from inference.lines import LineReader, count_lines, read_lines
-from inference.options import DecodeOptions
-from inference.output import PARTIAL, RECORD, differences, file_identity, open_output
-from inference.progress import Meter, format_eta, progress_line
-from inference.stream import ListReader
-from search.bleu import CorpusScores, bleu_chrf
+from attention_jax.common.errors import UserError
+from attention_jax.inference.lines import LineReader, count_lines, read_lines
+from attention_jax.inference.options import DecodeOptions
+from attention_jax.inference.output import PARTIAL, RECORD, differences, file_identity, open_output
+from attention_jax.inference.progress import Meter, format_eta, progress_line
+from attention_jax.inference.stream import ListReader
+from attention_jax.search.bleu import CorpusScores, bleu_chrf
 
 HOSTILE = [
     b"",
@@ -254,8 +254,8 @@ def test_chunk_lines_grow_with_the_batch_budget():
 def test_the_journal_keeps_its_chunks_batches_and_skips_a_torn_line(tmp_path):
     """A journal line a kill tore is skipped, and the next batch starts a line of its own;
     lines of another chunk are not this chunk's; clearing starts the next chunk."""
-    from inference.output import Journal
-    from search.hypothesis import Hypothesis
+    from attention_jax.inference.output import Journal
+    from attention_jax.search.hypothesis import Hypothesis
 
     path = str(tmp_path / "out.en.partial.journal")
     with open(path, "w") as f:
@@ -282,9 +282,8 @@ def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choice
 
     from absl import flags
 
-    from backends.ct2_export import DEVICES, QUANTIZATIONS
-    from inference import cli, options
-    from model.defaults import (
+    from attention_jax.backends.ct2_export import DEVICES, QUANTIZATIONS
+    from attention_jax.defaults import (
         BEAM_STOPS,
         DEFAULT_ALPHA,
         DEFAULT_BEAM_SIZE,
@@ -292,6 +291,7 @@ def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choice
         DEFAULT_MIN_LENGTH,
         LENGTH_PENALTIES,
     )
+    from attention_jax.inference import cli, options
 
     job = {name: flags.FLAGS[name] for name in cli.job_flags()}
     fields = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}

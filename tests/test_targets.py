@@ -84,8 +84,8 @@ def test_a_killed_job_writes_the_uninterrupted_output(workdir, files, tmp_path):
 
 @pytest.mark.slow  # ~8 s: 8 devices without constraints are test_decode_pace's in make test
 def test_eight_devices_write_the_single_devices_output(workdir, files):  # noqa: F811
+    from attention_jax.training.workdir import load_workdir
     from tests.parity import NearTies, source_ids
-    from training.workdir import load_workdir
 
     d, _, _ = files
     args = job_args(workdir, d)

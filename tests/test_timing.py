@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from search import timing
+from attention_jax.search import timing
 
 
 class _Later:

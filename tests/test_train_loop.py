@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from common.errors import UserError
+from attention_jax.common.errors import UserError
+from attention_jax.training import checkpoints
+from attention_jax.training import config as config_lib
+from attention_jax.training.workdir import restore_model
 from tests.conftest import small_train_config, train_rows, write_reversal_tsv
-from training import checkpoints
-from training import config as config_lib
-from training.workdir import restore_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     import dataclasses, json, os, signal, sys, time
     import jax
     from tests.conftest import small_train_config
-    from training import loop, steps
+    from attention_jax.training import loop, steps
 
     overrides, workdir, sig = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     at = int(sys.argv[4])
@@ -84,7 +84,7 @@ def _child(overrides, workdir, sig="SIGKILL", at=0):
 @pytest.fixture(scope="module")
 def uninterrupted(corpus_tsv, tmp_path_factory):
     """A 30-step run (checkpoints at 10, 20, 30) trained in this process."""
-    from training import train_and_evaluate
+    from attention_jax.training import train_and_evaluate
 
     workdir = str(tmp_path_factory.mktemp("full"))
     summary = train_and_evaluate(small_train_config(dataset=f"tsv:{corpus_tsv}"), workdir)
@@ -168,9 +168,9 @@ def test_restore_model_loads_and_averages_checkpoints(uninterrupted):
 @pytest.mark.slow  # ~37 s of training
 def test_time_based_checkpoints_and_the_final_average(corpus_tsv, tmp_path):
     """checkpoint_every_minutes saves on log steps; average_last scores the mean params."""
-    from data import Tokenizer, load_split
-    from training import evaluate, steps, train_and_evaluate
-    from training.mesh import make_mesh
+    from attention_jax.data import Tokenizer, load_split
+    from attention_jax.training import evaluate, steps, train_and_evaluate
+    from attention_jax.training.mesh import make_mesh
 
     config = small_train_config(
         dataset=f"tsv:{corpus_tsv}",
@@ -239,8 +239,8 @@ def test_cli_user_errors_are_one_clear_line(tmp_path, flag, message):
 
 
 def test_params_are_float32_and_born_sharded():
-    from training import steps
-    from training.mesh import make_mesh
+    from attention_jax.training import steps
+    from attention_jax.training.mesh import make_mesh
 
     cfg = small_train_config()
     cfg.model.dtype = "bfloat16"

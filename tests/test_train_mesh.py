@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from tests.conftest import small_train_config
     from tests.test_train_steps import reverse_batch
-    from training import checkpoints, steps
-    from training.mesh import make_mesh, shard_batch
+    from attention_jax.training import checkpoints, steps
+    from attention_jax.training.mesh import make_mesh, shard_batch
 
     assert jax.device_count() == 8, jax.devices()
     workdir = sys.argv[1]

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from common.errors import UserError
-from model import Transformer
+from attention_jax import Transformer
+from attention_jax.common.errors import UserError
+from attention_jax.training import metrics, optim, steps, validate
+from attention_jax.training.config import model_config
+from attention_jax.training.mesh import make_mesh, mesh_shape, shard_batch
+from attention_jax.training.state_buffers import Packing
 from tests.conftest import small_train_config
-from training import metrics, optim, steps, validate
-from training.config import model_config
-from training.mesh import make_mesh, mesh_shape, shard_batch
-from training.state_buffers import Packing
 
 # --- Schedules --------------------------------------------------------------------
 

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from data.plans import plan_translation
-from model import EOS_ID, decoding
-from search.settings import SearchSettings
-from search.translate import translate_ids
+from attention_jax import EOS_ID, decoding
+from attention_jax.data.plans import plan_translation
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.translate import translate_ids
 from tests.test_decoding import as_list, full_logp, make
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,11 +160,11 @@ def test_vocab_limit_is_never_exceeded(model, beam_size):
 _MESH = """
 import json, sys
 import jax, numpy as np
-from model import EOS_ID
+from attention_jax import EOS_ID
 from tests.test_decoding import make
-from search.settings import SearchSettings
-from search.translate import translate_ids
-from training.mesh import batch_sharding
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.translate import translate_ids
+from attention_jax.training.mesh import batch_sharding
 rng = np.random.default_rng(7)
 sources = [[*rng.integers(4, 12, size=n - 1).tolist(), EOS_ID] for n in rng.integers(1, 15, 40)]
 model = make()

@@ -41,10 +41,17 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from common import distributed
-from common.errors import UserError
-from training import steps
-from training.checkpoint_errors import DAMAGED, WriteErrors, classify, describe, retry, stop_error
+from attention_jax.common import distributed
+from attention_jax.common.errors import UserError
+from attention_jax.training import steps
+from attention_jax.training.checkpoint_errors import (
+    DAMAGED,
+    WriteErrors,
+    classify,
+    describe,
+    retry,
+    stop_error,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"

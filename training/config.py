@@ -30,14 +30,14 @@ import jax
 import ml_collections
 from flax import nnx
 
-from common.errors import UserError
-from configs.default import RENAMED
-from data.files import atomic_write
-from model import Transformer, TransformerConfig
-from model.attention import resolve_config
-from search.settings import SearchSettings
-from training.mesh import AXES as MESH_AXES
-from training.mesh import mesh_shape
+from attention_jax import Transformer, TransformerConfig
+from attention_jax.attention import resolve_config
+from attention_jax.common.errors import UserError
+from attention_jax.configs.default import RENAMED
+from attention_jax.data.files import atomic_write
+from attention_jax.search.settings import SearchSettings
+from attention_jax.training.mesh import AXES as MESH_AXES
+from attention_jax.training.mesh import mesh_shape
 
 CONFIG_FILE = "config.json"
 
@@ -92,7 +92,7 @@ _CHOICES = {
 
 def defaults() -> ml_collections.ConfigDict:
     """configs/default.py: the reference list of fields and their defaults."""
-    from configs import default
+    from attention_jax.configs import default
 
     return default.get_config()
 

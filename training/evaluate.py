@@ -15,15 +15,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from data import Tokenizer
-from model import EOS_ID, Transformer
-from search.bleu import bleu_chrf
-from search.settings import SearchSettings
-from search.translate import translate_ids, vocab_limit
-from training.config import search_settings
-from training.input import process_eval_batches
-from training.mesh import batch_divisor, batch_sharding, shard_batch
-from training.steps import TrainSetup, TrainState, summarize
+from attention_jax import EOS_ID, Transformer
+from attention_jax.data import Tokenizer
+from attention_jax.search.bleu import bleu_chrf
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.translate import translate_ids, vocab_limit
+from attention_jax.training.config import search_settings
+from attention_jax.training.input import process_eval_batches
+from attention_jax.training.mesh import batch_divisor, batch_sharding, shard_batch
+from attention_jax.training.steps import TrainSetup, TrainState, summarize
 
 
 def eval_loss(

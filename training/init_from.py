@@ -23,13 +23,13 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from backends import marian
-from common import distributed
-from common.errors import UserError
-from data.files import atomic_write_bytes
-from data.tokenizer import Tokenizer, get_tokenizer, has_tokenizer, load_tokenizer
-from training import config as config_lib
-from training import steps
+from attention_jax.backends import marian
+from attention_jax.common import distributed
+from attention_jax.common.errors import UserError
+from attention_jax.data.files import atomic_write_bytes
+from attention_jax.data.tokenizer import Tokenizer, get_tokenizer, has_tokenizer, load_tokenizer
+from attention_jax.training import config as config_lib
+from attention_jax.training import steps
 
 _log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from typing import Any
 import jax
 import numpy as np
 
-import data
-from common import distributed
-from data.pipeline import AgreeCounts, fit_widths, length_histogram, train_shard
-from data.tokenized import TokenizedCorpus
+from attention_jax import data
+from attention_jax.common import distributed
+from attention_jax.data.pipeline import AgreeCounts, fit_widths, length_histogram, train_shard
+from attention_jax.data.tokenized import TokenizedCorpus
 
 _log = logging.getLogger(__name__)
 

@@ -35,16 +35,16 @@ from typing import Any
 import jax
 import ml_collections
 
-import data
-from common import distributed, log
-from common.errors import UserError
-from training import checkpoints as ckpt
-from training import config as config_lib
-from training import evaluate, init_from, metrics, steps
-from training.input import ShardedInput
-from training.mesh import batch_divisor, make_mesh, shard_batch
-from training.resume import RunTotals, previous_run, restore_or_init
-from training.state_buffers import Packing
+from attention_jax import data
+from attention_jax.common import distributed, log
+from attention_jax.common.errors import UserError
+from attention_jax.training import checkpoints as ckpt
+from attention_jax.training import config as config_lib
+from attention_jax.training import evaluate, init_from, metrics, steps
+from attention_jax.training.input import ShardedInput
+from attention_jax.training.mesh import batch_divisor, make_mesh, shard_batch
+from attention_jax.training.resume import RunTotals, previous_run, restore_or_init
+from attention_jax.training.state_buffers import Packing
 
 _log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from common.errors import UserError
-from model.sharding import partition_specs
+from attention_jax.common.errors import UserError
+from attention_jax.sharding import partition_specs
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from model import TransformerConfig
+from attention_jax import TransformerConfig
 
 METRICS_FILE = "metrics.jsonl"
 

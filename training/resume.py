@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from common.errors import UserError
-from data.files import atomic_write
-from training import checkpoints as ckpt
-from training import config as config_lib
-from training import init_from, metrics, steps
-from training.input import ShardedInput
+from attention_jax.common.errors import UserError
+from attention_jax.data.files import atomic_write
+from attention_jax.training import checkpoints as ckpt
+from attention_jax.training import config as config_lib
+from attention_jax.training import init_from, metrics, steps
+from attention_jax.training.input import ShardedInput
 
 _log = logging.getLogger(__name__)
 

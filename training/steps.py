@@ -28,12 +28,12 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from model import TransformerConfig
-from training.config import build_model, model_config
-from training.loss import chunked_loss_sums
-from training.mesh import axis_rules, gathered, split_micro, state_shardings
-from training.optim import make_optimizer, make_schedule
-from training.state_buffers import Packing
+from attention_jax import TransformerConfig
+from attention_jax.training.config import build_model, model_config
+from attention_jax.training.loss import chunked_loss_sums
+from attention_jax.training.mesh import axis_rules, gathered, split_micro, state_shardings
+from attention_jax.training.optim import make_optimizer, make_schedule
+from attention_jax.training.state_buffers import Packing
 
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 

@@ -19,13 +19,18 @@ import jax
 import ml_collections
 from flax import nnx
 
-from common.errors import UserError
-from data import Tokenizer
-from data.files import files_identity
-from data.tokenizer import TOKENIZER_FILENAME, has_tokenizer, load_tokenizer, tokenizer_names
-from model import Transformer
-from training.checkpoints import CHECKPOINT_DIR, Checkpoints
-from training.config import CONFIG_FILE, build_model, load_config, model_config
+from attention_jax import Transformer
+from attention_jax.common.errors import UserError
+from attention_jax.data import Tokenizer
+from attention_jax.data.files import files_identity
+from attention_jax.data.tokenizer import (
+    TOKENIZER_FILENAME,
+    has_tokenizer,
+    load_tokenizer,
+    tokenizer_names,
+)
+from attention_jax.training.checkpoints import CHECKPOINT_DIR, Checkpoints
+from attention_jax.training.config import CONFIG_FILE, build_model, load_config, model_config
 
 _log = logging.getLogger(__name__)
 

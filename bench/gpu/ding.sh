@@ -14,6 +14,7 @@ set -u
 [[ $# -ge 2 ]] || { sed -n 5,7p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 secs=$1; out=$2; shift 2; mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+python3 tools/package_links.py /tmp/site  # attention_jax: this checkout, not installed
 export PYTHONPATH=/tmp/site ATTENTION_JAX_DING=$PWD/.data/de-en PYTHONUNBUFFERED=1
 { nvidia-smi -L; python3 -c 'import jax; print("jax", jax.__version__, jax.devices())'; } >"$out/env.txt" 2>&1
 # Packed rows: one compiled step (bucketed rows would compile one per length bucket).

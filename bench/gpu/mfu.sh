@@ -24,6 +24,9 @@ if [[ -z "${NO_WHEELS:-}" ]]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
+if ! $PY -c "import attention_jax" 2>/dev/null; then  # this checkout, not installed
+  $PY tools/package_links.py /tmp/site >/dev/null && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONUNBUFFERED=1
 common="--packing=packed --max_length=256 --batch_tokens=$TOKENS --steps=20"
 run() {  # name, then bench/train.py's flags

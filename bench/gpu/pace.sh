@@ -35,6 +35,9 @@ if [[ -z "${NO_WHEELS:-}" ]]; then  # the rehearsal's venv has them
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
+if ! $PY -c "import attention_jax" 2>/dev/null; then  # this checkout, not installed
+  $PY tools/package_links.py /tmp/site >/dev/null && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export ATTENTION_JAX_DING=$PWD/.data/de-en PYTHONUNBUFFERED=1
 { nvidia-smi -L; $PY -c 'import jax; print("jax", jax.__version__, jax.devices())'; } \
   >>"$out/steps.log" 2>&1

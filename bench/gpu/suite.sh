@@ -213,6 +213,8 @@ EOF
 }
 
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# The library itself (attention_jax): this checkout, linked, where it is not installed.
+"$PY" -c "import attention_jax" 2>/dev/null || { mkdir -p "$SITE" && "$PY" tools/package_links.py "$SITE" >/dev/null; }
 say "output in $OUT; python: $PY; dry run: $DRY_RUN"
 # `timeout` runs programs, not functions: the step is a child bash that inherits them.
 export -f setup install_missing_wheels
