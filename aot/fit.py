@@ -39,9 +39,8 @@ from attention_jax.aot.roofline import kernel_roofline
 from attention_jax.aot.targets import Target, abstract_devices, parse_target
 from attention_jax.common.errors import UserError
 from attention_jax.data.plans import length_buckets, rows_per_batch
-from attention_jax.decoding import beam_search
-from attention_jax.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE
-from attention_jax.search.defaults import default_batch_tokens
+from attention_jax.search.decoding import beam_search
+from attention_jax.search.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, default_batch_tokens
 from attention_jax.training import config as config_lib
 from attention_jax.training import steps
 from attention_jax.training.input import shard_multiple

@@ -48,8 +48,7 @@ from attention_jax.backends.ct2_export import (
 from attention_jax.common.cpus import usable_cpus
 from attention_jax.data.files import read_versioned_json
 from attention_jax.data.tokenizer import tokenizer_names
-from attention_jax.defaults import DEFAULT_MIN_LENGTH
-from attention_jax.search.defaults import CT2_BATCH_TOKENS
+from attention_jax.search.defaults import CT2_BATCH_TOKENS, DEFAULT_MIN_LENGTH
 from attention_jax.search.hypothesis import Hypothesis
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.stages import Targets, check_lengths

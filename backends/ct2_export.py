@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from attention_jax import Transformer, TransformerConfig
-from attention_jax.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, EXTRA_DECODE_LEN
+from attention_jax.search.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, EXTRA_DECODE_LEN
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FORMAT_VERSION = 1

@@ -40,11 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attention_jax import Transformer, beam
+from attention_jax import Transformer
 from attention_jax.data.files import atomic_write, atomic_write_bytes, read_versioned_json
 from attention_jax.data.plans import inference_widths
-from attention_jax.scoring import output_limit
+from attention_jax.search import beam
 from attention_jax.search.hypothesis import Hypothesis
+from attention_jax.search.scoring import output_limit
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.stages import Targets, run_stages, stage_rooms
 from attention_jax.search.translate import Progress, search_fn

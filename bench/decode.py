@@ -27,7 +27,7 @@ def _bench_one(model, src, beam_size: int, iters: int, steps_per_check: int | No
     import numpy as np
 
     from attention_jax import EOS_ID
-    from attention_jax.decoding import translate
+    from attention_jax.search.decoding import translate
 
     run = lambda: translate(model, src, beam_size=beam_size, steps_per_check=steps_per_check)
     t0 = time.perf_counter()
@@ -69,7 +69,8 @@ def main(argv=None) -> None:
     import numpy as np
     from flax import nnx
 
-    from attention_jax import EOS_ID, Transformer, TransformerConfig, beam
+    from attention_jax import EOS_ID, Transformer, TransformerConfig
+    from attention_jax.search import beam
 
     checks = [int(x) for x in args.steps_per_check.split(",")] if args.steps_per_check else [None]
 

@@ -11,7 +11,7 @@ import dataclasses
 import ml_collections
 
 from attention_jax.config import TransformerConfig
-from attention_jax.defaults import (
+from attention_jax.search.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
@@ -141,7 +141,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_examples_to_print = 5
     c.seed = 0
     # The evaluations' search: decode.py's flags of the same names, with their defaults
-    # (model/defaults.py: the paper's beam 4 and alpha 0.6; search/settings.py).
+    # (search/defaults.py: the paper's beam 4 and alpha 0.6; search/settings.py).
     c.search = ml_collections.ConfigDict()
     c.search.beam_size = DEFAULT_BEAM_SIZE  # K; 1 = greedy search
     c.search.alpha = DEFAULT_ALPHA  # the length penalty's exponent

@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 
 from absl import flags
 
-from attention_jax.defaults import (
+from attention_jax.search.defaults import (
+    BATCH_TOKENS,
     BEAM_STOPS,
+    CT2_BATCH_TOKENS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_CONSTRAINT_TOKENS,
@@ -25,7 +27,6 @@ from attention_jax.defaults import (
     DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
-from attention_jax.search.defaults import BATCH_TOKENS, CT2_BATCH_TOKENS
 
 if TYPE_CHECKING:
     from attention_jax.inference.options import DecodeOptions
@@ -140,7 +141,7 @@ flags.DEFINE_boolean(
 flags.DEFINE_integer(
     "steps_per_check", None,
     "Search steps between tests of whether every source is done, in a loop XLA:GPU runs "
-    "without a host round trip (default: the platform's, model/beam.py STEPS_PER_CHECK). "
+    "without a host round trip (default: the platform's, search/beam.py STEPS_PER_CHECK). "
     "The output is the same for any value.",
 )  # fmt: skip
 flags.DEFINE_string(

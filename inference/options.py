@@ -15,8 +15,9 @@ import dataclasses
 
 from attention_jax.backends.ct2_export import DEVICES, QUANTIZATIONS
 from attention_jax.common.errors import UserError
-from attention_jax.defaults import (
+from attention_jax.search.defaults import (
     BEAM_STOPS,
+    CT2_BATCH_TOKENS,
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_CONSTRAINT_TOKENS,
@@ -25,8 +26,8 @@ from attention_jax.defaults import (
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     LENGTH_PENALTIES,
+    default_batch_tokens,
 )
-from attention_jax.search.defaults import CT2_BATCH_TOKENS, default_batch_tokens
 from attention_jax.search.settings import SearchSettings
 
 LONG_LINES = ("truncate", "split")
@@ -100,7 +101,7 @@ class DecodeOptions:
 
     @property
     def fewest_tokens(self) -> int:
-        """--min_length, or its default (model/defaults.py)."""
+        """--min_length, or its default (search/defaults.py)."""
         return DEFAULT_MIN_LENGTH if self.min_length is None else self.min_length
 
     @property

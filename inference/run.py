@@ -26,7 +26,6 @@ import jax
 
 from attention_jax.common.errors import UserError
 from attention_jax.data import load_split
-from attention_jax.defaults import DEFAULT_STOP
 from attention_jax.inference import devices
 from attention_jax.inference.lines import LineReader, count_lines
 from attention_jax.inference.options import DecodeOptions
@@ -47,6 +46,7 @@ from attention_jax.inference.translators import (
 )
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
+from attention_jax.search.defaults import DEFAULT_STOP
 
 # Options that are not settings of a job's output: the files and the checkpoint
 # (described by their identity instead: --checkpoint_step=N resumes a job that loaded

@@ -1,11 +1,36 @@
-"""The batch size a search runs with when none is given, declared once (a plain module,
-no JAX: decode.py's flags read it before JAX loads).
+"""The search's defaults, declared once: every flag, options object, config and export
+imports them from here (a plain module, no JAX: decode.py's flags read it before JAX
+loads).
 
-    default_batch_tokens()          # 512 on a CPU, 32768 on a GPU or TPU
-    CT2_BATCH_TOKENS["cpu"]         # decode.py --ct2's
+    DEFAULT_BEAM_SIZE, DEFAULT_ALPHA     # the paper's (section 6.1): beam 4, alpha 0.6
+    default_batch_tokens()               # 512 on a CPU, 32768 on a GPU or TPU
+    CT2_BATCH_TOKENS["cpu"]              # decode.py --ct2's
+
+The paper decodes with beam 4, length penalty alpha 0.6, and at most source length +
+50 output tokens.
 """
 
 from __future__ import annotations
+
+DEFAULT_BEAM_SIZE = 4
+DEFAULT_ALPHA = 0.6
+EXTRA_DECODE_LEN = 50
+# How scores are normalized by length: "gnmt" (the default, as the paper's setup) or
+# "average" (CTranslate2's and OpenNMT's; search/scoring.py `length_penalty`).
+LENGTH_PENALTIES = ("gnmt", "average")
+DEFAULT_LENGTH_PENALTY = "gnmt"
+# When a source's beam search ends (search/beam.py `Rule`): "bound" (exact),
+# "heuristic" or "count" (CTranslate2's and OpenNMT's); what decode.py's --stop offers.
+BEAM_STOPS = ("bound", "heuristic", "count")
+DEFAULT_STOP = "bound"
+# The fewest tokens before EOS (EOS is banned at output positions below it): 1 = no
+# empty translation of a non-empty source, as CTranslate2's min_decoding_length and
+# fairseq's min_len default to; 0 = EOS may come first.
+DEFAULT_MIN_LENGTH = 1
+# Terminology constraints (decode.py --constraints): at most this many phrases a line,
+# of at most this many tokens each (they size the search's arrays: see search/constraints.py).
+DEFAULT_MAX_CONSTRAINTS = 4
+DEFAULT_CONSTRAINT_TOKENS = 8
 
 # Padded source tokens per batch, by platform. A CPU's batches stay small: a search
 # step's time grows with its rows, and a batch runs until its slowest source is done

@@ -15,7 +15,7 @@ class Hypothesis:
     """One translation: output ids (no BOS, EOS or padding) and the search's score.
 
     score = log P(tokens + EOS | source) / lp(len), what beam search ranks by (gnmt:
-    ((5 + len) / 6)^alpha, len counting EOS; model.decoding.length_penalty); greedy
+    ((5 + len) / 6)^alpha, len counting EOS; search.decoding.length_penalty); greedy
     search (beam 1) is scored the same way. met: with constraints, whether it contains
     each of its source's phrases (None: no constraints).
     """

@@ -97,13 +97,17 @@ def _environment() -> str:
     import jaxlib
 
     import attention_jax
+    from attention_jax import search
 
-    model_dir = os.path.dirname(os.path.abspath(attention_jax.__file__))
+    # A program is the network's code and the search's, traced: a change to either
+    # makes every stored program stale.
     digest = hashlib.sha256()
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".py"):
-            with open(os.path.join(model_dir, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read() + b"\0")
+    for package in (attention_jax, search):
+        folder = os.path.dirname(os.path.abspath(package.__file__))
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    digest.update(name.encode() + b"\0" + f.read() + b"\0")
     device = jax.devices()[0]
     return repr(
         (

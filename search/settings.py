@@ -3,7 +3,7 @@ batch loop and the compiled programs.
 
     settings = SearchSettings(beam_size=4, alpha=0.6, n_best=2, batch_tokens=512)
     hyps = translate_ids(model, sources, settings)       # search/translate.py
-    rule = settings.rule(vocab_limit=None)               # model/beam.py's static part
+    rule = settings.rule(vocab_limit=None)               # search/beam.py's static part
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from attention_jax import beam
 from attention_jax.data.plans import MIN_ROWS
-from attention_jax.defaults import (
+from attention_jax.search import beam
+from attention_jax.search.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_CONSTRAINT_TOKENS,
@@ -21,8 +21,8 @@ from attention_jax.defaults import (
     DEFAULT_MAX_CONSTRAINTS,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
+    default_batch_tokens,
 )
-from attention_jax.search.defaults import default_batch_tokens
 from attention_jax.search.stages import Targets
 
 
@@ -32,15 +32,15 @@ class SearchSettings:
 
     beam_size: K (1 = greedy search); alpha: the length-penalty exponent.
     n_best: hypotheses kept per source (<= beam_size), best first.
-    length_penalty: "gnmt" or "average" (model/decoding.py `length_penalty`).
-    stop: "bound" (exact) or "heuristic" (about half the steps; model/beam.py `Rule`).
+    length_penalty: "gnmt" or "average" (search/decoding.py `length_penalty`).
+    stop: "bound" (exact) or "heuristic" (about half the steps; search/beam.py `Rule`).
     steps_per_check: steps between tests of the stopping condition (the same results
-      for any value); None = the platform's (model/beam.py `steps_per_check`).
+      for any value); None = the platform's (search/beam.py `steps_per_check`).
     batch_tokens: padded source tokens per batch (beam search holds K times as many);
       None = the platform's (search/defaults.py; `tokens_per_batch` resolves it).
     min_rows: the rows of every batch of an input of at most this many sources
       (data/plans.py `plan_translation`); every other batch is full.
-    min_length: the fewest tokens before EOS (1: no empty translation; model/defaults.py).
+    min_length: the fewest tokens before EOS (1: no empty translation; search/defaults.py).
     max_constraints, constraint_tokens: the most phrases a source may have to contain,
       and the most tokens of each (they size the search's arrays).
     """
@@ -76,7 +76,7 @@ class SearchSettings:
         return default_batch_tokens() if self.batch_tokens is None else self.batch_tokens
 
     def rule(self, vocab_limit: int | None = None) -> beam.Rule:
-        """model/beam.py's static settings: beam search that stops a source once its n_best
+        """search/beam.py's static settings: beam search that stops a source once its n_best
         best are final ("bound") or no live beam would beat them if it ended next
         ("heuristic"), or for beam_size 1 greedy search (the first hypothesis that ends),
         scored the same way; never emitting ids >= vocab_limit."""

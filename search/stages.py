@@ -10,7 +10,7 @@ resume, and a warm job compiles nothing. Each batch's whole search is one progra
 (`Search.whole`) that grows the batch's room for tokens in stages (`stage_rooms`),
 so attention reads caches about as long as what was decoded, and ends when every
 source is finished. A source's results do not depend on the batch it is in
-(model/beam.py); filler rows (`batch_of`) are finished before the first step.
+(search/beam.py); filler rows (`batch_of`) are finished before the first step.
 
 The programs of a plan's shapes are prepared (compiled or loaded, side by side)
 before its first batch runs, and searches are dispatched before the previous one
@@ -32,12 +32,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from attention_jax.common.errors import UserError
-from attention_jax.constraints import Controls
 from attention_jax.data.plans import MIN_ROWS, plan_translation
-from attention_jax.defaults import DEFAULT_CONSTRAINT_TOKENS, DEFAULT_MAX_CONSTRAINTS
-from attention_jax.scoring import FILLER, output_limit, rooms
 from attention_jax.search import timing
+from attention_jax.search.constraints import Controls
+from attention_jax.search.defaults import DEFAULT_CONSTRAINT_TOKENS, DEFAULT_MAX_CONSTRAINTS
 from attention_jax.search.hypothesis import hypotheses
+from attention_jax.search.scoring import FILLER, output_limit, rooms
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
@@ -46,7 +46,7 @@ Progress = Callable[[Sequence[int], Sequence[list[Any]]], None]
 
 def prefix_room(source_tokens: int, max_len: int) -> int:
     """The most tokens a prefix of a source of `source_tokens` tokens (EOS included) may
-    have: its output's limit (model/scoring.py `output_limit`) less one, for EOS."""
+    have: its output's limit (search/scoring.py `output_limit`) less one, for EOS."""
     return output_limit(source_tokens, max_len) - 1
 
 
@@ -55,7 +55,7 @@ class Targets:
     """What the translations of some sources must hold (None: nothing of that kind in the
     job): prefixes[i], the ids translation i starts with (empty: any start);
     constraints[i], the phrases (id lists) it contains. Each batch carries them as
-    arrays of one size per width (model/constraints.py `Controls`): the prefix room is
+    arrays of one size per width (search/constraints.py `Controls`): the prefix room is
     the batch's output length, the phrases at most `max_phrases` of `max_tokens`."""
 
     prefixes: Sequence[Sequence[int]] | None = None
@@ -119,7 +119,7 @@ def output_tokens(found: Sequence[list[Any]]) -> int:
 
 def stage_rooms(width: int, max_len: int) -> list[int]:
     """Tokens a batch of source width `width` has room for, stage by stage: width + 16,
-    doubled, up to L = min(width + 50, max_len) (every source's limit; model/scoring.py
+    doubled, up to L = min(width + 50, max_len) (every source's limit; search/scoring.py
     `rooms`)."""
     return rooms(width, output_limit(width, max_len))
 
@@ -159,7 +159,7 @@ def batch_of(
     sources: Sequence[Sequence[int]], picked: Sequence[int], rows: int, width: int
 ) -> np.ndarray:
     """sources[picked] as one [rows, width] int32 batch (0-padded). Filler rows hold
-    model/scoring.py `FILLER` (a lone EOS where the width is 1): they encode as a short
+    search/scoring.py `FILLER` (a lone EOS where the width is 1): they encode as a short
     source and are finished before the first step; their output is dropped."""
     src = np.zeros((rows, width), np.int32)  # [B, S]
     filler = FILLER[:width]

@@ -11,7 +11,7 @@ A `Translator` is what decode.py translates with: the live model of a workdir
 model (backends/ct2.py). The JAX ones share one batch loop
 (search/stages.py): sources of any lengths in batches of one static shape per
 width (data/plans.py `plan_translation`), each searched in one program that
-grows its room in stages (model/beam.py; greedy search for beam 1), so a job's
+grows its room in stages (search/beam.py; greedy search for beam 1), so a job's
 programs depend on its settings and widths, never on its size.
 
 With a `sharding` of the rows (e.g. training's batch sharding over its mesh),
@@ -31,11 +31,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from attention_jax import Transformer, beam
-from attention_jax.constraints import Controls
-from attention_jax.scoring import decode_shape
-from attention_jax.search import programs
+from attention_jax import Transformer
+from attention_jax.search import beam, programs
+from attention_jax.search.constraints import Controls
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
+from attention_jax.search.scoring import decode_shape
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.stages import (
     Progress,
@@ -106,7 +106,7 @@ class LiveSearch:
     def whole(
         self, src: jax.Array, rooms: Sequence[int], controls: Controls | None = None
     ) -> tuple[jax.Array, ...]:
-        """model/beam.py `search` of src [B, S] through `rooms`: tokens [B, n, C] and
+        """search/beam.py `search` of src [B, S] through `rooms`: tokens [B, n, C] and
         scores [B, n] (n = n_best), every source finished; with controls (prefixes and
         phrases), also met [B, n, Q]."""
         length, extra = decode_shape(self.model, src, None)

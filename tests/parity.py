@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from attention_jax import BOS_ID, EOS_ID, PAD_ID
-from attention_jax.scoring import length_penalty
+from attention_jax.search.scoring import length_penalty
 
 # How close two scores (log-probabilities, or their length-normalized means) must be
 # for the model not to tell them apart: float32 searches of one model in two

@@ -42,7 +42,7 @@ BUGS = (
     ),
     Bug(
         "wrong GNMT length penalty ((1 + |Y|) / 6 instead of (5 + |Y|) / 6)",
-        "model/scoring.py",
+        "search/scoring.py",
         "((5.0 + length) / 6.0) ** alpha",
         "((1.0 + length) / 6.0) ** alpha",
         ("tests/test_decoding.py", "tests/test_translate.py"),

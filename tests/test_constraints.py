@@ -1,4 +1,4 @@
-"""Target prefixes and terminology constraints in the beam search (model/constraints.py):
+"""Target prefixes and terminology constraints in the beam search (search/constraints.py):
 against brute force (the matcher, the allocation), the textbook beam search started
 after the prefix, and the promise that every output contains every phrase."""
 
@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_jax import EOS_ID, beam, constraints, decoding
-from attention_jax.constraints import Controls
+from attention_jax import EOS_ID
+from attention_jax.search import beam, constraints, decoding
+from attention_jax.search.constraints import Controls
 from tests.test_decoding import as_list, make, ragged_src
 
 

@@ -20,10 +20,11 @@ import optax
 import pytest
 from flax import nnx
 
-from attention_jax import EOS_ID, decoding, shift_right
+from attention_jax import EOS_ID, shift_right
 from attention_jax.configs import tiny
 from attention_jax.data import Tokenizer
 from attention_jax.data.tokenizer import train_tokenizer
+from attention_jax.search import decoding
 from attention_jax.training import checkpoints, steps
 from attention_jax.training import config as config_lib
 from attention_jax.training.workdir import restore_model

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attention_jax import EOS_ID, Transformer, TransformerConfig, beam
+from attention_jax import EOS_ID, Transformer, TransformerConfig
+from attention_jax.search import beam
 from attention_jax.search.settings import SearchSettings
 from tests.conftest import model_fields
 from tests.test_decode_cli import (
@@ -56,7 +57,7 @@ def test_every_steps_per_check_gives_the_same_tokens_and_scores(model, monkeypat
     """k steps between tests of the stopping condition: k = 1..8 for beam 4 (a room of
     13 tokens: odd, and k = 8 leaves a remainder), and a few k for greedy search and for
     a large search (two steps at a time): the same tokens and scores."""
-    from attention_jax.decoding import beam_search
+    from attention_jax.search.decoding import beam_search
 
     src = _batch(6, 11, seed=4)
 

@@ -15,10 +15,8 @@ from attention_jax import (
     PAD_ID,
     Transformer,
     TransformerConfig,
-    beam,
-    decoding,
-    scoring,
 )
+from attention_jax.search import beam, decoding, scoring
 from tests.conftest import model_fields
 from tests.parity import TIE
 
@@ -137,7 +135,7 @@ def test_greedy_cached_equals_full_forward(model):
 
 @pytest.fixture
 def large_searches(monkeypatch):
-    """Every beam search counts as large (model/beam.py `LARGE_SEARCH_BYTES`): two steps
+    """Every beam search counts as large (search/beam.py `LARGE_SEARCH_BYTES`): two steps
     per loop iteration, and stages of growing room in one program; programs compiled
     before or after use their own rule."""
     monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
@@ -325,7 +323,7 @@ def test_heuristic_stop_is_the_bound_at_alpha_0(penalty):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule", "length", "extra"))
 def _search_state(graphdef, params, src, *, rule, length, extra):
-    """model/beam.py's state at the end of a search with room for every token."""
+    """search/beam.py's state at the end of a search with room for every token."""
     model = nnx.merge(graphdef, params)
     return beam.search_state(model, src, jnp.float32(0.6), rule, (length,), length, extra)
 

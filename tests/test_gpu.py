@@ -28,9 +28,9 @@ from attention_jax import (
     Transformer,
     TransformerConfig,
     attention,
-    decoding,
 )
 from attention_jax.attention import dot_product_attention, resolve_impl
+from attention_jax.search import decoding
 from tests.conftest import model_fields
 from tests.test_attention import length_mask
 

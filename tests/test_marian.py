@@ -18,8 +18,8 @@ from attention_jax import EOS_ID, shift_right
 from attention_jax.backends import marian
 from attention_jax.common.errors import UserError
 from attention_jax.data.tokenizer import MARIAN_VOCAB
-from attention_jax.decoding import translate
-from attention_jax.scoring import EXTRA_DECODE_LEN
+from attention_jax.search.decoding import translate
+from attention_jax.search.scoring import EXTRA_DECODE_LEN
 from tests.marian_files import PIECES, vocab_yml, write_hugging_face, write_marian
 
 ctranslate2 = pytest.importorskip("ctranslate2")

@@ -1,8 +1,8 @@
 """Every search default is declared once, in its home; everything else imports it.
 
-The homes: model/defaults.py (beam size, alpha, the + 50 output tokens, the length
-penalty, the stop rule), search/defaults.py (a search's batch tokens, decode.py's and
-CTranslate2's) and configs/default.py (training's max_length and batch_tokens). The
+The homes: search/defaults.py (beam size, alpha, the + 50 output tokens, the length
+penalty, the stop rule, a search's batch tokens, decode.py's and CTranslate2's) and
+configs/default.py (training's max_length and batch_tokens). The
 library's code (not tests/, bench/ or tools/, which pick their own settings on purpose)
 may not give any of these fields a number of its own: not as a keyword argument, a
 parameter's or dataclass field's default, an assignment or a flag's default. Docstrings
@@ -22,7 +22,7 @@ import tokenize
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HOMES = {"model/defaults.py", "search/defaults.py", "configs/default.py"}
+HOMES = {"search/defaults.py", "configs/default.py"}
 NOT_LIBRARY = ("tests/", "bench/", "tools/", ".venv", ".cache", "workdir", ".data")
 RECIPES = "configs/"  # overrides of configs/default.py: checked by what they change
 # The fields whose value has a home.

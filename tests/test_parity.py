@@ -4,7 +4,8 @@ scores alike are near-ties, and any other difference fails, however few lines it
 import numpy as np
 import pytest
 
-from attention_jax import EOS_ID, decoding
+from attention_jax import EOS_ID
+from attention_jax.search import decoding
 from tests.parity import NearTies
 from tests.test_decoding import make, ragged_src
 

@@ -1,4 +1,4 @@
-"""Beam search of batches (model/beam.py, search/stages.py) against the search in one
+"""Beam search of batches (search/beam.py, search/stages.py) against the search in one
 padded batch with room for every token at once.
 
 A source's results must not depend on the batch it is in, the rooms its search
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_jax import EOS_ID, beam, decoding
-from attention_jax.search import stages
+from attention_jax import EOS_ID
+from attention_jax.search import beam, decoding, stages
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import LiveSearch, translate_ids
 from tests.test_decoding import make, ragged_src

@@ -283,7 +283,8 @@ def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choice
     from absl import flags
 
     from attention_jax.backends.ct2_export import DEVICES, QUANTIZATIONS
-    from attention_jax.defaults import (
+    from attention_jax.inference import cli, options
+    from attention_jax.search.defaults import (
         BEAM_STOPS,
         DEFAULT_ALPHA,
         DEFAULT_BEAM_SIZE,
@@ -291,7 +292,6 @@ def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choice
         DEFAULT_MIN_LENGTH,
         LENGTH_PENALTIES,
     )
-    from attention_jax.inference import cli, options
 
     job = {name: flags.FLAGS[name] for name in cli.job_flags()}
     fields = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_jax import EOS_ID, decoding
+from attention_jax import EOS_ID
 from attention_jax.data.plans import plan_translation
+from attention_jax.search import decoding
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import translate_ids
 from tests.test_decoding import as_list, full_logp, make

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attention_jax.defaults import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN, LENGTH_PENALTIES
+from attention_jax.search.defaults import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN, LENGTH_PENALTIES
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 from attention_jax.transformer import Transformer
 
@@ -115,7 +115,7 @@ def restrict(
 
 def rooms(width: int, length: int) -> list[int]:
     """Tokens a batch of source width `width` has room for, stage by stage, when its
-    sources may produce at most `length` (model/beam.py): width + 16, doubled, up to length."""
+    sources may produce at most `length` (search/beam.py): width + 16, doubled, up to length."""
     out = [min(width + FIRST_EXTRA, length)]
     while out[-1] < length:
         out.append(min(2 * out[-1], length))

@@ -6,7 +6,7 @@
     # [B, S] -> [B, 1, 66], [B, 1]: each source's best hypothesis and its score
 
 A batch's search grows its room for tokens in stages: it starts with room for a
-few more tokens than its sources are long (model/scoring.py `rooms`) and goes
+few more tokens than its sources are long (search/scoring.py `rooms`) and goes
 on with twice the room while some of its sources are not done, all in one
 program, so attention and the cache reorder read caches of about the length
 decoded so far, not of L = S + 50.
@@ -17,7 +17,7 @@ a hypothesis (so beam 1 with alpha 0 is greedy search); the K best others stay
 live and carry on the cache of the beam they extend. A source is done by `Rule.stop`
 (by default once its result can no longer change) and then gains no hypothesis, so
 stopping it earlier or later (stages, batches) gives the same results. Scores are
-log P / lp(len), len counting EOS (model/scoring.py).
+log P / lp(len), len counting EOS (search/scoring.py).
 """
 
 from __future__ import annotations
@@ -31,16 +31,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attention_jax import constraints
-from attention_jax.constraints import Controls
-from attention_jax.defaults import (
+from attention_jax.search import constraints
+from attention_jax.search.constraints import Controls
+from attention_jax.search.defaults import (
     BEAM_STOPS,
     DEFAULT_LENGTH_PENALTY,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
-from attention_jax.scoring import NEG_INF, normalized_score, restrict, rooms, row_limits, top_k
+from attention_jax.search.scoring import (
+    NEG_INF,
+    normalized_score,
+    restrict,
+    rooms,
+    row_limits,
+    top_k,
+)
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 from attention_jax.transformer import DecodeCache, Transformer
 
@@ -62,7 +69,7 @@ class Rule:
     steps_per_check: how many steps the search takes between tests of its stopping
       condition (`run`; `steps_per_check(platform)` picks one). The results are the
       same for every value: a finished source gains nothing from more steps.
-    min_length: EOS is banned at output positions below this (model/defaults.py).
+    min_length: EOS is banned at output positions below this (search/defaults.py).
     """
 
     beam_size: int
@@ -212,7 +219,7 @@ def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> Beam
     # Live: the K best candidates that did not end. Finished: an EOS candidate counts
     # only if it ranks among the K best (as in fairseq). With phrases, the candidates
     # also hold each beam's next phrase tokens and best token, and "best" is the order
-    # of dynamic beam allocation (model/constraints.py).
+    # of dynamic beam allocation (search/constraints.py).
     if s.progress.shape[2]:
         phrases, fail = s.controls.phrases[:, None], s.controls.fail[:, None]  # [B, 1, Q, T]
         top = (top_logp, top_beam, top_tok)
@@ -388,7 +395,7 @@ def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra
 
 def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):
     """The rooms `search` grows a batch of `rows` sources of width `width` through: in
-    stages (model/scoring.py `rooms`) for a large search, else all `length` at once."""
+    stages (search/scoring.py `rooms`) for a large search, else all `length` at once."""
     if _large(model, rows * beam_size, length):
         return tuple(rooms(width, length))
     return (length,)
@@ -411,13 +418,13 @@ def search(
     such a slot), best first, n = rule.n_best, C = `length`; with `controls`, also
     met [B, n, Q] bool, the phrases each hypothesis contains.
 
-    length, extra: as `model.scoring.decode_shape` gives them (a source of n tokens
+    length, extra: as `search.scoring.decode_shape` gives them (a source of n tokens
       may produce min(n + extra, length) tokens; extra None: length each).
     rooms: the room for tokens, stage by stage (increasing, the last `length`): each
       stage is a loop over the steps that fit, and the next one starts with the state
       grown to its room, so attention and the cache reorder read caches about as long
       as what was decoded. None: `search_rooms`. The results are the same for any.
-    controls: each source's prefix and phrases (model/constraints.py `Controls`; the
+    controls: each source's prefix and phrases (search/constraints.py `Controls`; the
       prefix's tokens count in the length but not in the score).
     call: runs the compiled program, call(fn, graphdef, args, static); the default
       calls it (search/programs.py keeps executables on disk instead, and its

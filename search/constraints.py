@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.scoring import NEG_INF
+from attention_jax.search.scoring import NEG_INF
 
 
 class Controls(NamedTuple):

@@ -10,7 +10,7 @@ Every search encodes the source once (`Transformer.init_cache` also projects the
 cross-attention keys/values of every layer once) and then feeds one token per
 step through `Transformer.decode_step`, which returns the updated `DecodeCache`
 with the logits; the whole search is one `jax.jit` (a `jax.lax.while_loop`;
-for a large beam search, a loop per stage of growing room: model/beam.py
+for a large beam search, a loop per stage of growing room: search/beam.py
 `search`). Beam search keeps K hypotheses per source in one batch of B*K rows
 (rows b*K .. b*K + K-1 are source b's): `DecodeCache.repeat` makes those rows
 and `DecodeCache.reorder` makes each surviving beam carry on the cache of the
@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attention_jax import beam
-from attention_jax.constraints import Controls
-from attention_jax.defaults import (
+from attention_jax.search import beam
+from attention_jax.search.constraints import Controls
+from attention_jax.search.defaults import (
     DEFAULT_ALPHA,
     DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
@@ -51,7 +51,7 @@ from attention_jax.defaults import (
     EXTRA_DECODE_LEN,
     LENGTH_PENALTIES,
 )
-from attention_jax.scoring import (
+from attention_jax.search.scoring import (
     NEG_INF,
     decode_shape,
     length_penalty,
@@ -62,7 +62,7 @@ from attention_jax.scoring import (
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 from attention_jax.transformer import DecodeCache, Transformer
 
-# The defaults (model/defaults.py) and scoring names (model/scoring.py) are model.decoding's too.
+# The defaults (search/defaults.py) and scoring names (search/scoring.py) are search.decoding's too.
 __all__ = [
     "DEFAULT_ALPHA",
     "DEFAULT_BEAM_SIZE",
@@ -263,15 +263,15 @@ def beam_search(
       length_penalty: "gnmt" or "average" (see `length_penalty`).
       stop: "bound" (exact: however long a live beam grows, it cannot win) or
         "heuristic" (it would not win if it ended at the next step: about half the
-        steps; model/beam.py `Rule`).
+        steps; search/beam.py `Rule`).
       steps_per_check: steps between tests of the stopping condition (the same
-        results for any value); None = the platform's (model/beam.py `steps_per_check`).
+        results for any value); None = the platform's (search/beam.py `steps_per_check`).
       min_length: EOS is banned at output positions below this (see `greedy_search`);
         with a prefix, below the prefix's length plus this.
       prefixes: per source, the tokens its output must start with (forced; they count
         in the length, not in the score: the search ranks what follows them).
       constraints: per source, the phrases (token lists) its output must contain
-        (model/constraints.py: dynamic beam allocation; EOS only once all are met).
+        (search/constraints.py: dynamic beam allocation; EOS only once all are met).
     Returns:
       tokens [B, K, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores
       [B, K] float32 = log P / lp(len) (gnmt: ((5 + len) / 6)^alpha, len counting
