@@ -39,7 +39,7 @@ from attention_jax.aot.roofline import kernel_roofline
 from attention_jax.aot.targets import Target, abstract_devices, parse_target
 from attention_jax.common.errors import UserError
 from attention_jax.data.plans import length_buckets, rows_per_batch
-from attention_jax.search.decoding import beam_search
+from attention_jax.search.decoding import translate_beams
 from attention_jax.search.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, default_batch_tokens
 from attention_jax.training import config as config_lib
 from attention_jax.training import steps
@@ -340,7 +340,7 @@ def _decode(ctx: Context) -> dict[str, Any]:
 
     def search(params, rngs, src):
         model = nnx.merge(graphdef, params, rngs)
-        return beam_search(model, src, beam_size=DEFAULT_BEAM_SIZE, alpha=DEFAULT_ALPHA)
+        return translate_beams(model, src, beam_size=DEFAULT_BEAM_SIZE, alpha=DEFAULT_ALPHA)
 
     program = _compile(ctx, "beam_search", jax.jit(search), (params, rngs, src), (rows, width))
     return analyse(

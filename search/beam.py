@@ -1,15 +1,16 @@
-"""Beam search: the state between steps, one step, and the program that searches a batch
-(pure, jit-compiled).
+"""Beam search over any decoder's step function: the state between steps, one step, and
+the loop (pure; jit-compiled by its caller).
 
-    rule = Rule(beam_size=4, n_best=1)
-    tokens, scores = search(model, src, alpha=0.6, rule=rule, length=66, extra=50)
-    # [B, S] -> [B, 1, 66], [B, 1]: each source's best hypothesis and its score
+    step_fn(tokens, cache) -> (logits, cache)     # tokens [R] -> logits [R, V], one position on
+    tokens, scores = beam_search(step_fn, cache, length=20, beam_size=4)
+    # cache for B sources -> [B, K, 20], [B, K]: each source's K best, best first
 
-A batch's search grows its room for tokens in stages: it starts with room for a
-few more tokens than its sources are long (search/scoring.py `rooms`) and goes
-on with twice the room while some of its sources are not done, all in one
-program, so attention and the cache reorder read caches of about the length
-decoded so far, not of L = S + 50.
+The search knows the decoder only by its step function (as Flax's examples/wmt and
+T5X's searches do) and by the cache it threads through it: a pytree whose leaves
+hold one row per source on axis 0, or a `BeamCache` that says itself how its rows
+are repeated, gathered and grown (the Transformer's `DecodeCache` keeps one copy of
+each source's cross-attention for its K beams). The Transformer's own searches,
+compiled as one program per batch shape, are search/decoding.py's.
 
 Search: K hypotheses per source, in B*K rows (rows b*K .. b*K + K-1 are source
 b's). Each step takes the 2K best extensions; an EOS among the first K finishes
@@ -23,33 +24,54 @@ log P / lp(len), len counting EOS (search/scoring.py).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from attention_jax.search import constraints
 from attention_jax.search.constraints import Controls
 from attention_jax.search.defaults import (
     BEAM_STOPS,
+    DEFAULT_ALPHA,
+    DEFAULT_BEAM_SIZE,
     DEFAULT_LENGTH_PENALTY,
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     LENGTH_PENALTIES,
 )
-from attention_jax.search.scoring import (
-    NEG_INF,
-    normalized_score,
-    restrict,
-    rooms,
-    row_limits,
-    top_k,
-)
+from attention_jax.search.scoring import NEG_INF, normalized_score, restrict, top_k
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
-from attention_jax.transformer import DecodeCache, Transformer
+
+# step_fn(tokens [R], cache) -> (logits or log-probabilities [R, V], cache one position on)
+StepFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+
+@runtime_checkable
+class BeamCache(Protocol):
+    """A cache that handles its own rows (the Transformer's `DecodeCache`); any other
+    pytree has its rows on axis 0 of every leaf, repeated and gathered as such."""
+
+    def repeat(self, k: int) -> BeamCache: ...  # [B, ...] -> [B*K, ...]: K beams a source
+
+    def reorder(self, rows: jax.Array) -> BeamCache: ...  # row r <- row rows[r], rows [B*K]
+
+    def grow(self, capacity: int) -> BeamCache: ...  # room for `capacity` tokens
+
+
+def repeat_rows(cache: Any, k: int) -> Any:
+    """Each source's cache as its K beams' rows: [B, ...] -> [B*K, ...]."""
+    if isinstance(cache, BeamCache):
+        return cache.repeat(k)
+    return jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)
+
+
+def reorder_rows(cache: Any, rows: jax.Array) -> Any:
+    """Row r of the new cache is row rows[r] of the old: rows [B*K] int32."""
+    if isinstance(cache, BeamCache):
+        return cache.reorder(rows)
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +144,7 @@ class BeamState(NamedTuple):
     fin_seqs: jax.Array  # [B, K, C] int32, EOS-terminated hypotheses, best first
     fin_scores: jax.Array  # [B, K] float32, log P / lp(length) (-inf = empty slot)
     limits: jax.Array  # [B] int32, the most tokens (EOS included) each source may produce
-    cache: DecodeCache  # self-attention [B*K, N, C, H]; cross-attention per source
+    cache: Any  # the decoder's, for B*K rows (the Transformer's: self-attention [B*K, N, C, H])
     controls: Controls  # per source: its prefix [B, P] and phrases [B, Q, T] (constraints.py)
     progress: jax.Array  # [B, K, Q] int32, tokens of each phrase each live beam has produced
     fin_met: jax.Array  # [B, K, Q] bool, the phrases each finished hypothesis has met
@@ -135,15 +157,11 @@ def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
 
 
 def init(
-    model: Transformer,
-    src: jax.Array,
-    limits: jax.Array,
-    k: int,
-    capacity: int,
-    controls: Controls | None = None,
+    cache: Any, limits: jax.Array, k: int, capacity: int, controls: Controls | None = None
 ) -> BeamState:
-    """src [B, S] encoded, K beams per source with room for `capacity` tokens."""
-    b = src.shape[0]
+    """The search's start: K beams for each of the B sources whose decoder cache (one row
+    a source, room for `capacity` tokens) is `cache`; limits [B] int32."""
+    b = limits.shape[0]
     controls = Controls.none(b) if controls is None else controls
     q = controls.phrases.shape[1]
     return BeamState(
@@ -154,7 +172,7 @@ def init(
         fin_seqs=jnp.zeros((b, k, capacity), jnp.int32),
         fin_scores=jnp.full((b, k), NEG_INF, jnp.float32),
         limits=limits,
-        cache=model.init_cache(src, capacity).repeat(k),  # self-attention [B*K, N, C, H]
+        cache=repeat_rows(cache, k),  # [B, ...] -> [B*K, ...]
         controls=jax.tree.map(jnp.asarray, controls),
         progress=jnp.zeros((b, k, q), jnp.int32),
         fin_met=jnp.zeros((b, k, q), bool),
@@ -177,7 +195,7 @@ def _extend(seqs: jax.Array, beam: jax.Array, token: jax.Array, t: jax.Array) ->
     return jax.lax.dynamic_update_slice_in_dim(out, token[:, :, None].astype(jnp.int32), t, 2)
 
 
-def _logp(model: Transformer, s: BeamState, rule: Rule) -> tuple[jax.Array, DecodeCache]:
+def _logp(step_fn: StepFn, s: BeamState, rule: Rule) -> tuple[jax.Array, Any]:
     """log P of every next token per live beam [B, K, V] (restricted as the rules say:
     the limit, the minimum length, the prefix's tokens, EOS before every phrase is met),
     and the decoder's cache one position on."""
@@ -186,7 +204,7 @@ def _logp(model: Transformer, s: BeamState, rule: Rule) -> tuple[jax.Array, Deco
     # [B, K, C] -> [B, K]: the token each beam fed last (column t-1; BOS at t = 0).
     prev_col = jax.lax.dynamic_index_in_dim(s.live_seqs, jnp.maximum(t - 1, 0), 2, False)
     prev = jnp.where(t == 0, BOS_ID, prev_col).reshape(b * k)  # [B, K] -> [B*K]
-    logits, cache = model.decode_step(prev, s.cache)  # [B*K] -> [B*K, V]
+    logits, cache = step_fn(prev, s.cache)  # [B*K] -> [B*K, V]
     v = logits.shape[-1]
     logp = jax.nn.log_softmax(logits).reshape(b, k, v)  # [B*K, V] -> [B, K, V]
     force_eos = jnp.broadcast_to((t >= s.limits - 1)[:, None], (b, k))  # [B] -> [B, K]
@@ -203,12 +221,12 @@ def _logp(model: Transformer, s: BeamState, rule: Rule) -> tuple[jax.Array, Deco
     return logp, cache
 
 
-def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
+def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
     """Feed every live beam its last token and keep the best extensions: one position on."""
     b, k, _ = s.live_seqs.shape
     t = s.step
     stopped = done(s, alpha, rule)  # [B]: nothing is added to a done source's results
-    logp, cache = _logp(model, s, rule)  # [B, K, V]
+    logp, cache = _logp(step_fn, s, rule)  # [B, K, V]
     v = logp.shape[-1]
     cand = (s.live_logp[:, :, None] + logp).reshape(b, k * v)  # [B, K, V] -> [B, K*V]
     # 2K candidates: at most K of them end in EOS, so K stay alive.
@@ -249,7 +267,7 @@ def step(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> Beam
     live_seqs = _extend(s.live_seqs, origin, jnp.take_along_axis(cand_tok, pos, 1), t)
     rows = (jnp.arange(b)[:, None] * k + origin).reshape(b * k)  # [B, K] -> [B*K]
     # Each live beam continues the self-attention cache of the beam it extends.
-    cache = cache.reorder(rows)  # [B*K, N, C, H] per layer, rows gathered
+    cache = reorder_rows(cache, rows)  # [B*K, ...], rows gathered
 
     # Merge the newly finished with the K kept so far; with phrases, those that met them
     # all first (only the length limit ends one that has not).
@@ -287,36 +305,19 @@ def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     return done(s, alpha, rule) | (s.step >= s.limits)
 
 
-# A search whose self-attention caches (all layers, keys and values) hold at least
-# this many bytes is large: `run` steps it two positions per iteration, `search` grows
-# its room in stages. Two steps a loop iteration save ~10% a step on large caches but
-# make each program compile longer, which below a few MB is rarely won back
-# (docs/decoding.md has the measurements).
-LARGE_SEARCH_BYTES = 8 << 20
-
-
-def _large(model: Transformer, rows: Any, room: Any) -> bool:
-    """Whether a search of `rows` beam rows with room for `room` tokens is large; one of a
-    symbolic batch size (an exported program, which serves batches of any size) is."""
-    cfg = model.config
-    per_token = 2 * cfg.num_decoder_layers * cfg.num_heads * cfg.head_dim  # keys and values
-    nbytes = rows * room * per_token * jnp.dtype(cfg.compute_dtype).itemsize
-    return not isinstance(nbytes, int) or nbytes >= LARGE_SEARCH_BYTES
-
-
-def run(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
+def run(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule, unroll: int = 1) -> BeamState:
     """Steps until every source is finished or the room (C) is full: a `while_loop`.
 
     Each iteration takes `rule.steps_per_check` steps in a loop of that fixed trip
-    count, which XLA:GPU runs without reading a condition back. A large search
-    (`LARGE_SEARCH_BYTES`) takes its steps two at a time: a step's cache reorder is
-    a gather, which cannot write the buffer it reads, so a one-step loop copies it
-    back every step; with two, the first writes a fresh buffer and the second the
-    loop's own. Single steps then fill what is left of the room. The loop may run a
+    count, which XLA:GPU runs without reading a condition back. With `unroll` 2 (a
+    large search: search/decoding.py) the steps go two at a time: a step's cache
+    reorder is a gather, which cannot write the buffer it reads, so a one-step loop
+    copies it back every step; with two, the first writes a fresh buffer and the second
+    the loop's own. Single steps then fill what is left of the room. The loop may run a
     few steps more than needed: a done source gains nothing, and it never passes the
     room.
     """
-    b, k, capacity = s.live_seqs.shape
+    capacity = s.live_seqs.shape[2]
 
     def cond(s: BeamState) -> jax.Array:
         return (s.step < capacity) & jnp.any(~finished(s, alpha, rule))
@@ -324,12 +325,11 @@ def run(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamS
     def steps(n: int) -> Callable[[BeamState], BeamState]:
         def body(s: BeamState) -> BeamState:
             for _ in range(n):
-                s = step(model, s, alpha, rule)
+                s = step(step_fn, s, alpha, rule)
             return s
 
         return body
 
-    unroll = 2 if _large(model, b * k, capacity) else 1
     per = -(-max(rule.steps_per_check, unroll) // unroll) * unroll  # a multiple of unroll
     if per > 1:
         trips = lambda s: jax.lax.fori_loop(0, per // unroll, lambda _, s: steps(unroll)(s), s)
@@ -338,7 +338,10 @@ def run(model: Transformer, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamS
 
 
 def grow(s: BeamState, capacity: int) -> BeamState:
-    """Room for `capacity` tokens: sequences [B, K, C] and caches [B*K, N, C, H] padded."""
+    """Room for `capacity` tokens: sequences [B, K, C] padded, and the cache grown (a
+    `BeamCache` only: the Transformer's self-attention [B*K, N, C, H])."""
+    if not isinstance(s.cache, BeamCache):
+        raise ValueError("only a BeamCache (with grow) can be searched in stages")
     extra = capacity - s.live_seqs.shape[2]
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra)))  # [B, K, C] -> [B, K, capacity]
     return s._replace(
@@ -353,92 +356,61 @@ def results(s: BeamState) -> tuple[jax.Array, jax.Array]:
     return tokens, s.fin_scores
 
 
-# --- the compiled program -------------------------------------------------------------------
-
-# call(fn, graphdef, args, static) = fn(graphdef, *args, **static): how a program runs
-Call = Callable[[Any, Any, tuple, dict], Any]
-
-
-def jit_call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
-    """Run the jitted `fn` as is (traced and lowered once per process)."""
-    return fn(graphdef, *args, **static)
+def uniform_limits(cache: Any, length: int) -> jax.Array:
+    """[B] int32, all `length`: one limit for each of the cache's B rows (axis 0 of its
+    first leaf)."""
+    return jnp.full((jax.tree.leaves(cache)[0].shape[0],), length, jnp.int32)
 
 
-def search_state(
-    model: Transformer,
-    src: jax.Array,
-    alpha: jax.Array,
-    rule: Rule,
-    rooms: Sequence[int],
-    length: int,
-    extra: int | None,
-    controls: Controls | None = None,
-) -> BeamState:
-    """The state of src [B, S]'s search once every source is finished, grown through
-    `rooms` (pure; `search` runs it as one compiled program)."""
-    limits = row_limits(src, length, extra)
-    s = init(model, src, limits, rule.beam_size, rooms[0], controls)
-    s = run(model, s, alpha, rule)
-    for room in rooms[1:]:  # a stage's loop ends at once if every source is finished
-        s = run(model, grow(s, room), alpha, rule)
-    return s
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "rooms", "length", "extra"))
-def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra):
-    model = nnx.merge(graphdef, state)
-    s = search_state(model, src, alpha, rule, rooms, length, extra, controls)
-    tokens, scores = results(s)  # [B, K, C], [B, K]
-    n = rule.n_best
-    return tokens[:, :n], scores[:, :n], s.fin_met[:, :n]  # [B, K, ...] -> [B, n, ...]
-
-
-def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):
-    """The rooms `search` grows a batch of `rows` sources of width `width` through: in
-    stages (search/scoring.py `rooms`) for a large search, else all `length` at once."""
-    if _large(model, rows * beam_size, length):
-        return tuple(rooms(width, length))
-    return (length,)
-
-
-def search(
-    model: Transformer,
-    src: jax.Array,
+def beam_search(
+    step_fn: StepFn,
+    cache: Any,
     *,
-    alpha: float | jax.Array,
-    rule: Rule,
     length: int,
-    extra: int | None,
-    rooms: Sequence[int] | None = None,
-    controls: Controls | None = None,
-    call: Call = jit_call,
-) -> tuple[jax.Array, ...]:
-    """A batch's whole search in one program: src [B, S] -> tokens [B, n, C] (no BOS,
-    EOS-terminated, 0 after; all 0 in a slot never filled) and scores [B, n] (-inf in
-    such a slot), best first, n = rule.n_best, C = `length`; with `controls`, also
-    met [B, n, Q] bool, the phrases each hypothesis contains.
+    limits: jax.Array | None = None,
+    beam_size: int = DEFAULT_BEAM_SIZE,
+    alpha: float = DEFAULT_ALPHA,
+    n_best: int | None = None,
+    length_penalty: str = DEFAULT_LENGTH_PENALTY,
+    stop: str = DEFAULT_STOP,
+    min_length: int = DEFAULT_MIN_LENGTH,
+    vocab_limit: int | None = None,
+    prefixes: Sequence[Sequence[int]] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Beam search over a decoder's step function, with a length penalty, exact stopping,
+    target prefixes and terminology constraints.
 
-    length, extra: as `search.scoring.decode_shape` gives them (a source of n tokens
-      may produce min(n + extra, length) tokens; extra None: length each).
-    rooms: the room for tokens, stage by stage (increasing, the last `length`): each
-      stage is a loop over the steps that fit, and the next one starts with the state
-      grown to its room, so attention and the cache reorder read caches about as long
-      as what was decoded. None: `search_rooms`. The results are the same for any.
-    controls: each source's prefix and phrases (search/constraints.py `Controls`; the
-      prefix's tokens count in the length but not in the score).
-    call: runs the compiled program, call(fn, graphdef, args, static); the default
-      calls it (search/programs.py keeps executables on disk instead, and its
-      `prepare` compiles one ahead for src given as a `jax.ShapeDtypeStruct`).
+    Args:
+      step_fn: (tokens [R], cache) -> (logits or log-probabilities [R, V], cache one
+        position on); R = B*K rows, b*K .. b*K + K-1 source b's beams.
+      cache: the decoder's cache for the B sources (one row each; the search repeats
+        it for their beams: `repeat_rows`), with room for `length` tokens.
+      length: output columns L.
+      limits: [B] int32, the most tokens (EOS included) each source may produce, at
+        most L; None: L for every source. EOS is forced at the limit.
+      beam_size: K; alpha: the length penalty's exponent (>= 0); n_best: hypotheses
+        returned per source (default K); length_penalty: "gnmt" or "average";
+        stop: "bound", "heuristic" or "count" (`Rule`); min_length: EOS is banned
+        below this output position.
+      vocab_limit: never emit ids >= this (None = the whole vocabulary).
+      prefixes: per source, the tokens its output must start with (forced; they count
+        in the length, not in the score).
+      constraints: per source, the phrases (token lists) its output must contain.
+    Returns:
+      tokens [B, n, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores [B, n]
+      float32 = log P / lp(len), best first; -inf for a slot never filled.
+
+    Token ids follow the library's: 0 padding, 1 EOS, 2 BOS (never emitted).
     """
-    if rooms is None:
-        rooms = search_rooms(model, src.shape[0], src.shape[1], length, rule.beam_size)
-    rooms = tuple(min(int(r), length) for r in rooms)
-    if list(rooms) != sorted(set(rooms)) or rooms[-1] != length:
-        raise ValueError(f"rooms must increase to the length {length}, got {rooms}")
-    graphdef, state = nnx.split(model)
-    if not isinstance(src, jax.ShapeDtypeStruct):  # a shape alone: the program is only prepared
-        src = jnp.asarray(src, jnp.int32)
-    args = state, src, jnp.float32(alpha), controls
-    static = dict(rule=rule, rooms=rooms, length=length, extra=extra)
-    out = call(_search, graphdef, args, static)
-    return out if controls is not None or out is None else out[:2]  # None: only prepared
+    if not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    rule = Rule(beam_size, n_best, stop, length_penalty, vocab_limit, 1, min_length)
+    limits = uniform_limits(cache, length) if limits is None else jnp.asarray(limits, jnp.int32)
+    controls = None
+    if prefixes is not None or constraints is not None:
+        controls = Controls.fitted(prefixes or [], constraints or [], rows=limits.shape[0])
+    s = init(cache, limits, rule.beam_size, length, controls)
+    s = run(step_fn, s, jnp.float32(alpha), rule)
+    tokens, scores = results(s)
+    return tokens[:, : rule.n_best], scores[:, : rule.n_best]

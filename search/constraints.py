@@ -2,7 +2,7 @@
 
     controls = Controls.of(prefixes, phrases, rows=B, prefix_len=P, max_phrases=C,
                            max_tokens=T)                       # on the host, numpy
-    tokens, scores, met = beam.search(..., controls=controls)   # met [B, n, C] bool
+    tokens, scores, met = decoding.search_batch(..., controls=controls)   # met [B, n, C] bool
 
 A source may come with a prefix its translation must start with and with phrases its
 translation must contain. Both travel as fixed-size arrays in the search's state
@@ -84,6 +84,24 @@ class Controls(NamedTuple):
                 table[i, c, : len(phrase)] = phrase
         fail = np.apply_along_axis(failure_table, -1, table) if table.size else table.copy()
         return cls(prefix, table, fail.astype(np.int32))
+
+    @classmethod
+    def fitted(
+        cls,
+        prefixes: Sequence[Sequence[int]],
+        phrases: Sequence[Sequence[Sequence[int]]],
+        *,
+        rows: int,
+    ) -> Controls:
+        """`of`, sized to fit the longest prefix, the most phrases and the longest phrase."""
+        return cls.of(
+            prefixes,
+            phrases,
+            rows=rows,
+            prefix_len=max((len(p) for p in prefixes), default=0),
+            max_phrases=max((len(c) for c in phrases), default=0),
+            max_tokens=max((len(p) for c in phrases for p in c), default=0),
+        )
 
 
 def failure_table(phrase: np.ndarray) -> np.ndarray:

@@ -1,26 +1,22 @@
-"""Search over the Transformer's outputs: greedy, sampling and beam search (pure, jit-compiled).
+"""The Transformer's searches: its step function and cache under the searches of
+search/beam.py and search/sampling.py, each compiled as one program per batch shape.
 
-    tokens = translate(model, src)                          # [B, S] -> [B, L], beam 4, alpha 0.6
-    tokens, scores = beam_search(model, src, beam_size=4)   # [B, K, L], [B, K], best first
-    tokens = greedy_search(model, src)                      # [B, L]
+    tokens = translate(model, src)                              # [B, S] -> [B, L], beam 4
+    tokens, scores = translate_beams(model, src, beam_size=4)   # [B, K, L], [B, K], best first
+    tokens = translate_greedy(model, src)                       # [B, L]
+    tokens = translate_sample(model, src, jax.random.key(0))    # [B, L]
 
 (Many sources of different lengths, batched into static shapes: search/translate.py.)
 
-Every search encodes the source once (`Transformer.init_cache` also projects the
-cross-attention keys/values of every layer once) and then feeds one token per
-step through `Transformer.decode_step`, which returns the updated `DecodeCache`
-with the logits; the whole search is one `jax.jit` (a `jax.lax.while_loop`;
-for a large beam search, a loop per stage of growing room: search/beam.py
-`search`). Beam search keeps K hypotheses per source in one batch of B*K rows
-(rows b*K .. b*K + K-1 are source b's): `DecodeCache.repeat` makes those rows
-and `DecodeCache.reorder` makes each surviving beam carry on the cache of the
-beam it extends. The jitted functions live at module level and take the model
-as (graphdef, state), so a second call with the same shapes and static
-arguments reuses the compiled program.
-
-Output tokens exclude BOS, end with EOS and are 0 (padding) after it; PAD and
-BOS are never emitted, nor ids >= `vocab_limit` when one is given (a tokenizer
-with fewer pieces than the model's vocabulary never produced them in training).
+The model supplies its step function, `Transformer.decode_step`, and its cache,
+`Transformer.init_cache` (the source encoded once, every layer's cross-attention
+keys/values projected once); the search feeds one token per step. A
+`DecodeCache` repeats only the self-attention for a source's K beams and grows
+its room in place, so a large beam search (`search_batch`) runs in stages of
+growing room, in one program: attention and the cache reorder read caches of
+about the length decoded so far. The jitted functions live at module level and
+take the model as (graphdef, state), so a second call with the same shapes and
+static arguments reuses the compiled program.
 
 Length limit: by default a source of n tokens may produce at most n + 50 output
 tokens (EOS included), and the output array has L = S + 50 columns (S the padded
@@ -33,8 +29,8 @@ and scores are comparable.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,99 +45,54 @@ from attention_jax.search.defaults import (
     DEFAULT_MIN_LENGTH,
     DEFAULT_STOP,
     EXTRA_DECODE_LEN,
-    LENGTH_PENALTIES,
 )
-from attention_jax.search.scoring import (
-    NEG_INF,
-    decode_shape,
-    length_penalty,
-    normalized_score,
-    restrict,
-    row_limits,
-)
-from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
-from attention_jax.transformer import DecodeCache, Transformer
+from attention_jax.search.sampling import sample_loop
+from attention_jax.search.scoring import output_limit, rooms, row_limits
+from attention_jax.transformer import Transformer
 
-# The defaults (search/defaults.py) and scoring names (search/scoring.py) are search.decoding's too.
-__all__ = [
-    "DEFAULT_ALPHA",
-    "DEFAULT_BEAM_SIZE",
-    "DEFAULT_LENGTH_PENALTY",
-    "DEFAULT_MIN_LENGTH",
-    "EXTRA_DECODE_LEN",
-    "LENGTH_PENALTIES",
-    "beam_search",
-    "greedy_search",
-    "length_penalty",
-    "normalized_score",
-    "sample",
-    "translate",
-]
+
+def decode_shape(model: Transformer, src: jax.Array, max_decode_len: int | None):
+    """(L, extra): output columns, and per-row extra length (None = every row gets L)."""
+    max_len = model.config.max_len
+    s = src.shape[1]
+    if s > max_len:
+        raise ValueError(f"source length {s} exceeds the model's max_len {max_len}")
+    if max_decode_len is None:
+        return output_limit(s, max_len), EXTRA_DECODE_LEN
+    if not 0 < max_decode_len <= max_len:
+        raise ValueError(f"max_decode_len must be in [1, {max_len}], got {max_decode_len}")
+    return max_decode_len, None
+
 
 # --- greedy search and sampling ---------------------------------------------
-
-
-class _GreedyState(NamedTuple):
-    step: jax.Array  # [] int32, index of the output token produced next
-    tokens: jax.Array  # [B, L] int32 output so far, 0 after EOS
-    last: jax.Array  # [B] int32, the token fed next (BOS at step 0)
-    done: jax.Array  # [B] bool, EOS already produced
-    logp: jax.Array  # [B] float32, log-probability of the tokens so far
-    rng: jax.Array  # PRNG key (unused by greedy)
-    cache: DecodeCache
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "length", "extra", "top_k", "greedy", "vocab_limit", "min_length"),
 )
-def _sample_loop(
+def _sample(
     graphdef, state, src, rng, temperature, *, length, extra, top_k, greedy, vocab_limit, min_length
 ):
-    """Greedy (argmax) or ancestral sampling: src [B, S] -> tokens [B, L], log P [B]."""
+    """search/sampling.py's loop over the model: src [B, S] -> tokens [B, L], log P [B]."""
     model = nnx.merge(graphdef, state)
-    b = src.shape[0]
     limits = row_limits(src, length, extra)  # [B]
-    init = _GreedyState(
-        step=jnp.zeros((), jnp.int32),
-        tokens=jnp.zeros((b, length), jnp.int32),
-        last=jnp.full((b,), BOS_ID, jnp.int32),
-        done=jnp.zeros((b,), bool),
-        logp=jnp.zeros((b,), jnp.float32),
-        rng=rng,
-        cache=model.init_cache(src, length),
+    cache = model.init_cache(src, length)
+    return sample_loop(
+        model.decode_step,
+        cache,
+        limits,
+        length,
+        rng,
+        temperature,
+        greedy=greedy,
+        top_k=top_k,
+        vocab_limit=vocab_limit,
+        min_length=min_length,
     )
 
-    def cond(s: _GreedyState) -> jax.Array:
-        return (s.step < length) & ~jnp.all(s.done)
 
-    def body(s: _GreedyState) -> _GreedyState:
-        logits, cache = model.decode_step(s.last, s.cache)  # [B] -> [B, V]
-        # Scored as beam search scores: log-softmax over the whole vocabulary.
-        logp = jax.nn.log_softmax(logits)  # [B, V]
-        logits = restrict(logits, s.step >= limits - 1, vocab_limit, s.step < min_length)
-        if greedy:
-            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
-            rng = s.rng
-        else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
-                logits = jnp.where(logits < kth, NEG_INF, logits)
-            rng, key = jax.random.split(s.rng)
-            tok = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)  # [B]
-        tok_logp = jnp.take_along_axis(logp, tok[:, None], axis=1)[:, 0]  # [B]
-        logp_sum = s.logp + jnp.where(s.done, 0.0, tok_logp)
-        tok = jnp.where(s.done, PAD_ID, tok)
-        tokens = jax.lax.dynamic_update_slice_in_dim(s.tokens, tok[:, None], s.step, axis=1)
-        done = s.done | (tok == EOS_ID)
-        return _GreedyState(s.step + 1, tokens, tok, done, logp_sum, rng, cache)
-
-    out = jax.lax.while_loop(cond, body, init)
-    return out.tokens, out.logp
-
-
-def greedy_search(
+def translate_greedy(
     model: Transformer,
     src: jax.Array,
     *,
@@ -150,43 +101,26 @@ def greedy_search(
     min_length: int = DEFAULT_MIN_LENGTH,
     return_logprob: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-    """Argmax decoding with the KV cache.
+    """Argmax decoding with the KV cache: src [B, S] int32 (0 = padding) -> [B, L] int32
+    tokens (no BOS, EOS-terminated, 0 after EOS); with `return_logprob`, also [B]
+    float32 log P(tokens | src), EOS included.
 
-    Args:
-      model: a Transformer (evaluated deterministically).
-      src: [B, S] int32 source ids, 0 = padding.
-      max_decode_len: output columns L; default S + 50 (capped at `config.max_len`)
-        with a per-row limit of (source length + 50).
-      vocab_limit: never emit ids >= this (None = the whole vocabulary).
-      min_length: EOS is banned at output positions below this (1: no empty output;
-        the length limit wins).
-      return_logprob: also return each output's log-probability.
-    Returns:
-      [B, L] int32 tokens: no BOS, EOS-terminated, 0 after EOS; with
-      `return_logprob`, also [B] float32 log P(tokens | src), EOS included.
+    max_decode_len: output columns L; default S + 50 (capped at `config.max_len`) with
+    a per-row limit of (source length + 50). vocab_limit, min_length: as
+    search/sampling.py `greedy_search`.
     """
     if min_length < 0:
         raise ValueError(f"min_length must be >= 0, got {min_length}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     graphdef, state = nnx.split(model)
-    tokens, logp = _sample_loop(
-        graphdef,
-        state,
-        src,
-        jax.random.key(0),
-        jnp.float32(1.0),
-        length=length,
-        extra=extra,
-        top_k=0,
-        greedy=True,
-        vocab_limit=vocab_limit,
-        min_length=min_length,
-    )
+    static = dict(length=length, extra=extra, vocab_limit=vocab_limit, min_length=min_length)
+    rng, one = jax.random.key(0), jnp.float32(1.0)
+    tokens, logp = _sample(graphdef, state, src, rng, one, top_k=0, greedy=True, **static)
     return (tokens, logp) if return_logprob else tokens
 
 
-def sample(
+def translate_sample(
     model: Transformer,
     src: jax.Array,
     rng: jax.Array,
@@ -197,14 +131,8 @@ def sample(
     vocab_limit: int | None = None,
     min_length: int = DEFAULT_MIN_LENGTH,
 ) -> jax.Array:
-    """Ancestral sampling from softmax(logits / temperature), optionally over the top_k tokens.
-
-    Args:
-      src: [B, S] int32; rng: a PRNG key; temperature > 0; top_k 0 = the whole vocabulary.
-      max_decode_len, vocab_limit, min_length: as for `greedy_search`.
-    Returns:
-      [B, L] int32 tokens as `greedy_search`.
-    """
+    """Ancestral sampling from softmax(logits / temperature), optionally over the top_k
+    tokens: src [B, S] -> [B, L] int32 tokens as `translate_greedy`."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if top_k < 0 or top_k > model.config.vocab_size:
@@ -214,26 +142,123 @@ def sample(
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     graphdef, state = nnx.split(model)
-    tokens, _ = _sample_loop(
-        graphdef,
-        state,
-        src,
-        rng,
-        jnp.float32(temperature),
-        length=length,
-        extra=extra,
-        top_k=top_k,
-        greedy=False,
-        vocab_limit=vocab_limit,
-        min_length=min_length,
-    )
+    static = dict(length=length, extra=extra, vocab_limit=vocab_limit, min_length=min_length)
+    args = (graphdef, state, src, rng, jnp.float32(temperature))
+    tokens, _ = _sample(*args, top_k=top_k, greedy=False, **static)
     return tokens
 
 
-# --- beam search -------------------------------------------------------------
+# --- beam search: a batch's whole search, one program ------------------------
+
+# A search whose self-attention caches (all layers, keys and values) hold at least
+# this many bytes is large: its loop steps two positions per iteration, and it grows
+# its room in stages. Two steps a loop iteration are faster on large caches but make
+# each program compile longer, which below a few MB is rarely won back
+# (docs/decoding.md has the measurements).
+LARGE_SEARCH_BYTES = 8 << 20
 
 
-def beam_search(
+def _large(model: Transformer, rows: Any, room: Any) -> bool:
+    """Whether a search of `rows` beam rows with room for `room` tokens is large; one of a
+    symbolic batch size (an exported program, which serves batches of any size) is."""
+    cfg = model.config
+    per_token = 2 * cfg.num_decoder_layers * cfg.num_heads * cfg.head_dim  # keys and values
+    nbytes = rows * room * per_token * jnp.dtype(cfg.compute_dtype).itemsize
+    return not isinstance(nbytes, int) or nbytes >= LARGE_SEARCH_BYTES
+
+
+def search_state(
+    model: Transformer,
+    src: jax.Array,
+    alpha: jax.Array,
+    rule: beam.Rule,
+    rooms: Sequence[int],
+    length: int,
+    extra: int | None,
+    controls: Controls | None = None,
+) -> beam.BeamState:
+    """The state of src [B, S]'s beam search once every source is finished, grown through
+    `rooms` (pure; `search_batch` runs it as one compiled program)."""
+    limits = row_limits(src, length, extra)
+    b, k = src.shape[0], rule.beam_size
+    unroll = lambda room: 2 if _large(model, b * k, room) else 1  # per stage
+    s = beam.init(model.init_cache(src, rooms[0]), limits, k, rooms[0], controls)
+    s = beam.run(model.decode_step, s, alpha, rule, unroll(rooms[0]))
+    for room in rooms[1:]:  # a stage's loop ends at once if every source is finished
+        s = beam.run(model.decode_step, beam.grow(s, room), alpha, rule, unroll(room))
+    return s
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "rooms", "length", "extra"))
+def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra):
+    model = nnx.merge(graphdef, state)
+    s = search_state(model, src, alpha, rule, rooms, length, extra, controls)
+    tokens, scores = beam.results(s)  # [B, K, C], [B, K]
+    n = rule.n_best
+    return tokens[:, :n], scores[:, :n], s.fin_met[:, :n]  # [B, K, ...] -> [B, n, ...]
+
+
+def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):
+    """The rooms `search_batch` grows a batch of `rows` sources of width `width` through:
+    in stages (search/scoring.py `rooms`) for a large search, else all `length` at once."""
+    if _large(model, rows * beam_size, length):
+        return tuple(rooms(width, length))
+    return (length,)
+
+
+# call(fn, graphdef, args, static) = fn(graphdef, *args, **static): how a program runs
+Call = Callable[[Any, Any, tuple, dict], Any]
+
+
+def jit_call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
+    """Run the jitted `fn` as is (traced and lowered once per process)."""
+    return fn(graphdef, *args, **static)
+
+
+def search_batch(
+    model: Transformer,
+    src: jax.Array,
+    *,
+    alpha: float | jax.Array,
+    rule: beam.Rule,
+    length: int,
+    extra: int | None,
+    rooms: Sequence[int] | None = None,
+    controls: Controls | None = None,
+    call: Call = jit_call,
+) -> tuple[jax.Array, ...]:
+    """A batch's whole beam search in one program: src [B, S] -> tokens [B, n, C] (no BOS,
+    EOS-terminated, 0 after; all 0 in a slot never filled) and scores [B, n] (-inf in
+    such a slot), best first, n = rule.n_best, C = `length`; with `controls`, also
+    met [B, n, Q] bool, the phrases each hypothesis contains.
+
+    length, extra: as `decode_shape` gives them (a source of n tokens may produce
+      min(n + extra, length) tokens; extra None: length each).
+    rooms: the room for tokens, stage by stage (increasing, the last `length`): each
+      stage is a loop over the steps that fit, and the next one starts with the state
+      grown to its room, so attention and the cache reorder read caches about as long
+      as what was decoded. None: `search_rooms`. The results are the same for any.
+    controls: each source's prefix and phrases (search/constraints.py `Controls`; the
+      prefix's tokens count in the length but not in the score).
+    call: runs the compiled program, call(fn, graphdef, args, static); the default
+      calls it (search/programs.py keeps executables on disk instead, and its
+      `prepare` compiles one ahead for src given as a `jax.ShapeDtypeStruct`).
+    """
+    if rooms is None:
+        rooms = search_rooms(model, src.shape[0], src.shape[1], length, rule.beam_size)
+    rooms = tuple(min(int(r), length) for r in rooms)
+    if list(rooms) != sorted(set(rooms)) or rooms[-1] != length:
+        raise ValueError(f"rooms must increase to the length {length}, got {rooms}")
+    graphdef, state = nnx.split(model)
+    if not isinstance(src, jax.ShapeDtypeStruct):  # a shape alone: the program is only prepared
+        src = jnp.asarray(src, jnp.int32)
+    args = state, src, jnp.float32(alpha), controls
+    static = dict(rule=rule, rooms=rooms, length=length, extra=extra)
+    out = call(_search, graphdef, args, static)
+    return out if controls is not None or out is None else out[:2]  # None: only prepared
+
+
+def translate_beams(
     model: Transformer,
     src: jax.Array,
     *,
@@ -248,42 +273,23 @@ def beam_search(
     prefixes: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's).
+    """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's):
+    src [B, S] int32 (0 = padding) -> tokens [B, K, L] int32 (no BOS, EOS-terminated, 0
+    after EOS) and scores [B, K] float32 = log P / lp(len), best first (-inf: a slot
+    that never held a hypothesis).
 
-    A source stops early once none of its live beams can beat the worst of its
-    K finished hypotheses; the loop ends when every source has stopped.
-
-    Args:
-      model: a Transformer (evaluated deterministically).
-      src: [B, S] int32 source ids, 0 = padding; rows may have different lengths.
-      beam_size: K >= 1.
-      alpha: length penalty exponent >= 0 (0 = raw log-probability).
-      max_decode_len: output columns L (see `greedy_search`).
-      vocab_limit: never emit ids >= this (None = the whole vocabulary).
-      length_penalty: "gnmt" or "average" (see `length_penalty`).
-      stop: "bound" (exact: however long a live beam grows, it cannot win) or
-        "heuristic" (it would not win if it ended at the next step: about half the
-        steps; search/beam.py `Rule`).
-      steps_per_check: steps between tests of the stopping condition (the same
-        results for any value); None = the platform's (search/beam.py `steps_per_check`).
-      min_length: EOS is banned at output positions below this (see `greedy_search`);
-        with a prefix, below the prefix's length plus this.
-      prefixes: per source, the tokens its output must start with (forced; they count
-        in the length, not in the score: the search ranks what follows them).
-      constraints: per source, the phrases (token lists) its output must contain
-        (search/constraints.py: dynamic beam allocation; EOS only once all are met).
-    Returns:
-      tokens [B, K, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores
-      [B, K] float32 = log P / lp(len) (gnmt: ((5 + len) / 6)^alpha, len counting
-      EOS), both sorted best first. A slot that never held a hypothesis has score -inf.
+    max_decode_len: output columns L (see `translate_greedy`). steps_per_check: steps
+    between tests of the stopping condition (the same results for any value); None = the
+    platform's (search/beam.py `steps_per_check`). The other arguments are
+    search/beam.py `beam_search`'s.
     """
+    if not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
     if beam_size < 1:
         raise ValueError(f"beam_size must be >= 1, got {beam_size}")
     vocab = vocab_limit or model.config.vocab_size
     if beam_size > vocab // 2:
         raise ValueError(f"beam_size {beam_size} too large for a vocabulary of {vocab}")
-    if not alpha >= 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
     per = beam.steps_per_check() if steps_per_check is None else steps_per_check
@@ -297,16 +303,9 @@ def beam_search(
     )
     args = dict(alpha=alpha, rule=rule, length=length, extra=extra)
     if prefixes is None and constraints is None:
-        return beam.search(model, src, **args)
-    controls = Controls.of(
-        prefixes or [],
-        constraints or [],
-        rows=src.shape[0],
-        prefix_len=max((len(p) for p in prefixes or []), default=0),
-        max_phrases=max((len(c) for c in constraints or []), default=0),
-        max_tokens=max((len(p) for c in constraints or [] for p in c), default=0),
-    )
-    tokens, scores, _ = beam.search(model, src, controls=controls, **args)
+        return search_batch(model, src, **args)
+    controls = Controls.fitted(prefixes or [], constraints or [], rows=src.shape[0])
+    tokens, scores, _ = search_batch(model, src, controls=controls, **args)
     return tokens, scores
 
 
@@ -326,19 +325,16 @@ def translate(
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> jax.Array:
     """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy;
-    with prefixes or constraints, beam search's, as `beam_search` takes them).
+    with prefixes or constraints, beam search's, as `translate_beams` takes them).
 
     Tokens exclude BOS, end with EOS and are 0 after it; `Tokenizer.decode` reads them.
     """
     if beam_size == 1 and prefixes is None and constraints is None:
-        return greedy_search(
-            model,
-            src,
-            max_decode_len=max_decode_len,
-            vocab_limit=vocab_limit,
+        return translate_greedy(
+            model, src, max_decode_len=max_decode_len, vocab_limit=vocab_limit,
             min_length=min_length,
-        )
-    tokens, _ = beam_search(
+        )  # fmt: skip
+    tokens, _ = translate_beams(
         model,
         src,
         beam_size=beam_size,

@@ -1,7 +1,7 @@
 """How searches score, limit and restrict hypotheses: shared by greedy, sampling and beam search.
 
 score = normalized_score(logp, length, alpha, "gnmt")   # log P / lp(length)
-length, extra = decode_shape(model, src, None)          # L = S + 50 columns, + 50 a row
+limits = row_limits(src, length=82, extra=50)          # [B]: a source of n tokens, n + 50
 rooms(width=32, length=82)                              # [48, 82]: a batch's stages
 logp = restrict(logp, force_eos, vocab_limit)           # never PAD/BOS; EOS at the limit
 values, index = top_k(x, k)                             # jax.lax.top_k, in two levels
@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from attention_jax.search.defaults import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN, LENGTH_PENALTIES
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
-from attention_jax.transformer import Transformer
 
 NEG_INF = -jnp.inf
 # The first stage's room, beyond the batch's source width: on the Ding test set
@@ -54,19 +53,6 @@ def output_limit(source_tokens: int, max_len: int) -> int:
     """The most output tokens (EOS included) a source of `source_tokens` tokens (EOS
     included) may produce: source length + 50 (paper 6.1), at most max_len."""
     return min(source_tokens + EXTRA_DECODE_LEN, max_len)
-
-
-def decode_shape(model: Transformer, src: jax.Array, max_decode_len: int | None):
-    """(L, extra): output columns, and per-row extra length (None = every row gets L)."""
-    max_len = model.config.max_len
-    s = src.shape[1]
-    if s > max_len:
-        raise ValueError(f"source length {s} exceeds the model's max_len {max_len}")
-    if max_decode_len is None:
-        return output_limit(s, max_len), EXTRA_DECODE_LEN
-    if not 0 < max_decode_len <= max_len:
-        raise ValueError(f"max_decode_len must be in [1, {max_len}], got {max_decode_len}")
-    return max_decode_len, None
 
 
 # A row that only fills a batch up to its static shape: two EOS, which no real source

@@ -32,10 +32,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from attention_jax import Transformer
-from attention_jax.search import beam, programs
+from attention_jax.search import beam, decoding, programs
 from attention_jax.search.constraints import Controls
+from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
-from attention_jax.search.scoring import decode_shape
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.stages import (
     Progress,
@@ -93,7 +93,7 @@ class LiveSearch:
     model: Transformer
     rule: beam.Rule
     alpha: float
-    call: beam.Call = programs.call  # how its programs run (`prepare`: compiled ahead)
+    call: decoding.Call = programs.call  # how its programs run (`prepare`: compiled ahead)
 
     @property
     def n_best(self) -> int:
@@ -106,11 +106,11 @@ class LiveSearch:
     def whole(
         self, src: jax.Array, rooms: Sequence[int], controls: Controls | None = None
     ) -> tuple[jax.Array, ...]:
-        """search/beam.py `search` of src [B, S] through `rooms`: tokens [B, n, C] and
+        """search/decoding.py `search_batch` of src [B, S] through `rooms`: tokens [B, n, C] and
         scores [B, n] (n = n_best), every source finished; with controls (prefixes and
         phrases), also met [B, n, Q]."""
         length, extra = decode_shape(self.model, src, None)
-        return beam.search(
+        return decoding.search_batch(
             self.model,
             src,
             alpha=self.alpha,
@@ -140,7 +140,7 @@ def search_fn(
     The program `LiveSearch` runs for a batch of that width, its rooms included, so
     its results are the same.
     """
-    live = LiveSearch(model, settings.rule(vocab_limit), settings.alpha, beam.jit_call)
+    live = LiveSearch(model, settings.rule(vocab_limit), settings.alpha, decoding.jit_call)
     max_len = model.config.max_len
     return lambda src: live.whole(src, stage_rooms(src.shape[1], max_len))
 

@@ -75,14 +75,14 @@ def model():
 def test_a_prefix_starts_every_output_and_the_search_ranks_what_follows(model):
     src = ragged_src(2, [5, 4, 6])
     prefixes = [[7, 8], [], [9]]
-    tokens, scores = decoding.beam_search(
+    tokens, scores = decoding.translate_beams(
         model, src, beam_size=3, max_decode_len=9, prefixes=prefixes
     )
     for b, prefix in enumerate(prefixes):
         got = [as_list(tokens[b, i]) for i in range(3)]
         assert all(h[: len(prefix)] == prefix for h in got)
         if not prefix:  # no prefix: the search as without one
-            want, _ = decoding.beam_search(model, src[b : b + 1], beam_size=3, max_decode_len=9)
+            want, _ = decoding.translate_beams(model, src[b : b + 1], beam_size=3, max_decode_len=9)
             assert got == [as_list(want[0, i]) for i in range(3)]
     # The textbook search, started after the prefix with score 0, ranks the same: the
     # prefix's tokens count in the length only.
@@ -124,7 +124,7 @@ def test_every_output_contains_every_phrase(model, beam_size):
         assert all(contains(best, p) for p in wanted), (best, wanted)
         assert bool(np.all(met[b, 0, : len(wanted)]))
     # Phrases the model would not produce by itself: the search still ends with them.
-    free, _ = decoding.beam_search(model, src, beam_size=beam_size, max_decode_len=14)
+    free, _ = decoding.translate_beams(model, src, beam_size=beam_size, max_decode_len=14)
     assert any(not contains(as_list(free[b, 0]), p) for b, ps in enumerate(phrases) for p in ps)
 
 
@@ -133,7 +133,7 @@ def search_with(model, src, phrases, beam_size, limit):
         [], phrases, rows=src.shape[0], prefix_len=0, max_phrases=2, max_tokens=3
     )
     rule = beam.Rule(beam_size, stop="count" if beam_size == 1 else "bound")
-    tokens, _, met = beam.search(
+    tokens, _, met = decoding.search_batch(
         model, src, alpha=0.6, rule=rule, length=limit, extra=None, controls=controls
     )
     return tokens, np.asarray(met)
@@ -141,8 +141,8 @@ def search_with(model, src, phrases, beam_size, limit):
 
 def test_a_source_without_phrases_is_searched_as_without_constraints(model):
     src = ragged_src(6, [5, 7])
-    free, free_scores = decoding.beam_search(model, src, beam_size=4, max_decode_len=10)
-    tokens, scores = decoding.beam_search(
+    free, free_scores = decoding.translate_beams(model, src, beam_size=4, max_decode_len=10)
+    tokens, scores = decoding.translate_beams(
         model, src, beam_size=4, max_decode_len=10, constraints=[[[9, 10]], []]
     )
     assert [as_list(t) for t in tokens[1]] == [as_list(t) for t in free[1]]

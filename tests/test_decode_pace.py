@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from attention_jax import EOS_ID, Transformer, TransformerConfig
-from attention_jax.search import beam
+from attention_jax.search import beam, decoding
 from attention_jax.search.settings import SearchSettings
 from tests.conftest import model_fields
 from tests.test_decode_cli import (
@@ -57,12 +57,12 @@ def test_every_steps_per_check_gives_the_same_tokens_and_scores(model, monkeypat
     """k steps between tests of the stopping condition: k = 1..8 for beam 4 (a room of
     13 tokens: odd, and k = 8 leaves a remainder), and a few k for greedy search and for
     a large search (two steps at a time): the same tokens and scores."""
-    from attention_jax.search.decoding import beam_search
+    from attention_jax.search.decoding import translate_beams
 
     src = _batch(6, 11, seed=4)
 
     def check(size: int, ks, room: int) -> None:
-        run = lambda k: beam_search(
+        run = lambda k: translate_beams(
             model, src, beam_size=size, steps_per_check=k, max_decode_len=room
         )
         want = [np.asarray(x) for x in run(1)]
@@ -74,7 +74,7 @@ def test_every_steps_per_check_gives_the_same_tokens_and_scores(model, monkeypat
     check(4, beam_ks, 13)
     if 8 in beam_ks:  # once: greedy search, and a large search (two steps at a time)
         check(1, (5,), 13)
-        monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
+        monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", 0)
         check(4, (3,), 23)
 
 

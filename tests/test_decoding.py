@@ -127,7 +127,7 @@ def as_list(row):
 
 def test_greedy_cached_equals_full_forward(model):
     src = ragged_src(0, [5, 3, 7])
-    tokens = decoding.greedy_search(model, src, max_decode_len=9)
+    tokens = decoding.translate_greedy(model, src, max_decode_len=9)
     assert tokens.shape == (3, 9) and tokens.dtype == jnp.int32
     for b in range(3):
         assert as_list(tokens[b]) == reference_greedy(model, src[b], 9)
@@ -135,10 +135,10 @@ def test_greedy_cached_equals_full_forward(model):
 
 @pytest.fixture
 def large_searches(monkeypatch):
-    """Every beam search counts as large (search/beam.py `LARGE_SEARCH_BYTES`): two steps
+    """Every beam search counts as large (search/decoding.py `LARGE_SEARCH_BYTES`): two steps
     per loop iteration, and stages of growing room in one program; programs compiled
     before or after use their own rule."""
-    monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", 0)
+    monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", 0)
     jax.clear_caches()
     yield
     jax.clear_caches()
@@ -159,7 +159,7 @@ def large_searches(monkeypatch):
 def test_beam_cached_equals_full_forward(model, penalty, alpha, stop):
     src = ragged_src(1, [4, 6])
     k, limit = 3, 7
-    tokens, scores = decoding.beam_search(
+    tokens, scores = decoding.translate_beams(
         model,
         src,
         beam_size=k,
@@ -180,7 +180,7 @@ def test_beam_cached_equals_full_forward(model, penalty, alpha, stop):
 def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, limit):
     # A room of 7 ends with a single step after three pairs; one of 8 with pairs only.
     src = ragged_src(1, [4, 6, 2])
-    tokens, scores = decoding.beam_search(model, src, beam_size=3, max_decode_len=limit)
+    tokens, scores = decoding.translate_beams(model, src, beam_size=3, max_decode_len=limit)
     for b in range(3):
         ref = reference_beam(model, src[b], 3, 0.6, limit)
         assert [as_list(tokens[b, i]) for i in range(3)] == [list(s) for s, _ in ref]
@@ -194,7 +194,7 @@ def test_a_large_search_grows_its_room_in_stages_as_the_reference():
     src = ragged_src(7, [5, 3])
     # Stages of 21 tokens, then 30: each ends with a single step after pairs.
     assert scoring.rooms(5, 30) == [21, 30]
-    tokens, scores = decoding.beam_search(model, src, beam_size=2, max_decode_len=30)
+    tokens, scores = decoding.translate_beams(model, src, beam_size=2, max_decode_len=30)
     for b in range(2):
         ref = reference_beam(model, src[b], 2, 0.6, 30)
         assert [as_list(tokens[b, i]) for i in range(2)] == [list(s) for s, _ in ref]
@@ -209,9 +209,9 @@ def test_two_steps_per_iteration_give_the_results_of_one(model, monkeypatch):
     cases = [dict(length=5, extra=None, rooms=(5,)), dict(length=length, extra=extra)]
 
     def search(min_bytes):
-        monkeypatch.setattr(beam, "LARGE_SEARCH_BYTES", min_bytes)
+        monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", min_bytes)
         jax.clear_caches()
-        return [beam.search(model, src, alpha=0.6, rule=beam.Rule(3), **c) for c in cases]
+        return [decoding.search_batch(model, src, alpha=0.6, rule=beam.Rule(3), **c) for c in cases]
 
     for one, two in zip(search(1 << 62), search(0), strict=True):  # a step per iteration, two
         (tokens_1, scores_1), (tokens_2, scores_2) = map(np.asarray, one), map(np.asarray, two)
@@ -237,8 +237,8 @@ def eos_first_model() -> Transformer:
 def test_min_length_bans_eos_before_it_as_the_reference(min_length):
     model = eos_first_model()
     src = ragged_src(3, [4, 6, 2])
-    greedy = decoding.greedy_search(model, src, max_decode_len=9, min_length=min_length)
-    tokens, _ = decoding.beam_search(
+    greedy = decoding.translate_greedy(model, src, max_decode_len=9, min_length=min_length)
+    tokens, _ = decoding.translate_beams(
         model, src, beam_size=2, max_decode_len=9, min_length=min_length
     )
     for b in range(3):
@@ -253,7 +253,7 @@ def test_min_length_bans_eos_before_it_as_the_reference(min_length):
 
 def test_the_length_limit_wins_over_the_minimum_length(model):
     src = ragged_src(2, [4, 3])
-    tokens = decoding.greedy_search(model, src, max_decode_len=2, min_length=5)
+    tokens = decoding.translate_greedy(model, src, max_decode_len=2, min_length=5)
     for b in range(2):
         assert as_list(tokens[b])[-1] == EOS_ID and len(as_list(tokens[b])) <= 2
 
@@ -261,7 +261,7 @@ def test_the_length_limit_wins_over_the_minimum_length(model):
 def test_beam_scores_are_length_normalized_log_probs(model):
     src = ragged_src(2, [6, 3, 5])
     alpha = 0.6
-    tokens, scores = decoding.beam_search(model, src, beam_size=4, alpha=alpha)
+    tokens, scores = decoding.translate_beams(model, src, beam_size=4, alpha=alpha)
     assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6), "best first"
     flat = tokens.reshape(12, -1)  # [B, K, L] -> [B*K, L]
     logp = sequence_logp(model, jnp.repeat(src, 4, axis=0), flat)  # [B*K]
@@ -279,8 +279,8 @@ def test_beam_size_one_equals_greedy():
     for seed in range(3):
         model = make(seed)
         src = ragged_src(seed, [5, 2, 8, 4])
-        greedy = decoding.greedy_search(model, src)
-        beam, _ = decoding.beam_search(model, src, beam_size=1, alpha=0.0)
+        greedy = decoding.translate_greedy(model, src)
+        beam, _ = decoding.translate_beams(model, src, beam_size=1, alpha=0.0)
         np.testing.assert_array_equal(beam[:, 0], greedy)
         np.testing.assert_array_equal(decoding.translate(model, src, beam_size=1), greedy)
 
@@ -300,8 +300,8 @@ def test_beam_alpha0_never_worse_than_greedy():
     for seed in range(4):
         model = make(seed + 10)
         src = ragged_src(seed, [6, 3, 8, 5, 2, 7])
-        greedy = decoding.greedy_search(model, src)
-        beam, scores = decoding.beam_search(model, src, beam_size=4, alpha=0.0)
+        greedy = decoding.translate_greedy(model, src)
+        beam, scores = decoding.translate_beams(model, src, beam_size=4, alpha=0.0)
         greedy_lp = sequence_logp(model, src, greedy)
         beam_lp = sequence_logp(model, src, beam[:, 0])
         np.testing.assert_allclose(beam_lp, scores[:, 0], atol=1e-4)
@@ -313,7 +313,7 @@ def test_heuristic_stop_is_the_bound_at_alpha_0(penalty):
     # With alpha 0, lp is 1 at every length: "ended at the next step" and "however
     # long it grows" give the same test, so the same results.
     model, src = make(5), ragged_src(4, [6, 3, 8, 5])
-    run = lambda stop: decoding.beam_search(
+    run = lambda stop: decoding.translate_beams(
         model, src, beam_size=3, alpha=0.0, length_penalty=penalty, stop=stop
     )
     (t1, s1), (t2, s2) = run("bound"), run("heuristic")
@@ -325,7 +325,7 @@ def test_heuristic_stop_is_the_bound_at_alpha_0(penalty):
 def _search_state(graphdef, params, src, *, rule, length, extra):
     """search/beam.py's state at the end of a search with room for every token."""
     model = nnx.merge(graphdef, params)
-    return beam.search_state(model, src, jnp.float32(0.6), rule, (length,), length, extra)
+    return decoding.search_state(model, src, jnp.float32(0.6), rule, (length,), length, extra)
 
 
 @pytest.mark.parametrize("n_best", [1, pytest.param(4, marks=pytest.mark.slow)])  # 4: ~8 s
@@ -340,7 +340,7 @@ def test_heuristic_stop_is_the_bound_search_cut_short(n_best):
         model, src = make(seed), ragged_src(seed, [6, 3, 8, 5, 2, 7])
         emb = model.src_embed.embedding
         emb[...] = emb[...].at[EOS_ID].set(0.0)
-        length, extra = scoring.decode_shape(model, src, None)
+        length, extra = decoding.decode_shape(model, src, None)
         graphdef, params = nnx.split(model)
         for b in range(src.shape[0]):
             exact, cut = (
@@ -364,7 +364,7 @@ def test_searches_work_for_a_model_trained_with_remat(model):
     remat = make(remat=True)
     src = ragged_src(9, [5, 3])
     np.testing.assert_array_equal(
-        decoding.greedy_search(remat, src), decoding.greedy_search(model, src)
+        decoding.translate_greedy(remat, src), decoding.translate_greedy(model, src)
     )
     np.testing.assert_array_equal(
         decoding.translate(remat, src, beam_size=2), decoding.translate(model, src, beam_size=2)
@@ -374,10 +374,10 @@ def test_searches_work_for_a_model_trained_with_remat(model):
 def test_default_length_limit_is_source_length_plus_50():
     model = make(max_len=128)
     src = ragged_src(3, [3, 9], width=10)
-    tokens = decoding.greedy_search(model, src)
+    tokens = decoding.translate_greedy(model, src)
     assert tokens.shape == (2, 60)  # S + 50 columns
     # A model that never predicts EOS on its own is stopped at n + 50 (EOS included).
-    tokens = np.asarray(decoding.greedy_search(never_eos_model(max_len=128), src))
+    tokens = np.asarray(decoding.translate_greedy(never_eos_model(max_len=128), src))
     lengths = [as_list(r).index(EOS_ID) + 1 for r in tokens]
     assert lengths == [53, 59]
     assert tokens[0, 53:].max() == 0
@@ -395,13 +395,13 @@ def test_padding_and_batch_composition_do_not_change_results(model):
 def test_sampling_respects_top_k_and_is_reproducible(model):
     src = ragged_src(5, [5, 4, 6, 3])
     key = jax.random.key(1)
-    a = decoding.sample(model, src, key, temperature=0.7, top_k=2)
-    b = decoding.sample(model, src, key, temperature=0.7, top_k=2)
+    a = decoding.translate_sample(model, src, key, temperature=0.7, top_k=2)
+    b = decoding.translate_sample(model, src, key, temperature=0.7, top_k=2)
     np.testing.assert_array_equal(a, b)
     # top_k=1 is greedy whatever the temperature.
     np.testing.assert_array_equal(
-        decoding.sample(model, src, key, temperature=3.0, top_k=1),
-        decoding.greedy_search(model, src),
+        decoding.translate_sample(model, src, key, temperature=3.0, top_k=1),
+        decoding.translate_greedy(model, src),
     )
     for row in np.asarray(a):
         seq = as_list(row)
@@ -410,14 +410,14 @@ def test_sampling_respects_top_k_and_is_reproducible(model):
 
 
 def test_repeated_calls_do_not_retrace(model):
-    if not hasattr(beam._search, "_cache_size"):
+    if not hasattr(decoding._search, "_cache_size"):
         pytest.skip("this jax has no jit _cache_size()")
     src = ragged_src(6, [4, 4])
     decoding.translate(model, src)
-    before = beam._search._cache_size()
+    before = decoding._search._cache_size()
     decoding.translate(model, ragged_src(7, [3, 4]))
     decoding.translate(model, ragged_src(8, [4, 2]), alpha=0.3)
-    assert beam._search._cache_size() == before
+    assert decoding._search._cache_size() == before
 
 
 @pytest.mark.parametrize(
@@ -426,25 +426,25 @@ def test_repeated_calls_do_not_retrace(model):
 )
 def test_bad_arguments_raise_value_error(model, kwargs):
     with pytest.raises(ValueError):
-        decoding.beam_search(model, ragged_src(0, [3]), **kwargs)
+        decoding.translate_beams(model, ragged_src(0, [3]), **kwargs)
 
 
 def test_length_penalty_matches_gnmt():
-    assert float(decoding.length_penalty(7, 0.6)) == pytest.approx(math.pow(12 / 6, 0.6))
-    assert float(decoding.length_penalty(7, 0.0)) == 1.0
+    assert float(scoring.length_penalty(7, 0.6)) == pytest.approx(math.pow(12 / 6, 0.6))
+    assert float(scoring.length_penalty(7, 0.0)) == 1.0
 
 
 def test_average_length_penalty_counts_eos():
     # CTranslate2's: log P / len^alpha, len the tokens with EOS (tests/test_ct2_export.py
     # checks this against CTranslate2's own scores).
-    assert float(decoding.length_penalty(7, 0.6, "average")) == pytest.approx(7**0.6)
-    assert float(decoding.length_penalty(7, 0.0, "average")) == 1.0
+    assert float(scoring.length_penalty(7, 0.6, "average")) == pytest.approx(7**0.6)
+    assert float(scoring.length_penalty(7, 0.0, "average")) == 1.0
     # EOS alone is one token: its log-probability, for any alpha.
-    score = decoding.normalized_score(jnp.array([0.0, -2.0]), jnp.array([1, 1]), 0.6, "average")
+    score = scoring.normalized_score(jnp.array([0.0, -2.0]), jnp.array([1, 1]), 0.6, "average")
     assert np.asarray(score).tolist() == [0.0, -2.0]
-    score = decoding.normalized_score(jnp.array([-2.0]), jnp.array([4]), 1.0, "average")
+    score = scoring.normalized_score(jnp.array([-2.0]), jnp.array([4]), 1.0, "average")
     assert float(score[0]) == pytest.approx(-0.5)
     with pytest.raises(ValueError, match="length_penalty must be one of"):
-        decoding.beam_search(make(), ragged_src(0, [3]), length_penalty="wu")
+        decoding.translate_beams(make(), ragged_src(0, [3]), length_penalty="wu")
     with pytest.raises(ValueError, match="stop must be"):
-        decoding.beam_search(make(), ragged_src(0, [3]), stop="first")
+        decoding.translate_beams(make(), ragged_src(0, [3]), stop="first")

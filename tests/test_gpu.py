@@ -301,7 +301,7 @@ def test_cached_bf16_decoding_equals_full_forward(record_property):
     assert np.isfinite(cached).all() and err <= DECODE_ATOL, err
 
     # Greedy search (cached, in a while loop) against argmax of one full pass.
-    tokens = np.asarray(decoding.greedy_search(model, src, max_decode_len=length))  # [B, L]
+    tokens = np.asarray(decoding.translate_greedy(model, src, max_decode_len=length))  # [B, L]
     tgt = np.zeros_like(tokens)
     tgt[:, 0], tgt[:, 1:] = BOS_ID, tokens[:, :-1]
     logits = np.array(nnx.jit(lambda m, s, t: m(s, t))(model, src, jnp.asarray(tgt)), np.float32)

@@ -28,7 +28,7 @@ def as_list(row):
 def test_identical_ties_and_differences(model):
     src = np.asarray(ragged_src(1, [5, 4, 6]))
     sources = [[int(t) for t in row if t] for row in src]
-    tokens, _ = decoding.beam_search(model, src, beam_size=2, max_decode_len=8)
+    tokens, _ = decoding.translate_beams(model, src, beam_size=2, max_decode_len=8)
     ours = [[as_list(tokens[b, 0])] for b in range(3)]
     ties = NearTies(model, penalty="gnmt", alpha=0.6)
     assert ties.compare(sources, ours, ours).count("same") == 3
@@ -48,7 +48,7 @@ def test_identical_ties_and_differences(model):
 
 def test_greedy_ties_are_judged_where_the_outputs_part(model):
     src = [4, 9, 5, 3, EOS_ID]
-    greedy = as_list(decoding.greedy_search(model, np.array([src]), max_decode_len=8)[0])
+    greedy = as_list(decoding.translate_greedy(model, np.array([src]), max_decode_len=8)[0])
     ties = NearTies(model)
     verdict = lambda a, b: ties.compare([src], [[a]], [[b]], "greedy").lines[0].verdict
     # Parting at a twin is a tie, whatever follows it.

@@ -59,7 +59,7 @@ def one_batch(model, sources, settings):
     length = min(12 + 50, model.config.max_len)
     rule = settings.rule()
     args = dict(alpha=settings.alpha, rule=rule, length=length, extra=50, rooms=(length,))
-    all_tokens, all_scores = (np.asarray(x) for x in beam.search(model, src, **args))
+    all_tokens, all_scores = (np.asarray(x) for x in decoding.search_batch(model, src, **args))
     out = []
     for tokens, scores in zip(all_tokens, all_scores, strict=True):
         hyps = [
@@ -134,7 +134,9 @@ def test_stopping_once_the_best_is_final_keeps_the_best(model):
     out = {}
     for n_best in (1, 4):
         rule = beam.Rule(4, n_best)
-        out[n_best] = beam.search(model, src, alpha=0.6, rule=rule, length=length, extra=extra)
+        out[n_best] = decoding.search_batch(
+            model, src, alpha=0.6, rule=rule, length=length, extra=extra
+        )
     (tokens1, scores1), (tokens4, scores4) = out[1], out[4]
     assert tokens1.shape[1] == 1 and tokens4.shape[1] == 4
     np.testing.assert_array_equal(tokens1[:, 0], tokens4[:, 0])
@@ -143,11 +145,11 @@ def test_stopping_once_the_best_is_final_keeps_the_best(model):
 
 def test_first_rule_is_greedy_search_in_growing_rooms(model):
     src = ragged_src(5, [6, 2, 9, 4], vocab=40)
-    greedy, logp = decoding.greedy_search(model, src, return_logprob=True)
+    greedy, logp = decoding.translate_greedy(model, src, return_logprob=True)
     length = min(src.shape[1] + 50, 96)
     rule = beam.Rule(1, stop="count")
     rooms = (16, 32, length)
-    tokens, scores = beam.search(
+    tokens, scores = decoding.search_batch(
         model, src, alpha=0.0, rule=rule, length=length, extra=50, rooms=rooms
     )
     np.testing.assert_array_equal(tokens[:, 0], np.asarray(greedy)[:, :length])
@@ -158,7 +160,9 @@ def test_rooms_must_grow_to_the_length(model):
     src = ragged_src(5, [6, 2], vocab=40)
     for rooms in [(16, 16, 40), (32, 16, 40), (16, 32)]:
         with pytest.raises(ValueError, match="rooms must increase"):
-            beam.search(model, src, alpha=0.6, rule=beam.Rule(2), length=40, extra=50, rooms=rooms)
+            decoding.search_batch(
+                model, src, alpha=0.6, rule=beam.Rule(2), length=40, extra=50, rooms=rooms
+            )
 
 
 def test_the_search_rule_is_greedy_for_beam_one():
