@@ -40,7 +40,7 @@ from attention_jax.aot.targets import Target, abstract_devices, parse_target
 from attention_jax.common.errors import UserError
 from attention_jax.data.plans import length_buckets, rows_per_batch
 from attention_jax.search.decoding import translate_beams
-from attention_jax.search.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, default_batch_tokens
+from attention_jax.search.settings import default_batch_tokens
 from attention_jax.training import config as config_lib
 from attention_jax.training import steps
 from attention_jax.training.input import shard_multiple
@@ -340,7 +340,7 @@ def _decode(ctx: Context) -> dict[str, Any]:
 
     def search(params, rngs, src):
         model = nnx.merge(graphdef, params, rngs)
-        return translate_beams(model, src, beam_size=DEFAULT_BEAM_SIZE, alpha=DEFAULT_ALPHA)
+        return translate_beams(model, src)  # the search's defaults: beam 4, alpha 0.6
 
     program = _compile(ctx, "beam_search", jax.jit(search), (params, rngs, src), (rows, width))
     return analyse(

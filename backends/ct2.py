@@ -34,7 +34,7 @@ import collections
 import json
 import logging
 import os
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,9 +48,8 @@ from attention_jax.backends.ct2_export import (
 from attention_jax.common.cpus import usable_cpus
 from attention_jax.data.files import read_versioned_json
 from attention_jax.data.tokenizer import tokenizer_names
-from attention_jax.search.defaults import CT2_BATCH_TOKENS, DEFAULT_MIN_LENGTH
 from attention_jax.search.hypothesis import Hypothesis
-from attention_jax.search.settings import SearchSettings
+from attention_jax.search.settings import CT2_BATCH_TOKENS, SearchSettings
 from attention_jax.search.stages import Targets, check_lengths
 from attention_jax.search.translate import Progress
 from attention_jax.tokens import EOS_ID
@@ -100,19 +99,17 @@ class CT2Translator:
         cls,
         directory: str,
         *,
-        beam_size: int | None = None,
-        alpha: float | None = None,
-        n_best: int = 1,
         device: str = "cpu",
         threads: int = 0,
-        batch_tokens: int | None = None,
-        min_length: int = DEFAULT_MIN_LENGTH,
+        search: Mapping[str, Any] | None = None,
     ) -> CT2Translator:
         """Open DIR (ValueError saying what is wrong; ImportError without ctranslate2).
 
         threads: CTranslate2's threads (0 = one per core this process may use); on a
           CPU each translates its own batch (`workers`); device: cpu or cuda.
-        min_length: the fewest tokens before EOS (CTranslate2's min_decoding_length).
+        search: SearchSettings fields given (beam_size and alpha default to the
+          directory's decoding.json, batch_tokens to CTranslate2's for the device;
+          min_length is CTranslate2's min_decoding_length).
         """
         ct2 = import_ctranslate2()
         decoding = read_settings(directory)
@@ -133,13 +130,9 @@ class CT2Translator:
         if device == "cpu":
             batches = f"{workers} batches" if workers > 1 else "1 batch"
             _log.info(f"CTranslate2 on the CPU: {batches} at once, one thread each")
-        settings = SearchSettings(
-            beam_size=decoding["beam_size"] if beam_size is None else beam_size,
-            alpha=decoding["alpha"] if alpha is None else alpha,
-            n_best=n_best,
-            batch_tokens=CT2_BATCH_TOKENS[device] if batch_tokens is None else batch_tokens,
-            min_length=min_length,
-        )
+        given = {k: v for k, v in (search or {}).items() if v is not None}
+        defaults = dict(beam_size=decoding["beam_size"], alpha=decoding["alpha"])
+        settings = SearchSettings(**{**defaults, "batch_tokens": CT2_BATCH_TOKENS[device], **given})
         return cls(directory, decoding, translator, settings)
 
     def translate(

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from attention_jax import Transformer, TransformerConfig
-from attention_jax.search.defaults import DEFAULT_ALPHA, DEFAULT_BEAM_SIZE, EXTRA_DECODE_LEN
+from attention_jax.search.settings import DEFAULTS, EXTRA_DECODE_LEN, SearchSettings
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FORMAT_VERSION = 1
@@ -292,8 +292,7 @@ def export_ct2(
     directory: str,
     *,
     quantization: str = "float32",
-    alpha: float = DEFAULT_ALPHA,
-    beam_size: int = DEFAULT_BEAM_SIZE,
+    search: SearchSettings = DEFAULTS,
     source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write `model` as a CTranslate2 model into `directory`; returns decoding.json's dict.
@@ -305,7 +304,7 @@ def export_ct2(
       directory: created, or replaced if it holds an earlier export (never another
         non-empty directory); the new one appears only once complete.
       quantization: one of QUANTIZATIONS (CTranslate2's weight types).
-      alpha, beam_size: the defaults decode.py --ct2 uses.
+      search: its beam_size and alpha are the defaults decode.py --ct2 uses.
       source: where the weights came from (workdir, step, averaged steps), recorded.
     Raises:
       ImportError without ctranslate2; ValueError for what cannot be converted.
@@ -318,7 +317,9 @@ def export_ct2(
     spec = transformer_spec(model, vocab)
     spec.validate()
     spec.optimize(quantization=quantization)
-    settings = decoding_settings(model.config, vocab, len(pieces), alpha=alpha, beam_size=beam_size)
+    settings = decoding_settings(
+        model.config, vocab, len(pieces), alpha=search.alpha, beam_size=search.beam_size
+    )
     settings.update(
         quantization=quantization, ctranslate2_version=ct2.__version__, source=source or {}
     )

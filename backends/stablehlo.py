@@ -207,14 +207,6 @@ class ExportedTranslator:
             params = [npz[f"p{i:04d}"] for i in range(metadata["num_params"])]
         return cls(directory, metadata, params, batch_tokens)
 
-    @property
-    def n_best(self) -> int:  # search.stages.Search
-        return self.settings.n_best
-
-    @property
-    def beam_size(self) -> int:
-        return self.settings.beam_size
-
     def whole(
         self, src: jax.Array, rooms: Sequence[int], controls: Any = None
     ) -> tuple[jax.Array, jax.Array]:

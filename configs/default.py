@@ -11,13 +11,7 @@ import dataclasses
 import ml_collections
 
 from attention_jax.config import TransformerConfig
-from attention_jax.search.defaults import (
-    DEFAULT_ALPHA,
-    DEFAULT_BEAM_SIZE,
-    DEFAULT_LENGTH_PENALTY,
-    DEFAULT_MIN_LENGTH,
-    DEFAULT_STOP,
-)
+from attention_jax.search.settings import config_block
 
 # Fields renamed, old -> new: a workdir's config.json written before keeps loading
 # (training/config.py), and a config file or --config flag that still sets the old name
@@ -140,14 +134,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_at_start = False
     c.num_examples_to_print = 5
     c.seed = 0
-    # The evaluations' search: decode.py's flags of the same names, with their defaults
-    # (search/defaults.py: the paper's beam 4 and alpha 0.6; search/settings.py).
-    c.search = ml_collections.ConfigDict()
-    c.search.beam_size = DEFAULT_BEAM_SIZE  # K; 1 = greedy search
-    c.search.alpha = DEFAULT_ALPHA  # the length penalty's exponent
-    c.search.length_penalty = DEFAULT_LENGTH_PENALTY  # 'gnmt' or 'average'
-    c.search.stop = DEFAULT_STOP  # 'bound' (exact), 'heuristic' or 'count'
-    c.search.min_length = DEFAULT_MIN_LENGTH  # the fewest tokens before EOS
+    # The evaluations' search: search/settings.py SearchSettings' fields of the training
+    # config (beam_size, alpha, length_penalty, stop, min_length), with their defaults
+    # (the paper's beam 4 and alpha 0.6) and help; decode.py's flags of the same names.
+    c.search = ml_collections.ConfigDict(config_block())
 
     # --- Reliability ----------------------------------------------------------
     # A step with a NaN/Inf loss or gradient never changes params or optimizer

@@ -1,6 +1,7 @@
-"""decode.py's flags: one per `DecodeOptions` field, of the field's name and default (the
-search settings are None until given), and the process's (jax.distributed, the
-compilation cache). Importing this module defines them; only decode.py does.
+"""decode.py's flags: one per `DecodeOptions` field, of the field's name and default, one
+per search setting (derived from search/settings.py `SearchSettings`: its name, type,
+default, choices and help), and the process's (jax.distributed, the compilation
+cache). Importing this module defines them; only decode.py does.
 
 Kept apart from inference/options.py so that `--help` and flag errors load absl alone,
 not JAX, and so that importing the options (as tests and bench/ do) defines no flags
@@ -14,19 +15,7 @@ from typing import TYPE_CHECKING
 
 from absl import flags
 
-from attention_jax.search.defaults import (
-    BATCH_TOKENS,
-    BEAM_STOPS,
-    CT2_BATCH_TOKENS,
-    DEFAULT_ALPHA,
-    DEFAULT_BEAM_SIZE,
-    DEFAULT_CONSTRAINT_TOKENS,
-    DEFAULT_LENGTH_PENALTY,
-    DEFAULT_MAX_CONSTRAINTS,
-    DEFAULT_MIN_LENGTH,
-    DEFAULT_STOP,
-    LENGTH_PENALTIES,
-)
+from attention_jax.search.settings import SearchSettings
 
 if TYPE_CHECKING:
     from attention_jax.inference.options import DecodeOptions
@@ -39,24 +28,6 @@ flags.DEFINE_string("input", "-", "Source text, one sentence a line; '-' = stdin
 flags.DEFINE_string(
     "output", "-", "Translations, one a line; '-' = stdout. A file appears when complete."
 )
-flags.DEFINE_integer("beam_size", DEFAULT_BEAM_SIZE, "Beam size K; 1 = greedy search.")
-flags.DEFINE_float("alpha", DEFAULT_ALPHA, "Length penalty exponent: score = log P / lp(len).")
-flags.DEFINE_enum(
-    "length_penalty", DEFAULT_LENGTH_PENALTY, list(LENGTH_PENALTIES),
-    "gnmt: lp = ((5 + len) / 6)^alpha (the default). average: lp = len^alpha (CTranslate2's; "
-    "the default of --ct2). len counts EOS.",
-)  # fmt: skip
-flags.DEFINE_enum(
-    "stop", DEFAULT_STOP, list(BEAM_STOPS),
-    "When a source's beam search ends. bound: once no live beam can win, however long it "
-    "grows (exact; the default). heuristic: once none would win if it ended at the next "
-    "step (about half the steps; Hugging Face's default rule).",
-)  # fmt: skip
-flags.DEFINE_integer(
-    "min_length", DEFAULT_MIN_LENGTH,
-    "Fewest tokens before EOS: 1 = no empty translation of a non-empty line (as CTranslate2 "
-    "and fairseq); 0 = a translation may end at once.",
-)  # fmt: skip
 flags.DEFINE_string(
     "prefix", None,
     "A file with one line per input line: the start translation i must have (target "
@@ -67,12 +38,6 @@ flags.DEFINE_string(
     "A file with one line per input line: the phrases translation i must contain, "
     "separated by tabs (an empty line: none). Not with --ct2.",
 )  # fmt: skip
-flags.DEFINE_integer(
-    "max_constraints", DEFAULT_MAX_CONSTRAINTS, "--constraints: the most phrases a line."
-)
-flags.DEFINE_integer(
-    "constraint_tokens", DEFAULT_CONSTRAINT_TOKENS, "--constraints: the most tokens a phrase."
-)
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
 flags.DEFINE_string("reference", None, "Reference translations: print sacreBLEU BLEU and chrF.")
@@ -83,15 +48,8 @@ flags.DEFINE_enum(
 )  # fmt: skip
 flags.DEFINE_string("plot_attention", None, "Write cross-attention heatmaps (PNG) into this dir.")
 flags.DEFINE_integer("num_plots", 4, "How many sentences --plot_attention draws.")
-flags.DEFINE_integer(
-    "batch_tokens", None,
-    "Padded source tokens per batch (x beam in memory; default: "
-    f"{BATCH_TOKENS['cpu']} on a CPU, {BATCH_TOKENS['gpu']} on a GPU or TPU; --ct2: "
-    f"{CT2_BATCH_TOKENS['cpu']} on a CPU, {CT2_BATCH_TOKENS['cuda']} on CUDA).",
-)  # fmt: skip
 flags.DEFINE_integer("max_length", None, "Longest source in tokens incl. EOS (default: max_len).")
 flags.DEFINE_enum("long_lines", "truncate", ["truncate", "split"], "What to do with long lines.")
-flags.DEFINE_integer("n_best", 1, "Hypotheses per line, best first (<= beam_size; jsonl).")
 flags.DEFINE_enum(
     "output_format", "text", ["text", "jsonl"],
     "text: the best translation per line. jsonl: one object per line, "
@@ -138,12 +96,6 @@ flags.DEFINE_boolean("restart", False, "Discard a partial --output of an earlier
 flags.DEFINE_boolean(
     "dry_run", False, "Read, tokenize, batch and write without the model (lines are copied)."
 )
-flags.DEFINE_integer(
-    "steps_per_check", None,
-    "Search steps between tests of whether every source is done, in a loop XLA:GPU runs "
-    "without a host round trip (default: the platform's, search/beam.py STEPS_PER_CHECK). "
-    "The output is the same for any value.",
-)  # fmt: skip
 flags.DEFINE_string(
     "coordinator_address", None,
     "Several processes (hosts) translating one input into one output: HOST:PORT of process 0 "
@@ -162,8 +114,20 @@ flags.DEFINE_string(
     "into this file as JSON, and a table to stderr.",
 )  # fmt: skip
 
+# A flag per search setting, of SearchSettings' name, type, default, choices and help.
+_DEFINE = {"int": flags.DEFINE_integer, "int | None": flags.DEFINE_integer}
+_DEFINE["float"] = flags.DEFINE_float
+SEARCH_FLAGS = tuple(f.name for f in SearchSettings.fields(flag=True))
+for _field in SearchSettings.fields(flag=True):
+    _help, _choices = _field.metadata["help"], _field.metadata["choices"]
+    if _choices:
+        flags.DEFINE_enum(_field.name, _field.default, list(_choices), _help)
+    else:
+        _DEFINE[_field.type](_field.name, _field.default, _help)
+
 # The flags of the process; every other flag is the DecodeOptions field of its name, with
-# the field's default (tests/test_stream_parts.py checks names, defaults and choices).
+# the field's default, or a search setting (tests/test_stream_parts.py checks names,
+# defaults and choices).
 _PROCESS = (
     "compilation_cache",
     "coordinator_address",
@@ -171,24 +135,23 @@ _PROCESS = (
     "process_id",
     "distributed",
 )
-# Settings an exported translator fixes (a CTranslate2 model has defaults for them):
-# None in the options when not given here.
-_SEARCH = ("beam_size", "alpha", "n_best", "length_penalty", "stop", "min_length")
 
 
 def job_flags() -> list[str]:
-    """The names of the flags that make DecodeOptions (all but the process's)."""
+    """The names of the flags that make DecodeOptions' own fields (not the process's, not
+    the search settings)."""
     mine = FLAGS.get_flags_for_module(sys.modules[__name__])
-    return [flag.name for flag in mine if flag.name not in _PROCESS]
+    return [f.name for f in mine if f.name not in _PROCESS and f.name not in SEARCH_FLAGS]
 
 
 def options_from_flags() -> DecodeOptions:
-    """The parsed flags as one `DecodeOptions`."""
+    """The parsed flags as one `DecodeOptions`: the search settings given (an exported
+    translator or a CTranslate2 model has its own for the others)."""
     from attention_jax.inference.options import (
         DecodeOptions,  # JAX: not before the flags are parsed
     )
 
     values = {name: FLAGS[name].value for name in job_flags()}
-    values.update({name: values[name] if FLAGS[name].present else None for name in _SEARCH})
     values["export_platforms"] = tuple(values["export_platforms"])
-    return DecodeOptions(**values)
+    search = {name: FLAGS[name].value for name in SEARCH_FLAGS if FLAGS[name].present}
+    return DecodeOptions(**values, search=search)

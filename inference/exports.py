@@ -71,7 +71,6 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
             "checkpoint": loaded.description,
             "average_last": options.average_last,
         }
-    settings = options.settings
     try:
         write(
             loaded.model,
@@ -79,8 +78,7 @@ def export_ct2(loaded: Loaded, options: DecodeOptions) -> None:
             tokenizer.files(),
             options.export_ct2,
             quantization=options.quantization,
-            alpha=settings.alpha,
-            beam_size=settings.beam_size,
+            search=options.settings,
             source=source,
         )
     except (ImportError, OSError, ValueError) as e:

@@ -1,34 +1,24 @@
 """What decode.py is asked to do: one typed, frozen options object, and its checks.
 
-    options = DecodeOptions(workdir="workdir/tiny", input="test.de", n_best=4,
-                            output_format="jsonl")
+    options = DecodeOptions(workdir="workdir/tiny", input="test.de", output_format="jsonl",
+                            search={"beam_size": 4, "n_best": 4})
     options.check()          # UserError for combinations that cannot work
     inference.run.run(options)
 
-decode.py fills it from its flags (a setting left at its default is None where
-"not given" matters: an exported translator has its own beam, alpha and n_best).
+decode.py fills it from its flags. The search settings are only those given (`search`,
+SearchSettings' fields by name): an exported translator has its own beam, alpha and
+n_best, and CTranslate2 its own length penalty.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any
 
 from attention_jax.backends.ct2_export import DEVICES, QUANTIZATIONS
 from attention_jax.common.errors import UserError
-from attention_jax.search.defaults import (
-    BEAM_STOPS,
-    CT2_BATCH_TOKENS,
-    DEFAULT_ALPHA,
-    DEFAULT_BEAM_SIZE,
-    DEFAULT_CONSTRAINT_TOKENS,
-    DEFAULT_LENGTH_PENALTY,
-    DEFAULT_MAX_CONSTRAINTS,
-    DEFAULT_MIN_LENGTH,
-    DEFAULT_STOP,
-    LENGTH_PENALTIES,
-    default_batch_tokens,
-)
-from attention_jax.search.settings import SearchSettings
+from attention_jax.search.settings import CT2_BATCH_TOKENS, SearchSettings, default_batch_tokens
 
 LONG_LINES = ("truncate", "split")
 OUTPUT_FORMATS = ("text", "jsonl")
@@ -51,12 +41,8 @@ class DecodeOptions:
     output: str = "-"  # '-' = stdout; a file is written atomically
     reference: str | None = None  # print BLEU and chrF against it
     split: str | None = None  # translate and score this split of the workdir's dataset
-    beam_size: int | None = None  # None: 4, or the export's
-    alpha: float | None = None  # None: 0.6, or the export's
-    n_best: int | None = None  # None: 1, or the export's
     checkpoint_step: int | None = None  # None: the newest checkpoint
     average_last: int = 1  # average the parameters of the last N checkpoints
-    batch_tokens: int | None = None  # padded source tokens per batch (None: the platform's)
     max_length: int | None = None  # longest source in tokens with EOS (None: the model's)
     long_lines: str = "truncate"  # or "split" into segments of max_length
     output_format: str = "text"  # or "jsonl": n-best texts, scores, tokens
@@ -65,13 +51,8 @@ class DecodeOptions:
     num_plots: int = 4
     export: str | None = None  # write a self-contained translator into this directory
     export_platforms: tuple[str, ...] = ()  # backends to lower for (default: this one)
-    length_penalty: str | None = None  # "gnmt" or "average"; None: gnmt, or the backend's
-    stop: str | None = None  # "bound" (None) or "heuristic": when a beam search ends
-    min_length: int | None = None  # fewest tokens before EOS (None: 1, or the backend's)
     prefix: str | None = None  # line i: the start translation i must have (target side)
     constraints: str | None = None  # line i: tab-separated phrases translation i must hold
-    max_constraints: int = DEFAULT_MAX_CONSTRAINTS  # phrases a line at most
-    constraint_tokens: int = DEFAULT_CONSTRAINT_TOKENS  # tokens a phrase at most
     export_ct2: str | None = None  # write a CTranslate2 model into this directory
     quantization: str = "float32"  # its weight type
     ct2: str | None = None  # or translate with a CTranslate2 model directory
@@ -81,15 +62,9 @@ class DecodeOptions:
     read_lines: int | None = None  # lines per chunk (None: see `chunk_lines`)
     restart: bool = False  # ignore a partial output of an earlier run and start over
     dry_run: bool = False  # read, tokenize, plan and write without running the model
-    steps_per_check: int | None = None  # search steps per stopping test (None: the platform's)
     stats: str | None = None  # write where the wall time went (JSON) into this file
-
-    @property
-    def _search(self) -> tuple[int, float, int]:
-        """(beam_size, alpha, n_best), defaults filled in."""
-        beam = DEFAULT_BEAM_SIZE if self.beam_size is None else self.beam_size
-        alpha = DEFAULT_ALPHA if self.alpha is None else self.alpha
-        return beam, alpha, 1 if self.n_best is None else self.n_best
+    # The search settings given (SearchSettings' fields by name); the backend has the others.
+    search: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def backend(self) -> str:
@@ -100,33 +75,15 @@ class DecodeOptions:
         return "workdir"
 
     @property
-    def fewest_tokens(self) -> int:
-        """--min_length, or its default (search/defaults.py)."""
-        return DEFAULT_MIN_LENGTH if self.min_length is None else self.min_length
-
-    @property
     def settings(self) -> SearchSettings:
-        """The search these options ask for, defaults filled in (once `check` passed)."""
-        beam_size, alpha, n_best = self._search
-        return SearchSettings(
-            beam_size=beam_size,
-            alpha=alpha,
-            n_best=n_best,
-            length_penalty=self.penalty,
-            stop=self.stop or DEFAULT_STOP,
-            steps_per_check=self.steps_per_check,
-            batch_tokens=self.tokens_per_batch,
-            min_length=self.fewest_tokens,
-            max_constraints=self.max_constraints,
-            constraint_tokens=self.constraint_tokens,
-        )
-
-    @property
-    def penalty(self) -> str:
-        """The length penalty: as given, else CTranslate2's for --ct2, else gnmt."""
-        if self.length_penalty is not None:
-            return self.length_penalty
-        return "average" if self.ct2 else DEFAULT_LENGTH_PENALTY
+        """The search these options ask for: the settings given, the backend's defaults for
+        the others (CTranslate2's length penalty and batch size for --ct2). ValueError for
+        a bad one (`check` says it as a UserError)."""
+        given = dict(self.search)
+        given.setdefault("batch_tokens", self.tokens_per_batch)
+        if self.ct2:
+            given.setdefault("length_penalty", "average")
+        return SearchSettings(**given)
 
     @property
     def chunk_lines(self) -> int:
@@ -138,9 +95,9 @@ class DecodeOptions:
     @property
     def tokens_per_batch(self) -> int:
         """--batch_tokens, or the default of the platform the search runs on
-        (search/defaults.py BATCH_TOKENS; CTranslate2's for --ct2: CT2_BATCH_TOKENS)."""
-        if self.batch_tokens is not None:
-            return self.batch_tokens
+        (search/settings.py BATCH_TOKENS; CTranslate2's for --ct2: CT2_BATCH_TOKENS)."""
+        if self.search.get("batch_tokens") is not None:
+            return self.search["batch_tokens"]
         if self.ct2:
             return CT2_BATCH_TOKENS[self.device or "cpu"]
         return default_batch_tokens()
@@ -156,19 +113,16 @@ class DecodeOptions:
                 "--workdir is required (the directory train.py wrote), or --exported, --ct2 "
                 "or --marian"
             )
-        beam_size, alpha, n_best = self._search
-        if beam_size < 1 or alpha < 0 or (self.batch_tokens is not None and self.batch_tokens < 1):
-            raise UserError("need --beam_size >= 1, --alpha >= 0 and --batch_tokens >= 1")
-        if self.steps_per_check is not None and self.steps_per_check < 1:
-            raise UserError(
-                f"--steps_per_check must be >= 1 (or 0: the platform's), got {self.steps_per_check}"
-            )
-        if self.steps_per_check is not None and (self.ct2 or self.exported):
+        unknown = sorted(set(self.search) - {f.name for f in SearchSettings.fields()})
+        if unknown:
+            raise UserError(f"no search setting named {', '.join(unknown)}")
+        try:
+            n_best = self.settings.n_best
+        except ValueError as e:  # SearchSettings names its fields: here they are flags
+            names = "|".join(f.name for f in SearchSettings.fields())
+            raise UserError(re.sub(rf"\b({names})\b", r"--\1", str(e))) from e
+        if self.search.get("steps_per_check") is not None and (self.ct2 or self.exported):
             raise UserError("--steps_per_check is for --workdir (an export fixes its own)")
-        if not 1 <= n_best <= beam_size:
-            raise UserError(f"--n_best must be in [1, --beam_size={beam_size}]")
-        if self.fewest_tokens < 0:
-            raise UserError(f"--min_length must be >= 0, got {self.min_length}")
         if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):
             raise UserError(
                 "--n_best > 1 needs --output_format=jsonl (text is the best translation)"
@@ -192,8 +146,6 @@ class DecodeOptions:
     def _check_targets(self) -> None:
         """--prefix and --constraints: with a backend that honours them, for translating."""
         given = [f"--{n}" for n in ("prefix", "constraints") if getattr(self, n)]
-        if self.max_constraints < 1 or self.constraint_tokens < 1:
-            raise UserError("need --max_constraints >= 1 and --constraint_tokens >= 1")
         if not given:
             return
         if self.export or self.export_ct2:
@@ -240,12 +192,13 @@ class DecodeOptions:
             raise UserError(
                 f"--threads must be >= 0 (0 = CTranslate2's default), got {self.threads}"
             )
-        if self.ct2 and self.stop not in (None, "count"):
+        stop = self.search.get("stop")
+        if self.ct2 and stop not in (None, "count"):
             raise UserError(
-                f"--stop={self.stop} is for the JAX decoder: CTranslate2 (--ct2) stops a "
+                f"--stop={stop} is for the JAX decoder: CTranslate2 (--ct2) stops a "
                 "source once K hypotheses have finished (--stop=count)"
             )
-        if self.ct2 and self.length_penalty == "gnmt":
+        if self.ct2 and self.search.get("length_penalty") == "gnmt":
             raise UserError(
                 "CTranslate2 ranks by log P / len^alpha (--length_penalty=average); "
                 "--length_penalty=gnmt needs the JAX backend (--workdir or --exported)"
@@ -256,8 +209,6 @@ class DecodeOptions:
             ("long_lines", LONG_LINES),
             ("output_format", OUTPUT_FORMATS),
             ("split", (None, *SPLITS)),
-            ("length_penalty", (None, *LENGTH_PENALTIES)),
-            ("stop", (None, *BEAM_STOPS)),
             ("quantization", QUANTIZATIONS),
             ("device", (None, *DEVICES)),
         ):

@@ -46,7 +46,7 @@ from attention_jax.inference.translators import (
 )
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
-from attention_jax.search.defaults import DEFAULT_STOP
+from attention_jax.search.settings import DEFAULTS
 
 # Options that are not settings of a job's output: the files and the checkpoint
 # (described by their identity instead: --checkpoint_step=N resumes a job that loaded
@@ -54,7 +54,7 @@ from attention_jax.search.defaults import DEFAULT_STOP
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
-    "quantization", "steps_per_check", "stats", "prefix", "constraints",
+    "quantization", "steps_per_check", "stats", "prefix", "constraints", "min_rows", "search",
 )  # fmt: skip
 
 
@@ -117,14 +117,13 @@ def describe_job(
     model, every setting (as resolved), and the JAX version (numerics)."""
     if inputs is None:
         return None
-    settings = {k: v for k, v in dataclasses.asdict(options).items() if k not in _NOT_SETTINGS}
-    t = loaded.translator.settings
+    mine = lambda d: {k: v for k, v in d.items() if k not in _NOT_SETTINGS}
+    settings = mine(dataclasses.asdict(options))
+    settings.update(mine(dataclasses.asdict(loaded.translator.settings)))  # as resolved
     plots = options.plot_attention and os.path.abspath(options.plot_attention)
     settings.update(
-        beam_size=t.beam_size, alpha=t.alpha, n_best=t.n_best, max_length=max_length,
-        plot_attention=plots, read_lines=options.chunk_lines,
-        batch_tokens=options.tokens_per_batch, length_penalty=t.length_penalty, stop=t.stop,
-        min_length=t.min_length,
+        max_length=max_length, plot_attention=plots, read_lines=options.chunk_lines,
+        batch_tokens=options.tokens_per_batch,
     )  # fmt: skip
     model = loaded.identity or {"translator": loaded.description}
     return {"inputs": inputs, "model": model, "settings": settings, "jax": jax.__version__}
@@ -287,7 +286,7 @@ def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: i
         warn(f"{totals.long} line(s) over {max_length} tokens {how}")
     seconds = max(totals.seconds, 1e-9)
     search = loaded.translator.settings
-    stop = f", {search.stop} stop" if search.stop != DEFAULT_STOP else ""
+    stop = f", {search.stop} stop" if search.stop != DEFAULTS.stop else ""
     print(
         f"decode.py: {totals.lines} lines ({totals.empty} empty) from {loaded.description}, "
         f"beam {search.beam_size}, alpha {search.alpha}{stop}: {seconds:.1f} s, "

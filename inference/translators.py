@@ -98,16 +98,21 @@ def _open_exported(options: DecodeOptions) -> Loaded:
         tokenizer = load_tokenizer(options.exported)
     except (OSError, ValueError, UserError) as e:
         raise UserError(str(e)) from e
-    for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop", "min_length"):
-        asked, exported = getattr(options, name), getattr(translator.settings, name)
-        if asked is not None and asked != exported:
-            raise UserError(
-                f"{options.exported} was exported with {name}={exported}; export again to change it"
-            )
+    _check_exported(options, translator)
     identity = {"exported": os.path.abspath(options.exported)}
     identity["files"] = files_identity([options.exported])
     description = f"the translator exported in {options.exported}"
     return Loaded(translator, tokenizer, description, identity=identity)
+
+
+def _check_exported(options: DecodeOptions, translator: ExportedTranslator) -> None:
+    """UserError if the options ask for a search the export did not fix."""
+    for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop", "min_length"):
+        asked, exported = options.search.get(name), getattr(translator.settings, name)
+        if asked is not None and asked != exported:
+            raise UserError(
+                f"{options.exported} was exported with {name}={exported}; export again to change it"
+            )
 
 
 def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:
@@ -127,15 +132,9 @@ def _open_ct2(options: DecodeOptions) -> Loaded:
 
     try:
         translator = CT2Translator.load(
-            options.ct2,
-            beam_size=options.beam_size,
-            alpha=options.alpha,
-            n_best=options.settings.n_best,
-            device=options.device or "cpu",
-            threads=options.threads,
-            batch_tokens=options.tokens_per_batch,
-            min_length=options.fewest_tokens,
-        )
+            options.ct2, device=options.device or "cpu", threads=options.threads,
+            search=options.search,
+        )  # fmt: skip
         tokenizer = load_tokenizer(options.ct2)
     except (ImportError, OSError, ValueError, UserError) as e:
         raise UserError(str(e)) from e

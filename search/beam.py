@@ -23,7 +23,6 @@ log P / lp(len), len counting EOS (search/scoring.py).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -32,16 +31,8 @@ import jax.numpy as jnp
 
 from attention_jax.search import constraints
 from attention_jax.search.constraints import Controls
-from attention_jax.search.defaults import (
-    BEAM_STOPS,
-    DEFAULT_ALPHA,
-    DEFAULT_BEAM_SIZE,
-    DEFAULT_LENGTH_PENALTY,
-    DEFAULT_MIN_LENGTH,
-    DEFAULT_STOP,
-    LENGTH_PENALTIES,
-)
 from attention_jax.search.scoring import NEG_INF, normalized_score, restrict, top_k
+from attention_jax.search.settings import Rule, SearchSettings
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 # step_fn(tokens [R], cache) -> (logits or log-probabilities [R, V], cache one position on)
@@ -72,51 +63,6 @@ def reorder_rows(cache: Any, rows: jax.Array) -> Any:
     if isinstance(cache, BeamCache):
         return cache.reorder(rows)
     return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """The static settings of a search (hashable: part of a compiled program's key).
-
-    beam_size: K.
-    n_best: how many of the best finished hypotheses must be final before a source
-      stops (K: all; decode.py asks for the ones it prints).
-    stop: "bound" (exact): once no live beam can reach the n_best-th finished score;
-      "heuristic": once none would beat it if it ended at the next step (Hugging
-      Face's default: 58% of the steps, 998 of the Ding test's 1,000 lines as with
-      "bound"); "count": once K hypotheses have finished, the first K to end
-      (CTranslate2's and OpenNMT's rule, patience 1; with K = 1, greedy search).
-    penalty: the length penalty, "gnmt" or "average".
-    vocab_limit: never emit ids >= this (None = the whole vocabulary).
-    steps_per_check: how many steps the search takes between tests of its stopping
-      condition (`run`; `steps_per_check(platform)` picks one). The results are the
-      same for every value: a finished source gains nothing from more steps.
-    min_length: EOS is banned at output positions below this (search/defaults.py).
-    """
-
-    beam_size: int
-    n_best: int | None = None
-    stop: str = DEFAULT_STOP
-    penalty: str = DEFAULT_LENGTH_PENALTY
-    vocab_limit: int | None = None
-    steps_per_check: int = 1
-    min_length: int = DEFAULT_MIN_LENGTH
-
-    def __post_init__(self) -> None:
-        if self.n_best is None:
-            object.__setattr__(self, "n_best", self.beam_size)
-        if not 1 <= self.n_best <= self.beam_size:
-            raise ValueError(f"n_best must be in [1, beam_size={self.beam_size}]: {self.n_best}")
-        if self.stop not in BEAM_STOPS:
-            raise ValueError(f"stop must be one of {BEAM_STOPS}, got {self.stop!r}")
-        if self.penalty not in LENGTH_PENALTIES:
-            raise ValueError(
-                f"length_penalty must be one of {LENGTH_PENALTIES}, got {self.penalty!r}"
-            )
-        if self.steps_per_check < 1:
-            raise ValueError(f"steps_per_check must be >= 1, got {self.steps_per_check}")
-        if self.min_length < 0:
-            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
 
 
 # Steps between tests of a search's stopping condition, by platform. XLA:GPU runs a
@@ -180,12 +126,18 @@ def init(
 
 
 def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
-    """[B] bool: sources whose n_best best hypotheses are final."""
+    """[B] bool: sources whose n_best best hypotheses are final, by `rule.stop`:
+
+    "bound" (exact): once no live beam can reach the n_best-th finished score;
+    "heuristic": once none would beat it if it ended at the next step (Hugging Face's
+    default); "count": once K hypotheses have finished, the first K to end (CTranslate2's
+    and OpenNMT's rule, patience 1; with K = 1, greedy search).
+    """
     if rule.stop == "count":  # the K slots hold every hypothesis finished so far until full
         return jnp.isfinite(s.fin_scores[:, -1])
     # alpha >= 0: a live beam's best is log P (only falls) / lp(limit); see Rule.stop.
     length = s.step + 1 if rule.stop == "heuristic" else s.limits
-    best_live = normalized_score(jnp.max(s.live_logp, axis=1), length, alpha, rule.penalty)
+    best_live = normalized_score(jnp.max(s.live_logp, axis=1), length, alpha, rule.length_penalty)
     return s.fin_scores[:, rule.n_best - 1] >= best_live  # [B]
 
 
@@ -271,7 +223,7 @@ def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamSta
 
     # Merge the newly finished with the K kept so far; with phrases, those that met them
     # all first (only the length limit ends one that has not).
-    new_scores = normalized_score(end_logp, t + 1, alpha, rule.penalty)  # [B, K]
+    new_scores = normalized_score(end_logp, t + 1, alpha, rule.length_penalty)  # [B, K]
     ends = (end_tok == EOS_ID) & ~stopped[:, None]  # [B, K]
     if s.controls.prefix.shape[1]:  # right after a prefix only the best may end (as CTranslate2)
         plen = jnp.sum(s.controls.prefix != 0, axis=1)  # [B]
@@ -368,15 +320,10 @@ def beam_search(
     *,
     length: int,
     limits: jax.Array | None = None,
-    beam_size: int = DEFAULT_BEAM_SIZE,
-    alpha: float = DEFAULT_ALPHA,
-    n_best: int | None = None,
-    length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    stop: str = DEFAULT_STOP,
-    min_length: int = DEFAULT_MIN_LENGTH,
     vocab_limit: int | None = None,
     prefixes: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+    **settings: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search over a decoder's step function, with a length penalty, exact stopping,
     target prefixes and terminology constraints.
@@ -389,28 +336,26 @@ def beam_search(
       length: output columns L.
       limits: [B] int32, the most tokens (EOS included) each source may produce, at
         most L; None: L for every source. EOS is forced at the limit.
-      beam_size: K; alpha: the length penalty's exponent (>= 0); n_best: hypotheses
-        returned per source (default K); length_penalty: "gnmt" or "average";
-        stop: "bound", "heuristic" or "count" (`Rule`); min_length: EOS is banned
-        below this output position.
       vocab_limit: never emit ids >= this (None = the whole vocabulary).
       prefixes: per source, the tokens its output must start with (forced; they count
         in the length, not in the score).
       constraints: per source, the phrases (token lists) its output must contain.
+      settings: search/settings.py `SearchSettings` fields: beam_size (K), alpha,
+        n_best (hypotheses returned per source), length_penalty, stop, min_length,
+        steps_per_check; the rest have no effect here.
     Returns:
       tokens [B, n, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores [B, n]
       float32 = log P / lp(len), best first; -inf for a slot never filled.
 
     Token ids follow the library's: 0 padding, 1 EOS, 2 BOS (never emitted).
     """
-    if not alpha >= 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
-    rule = Rule(beam_size, n_best, stop, length_penalty, vocab_limit, 1, min_length)
+    search = SearchSettings(**settings)
+    rule = search.rule(vocab_limit)
     limits = uniform_limits(cache, length) if limits is None else jnp.asarray(limits, jnp.int32)
     controls = None
     if prefixes is not None or constraints is not None:
         controls = Controls.fitted(prefixes or [], constraints or [], rows=limits.shape[0])
     s = init(cache, limits, rule.beam_size, length, controls)
-    s = run(step_fn, s, jnp.float32(alpha), rule)
+    s = run(step_fn, s, jnp.float32(search.alpha), rule)
     tokens, scores = results(s)
     return tokens[:, : rule.n_best], scores[:, : rule.n_best]

@@ -38,16 +38,9 @@ from flax import nnx
 
 from attention_jax.search import beam
 from attention_jax.search.constraints import Controls
-from attention_jax.search.defaults import (
-    DEFAULT_ALPHA,
-    DEFAULT_BEAM_SIZE,
-    DEFAULT_LENGTH_PENALTY,
-    DEFAULT_MIN_LENGTH,
-    DEFAULT_STOP,
-    EXTRA_DECODE_LEN,
-)
 from attention_jax.search.sampling import sample_loop
 from attention_jax.search.scoring import output_limit, rooms, row_limits
+from attention_jax.search.settings import DEFAULTS, EXTRA_DECODE_LEN, Rule, SearchSettings
 from attention_jax.transformer import Transformer
 
 
@@ -98,7 +91,7 @@ def translate_greedy(
     *,
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
-    min_length: int = DEFAULT_MIN_LENGTH,
+    min_length: int = DEFAULTS.min_length,
     return_logprob: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Argmax decoding with the KV cache: src [B, S] int32 (0 = padding) -> [B, L] int32
@@ -129,7 +122,7 @@ def translate_sample(
     top_k: int = 0,
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
-    min_length: int = DEFAULT_MIN_LENGTH,
+    min_length: int = DEFAULTS.min_length,
 ) -> jax.Array:
     """Ancestral sampling from softmax(logits / temperature), optionally over the top_k
     tokens: src [B, S] -> [B, L] int32 tokens as `translate_greedy`."""
@@ -171,7 +164,7 @@ def search_state(
     model: Transformer,
     src: jax.Array,
     alpha: jax.Array,
-    rule: beam.Rule,
+    rule: Rule,
     rooms: Sequence[int],
     length: int,
     extra: int | None,
@@ -220,7 +213,7 @@ def search_batch(
     src: jax.Array,
     *,
     alpha: float | jax.Array,
-    rule: beam.Rule,
+    rule: Rule,
     length: int,
     extra: int | None,
     rooms: Sequence[int] | None = None,
@@ -262,46 +255,30 @@ def translate_beams(
     model: Transformer,
     src: jax.Array,
     *,
-    beam_size: int = DEFAULT_BEAM_SIZE,
-    alpha: float = DEFAULT_ALPHA,
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
-    length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    stop: str = DEFAULT_STOP,
-    steps_per_check: int | None = None,
-    min_length: int = DEFAULT_MIN_LENGTH,
     prefixes: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+    **settings: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with a length penalty and early stopping (paper: K=4, alpha=0.6, GNMT's):
-    src [B, S] int32 (0 = padding) -> tokens [B, K, L] int32 (no BOS, EOS-terminated, 0
-    after EOS) and scores [B, K] float32 = log P / lp(len), best first (-inf: a slot
+    src [B, S] int32 (0 = padding) -> tokens [B, n, L] int32 (no BOS, EOS-terminated, 0
+    after EOS) and scores [B, n] float32 = log P / lp(len), best first (-inf: a slot
     that never held a hypothesis).
 
-    max_decode_len: output columns L (see `translate_greedy`). steps_per_check: steps
-    between tests of the stopping condition (the same results for any value); None = the
-    platform's (search/beam.py `steps_per_check`). The other arguments are
-    search/beam.py `beam_search`'s.
+    max_decode_len: output columns L (see `translate_greedy`). settings:
+    search/settings.py `SearchSettings` fields (beam_size, alpha, length_penalty, stop,
+    min_length, steps_per_check; n_best is K here unless given). The other arguments
+    are search/beam.py `beam_search`'s.
     """
-    if not alpha >= 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    settings.setdefault("n_best", settings.get("beam_size", DEFAULTS.beam_size))
+    search = SearchSettings(**settings)
     vocab = vocab_limit or model.config.vocab_size
-    if beam_size > vocab // 2:
-        raise ValueError(f"beam_size {beam_size} too large for a vocabulary of {vocab}")
+    if search.beam_size > vocab // 2:
+        raise ValueError(f"beam_size {search.beam_size} too large for a vocabulary of {vocab}")
     src = jnp.asarray(src, jnp.int32)
     length, extra = decode_shape(model, src, max_decode_len)
-    per = beam.steps_per_check() if steps_per_check is None else steps_per_check
-    rule = beam.Rule(  # checks the stop rule and the length penalty
-        beam_size,
-        stop=stop,
-        penalty=length_penalty,
-        vocab_limit=vocab_limit,
-        steps_per_check=per,
-        min_length=min_length,
-    )
-    args = dict(alpha=alpha, rule=rule, length=length, extra=extra)
+    args = dict(alpha=search.alpha, rule=search.rule(vocab_limit), length=length, extra=extra)
     if prefixes is None and constraints is None:
         return search_batch(model, src, **args)
     controls = Controls.fitted(prefixes or [], constraints or [], rows=src.shape[0])
@@ -313,39 +290,30 @@ def translate(
     model: Transformer,
     src: jax.Array,
     *,
-    beam_size: int = DEFAULT_BEAM_SIZE,
-    alpha: float = DEFAULT_ALPHA,
     max_decode_len: int | None = None,
     vocab_limit: int | None = None,
-    length_penalty: str = DEFAULT_LENGTH_PENALTY,
-    stop: str = DEFAULT_STOP,
-    steps_per_check: int | None = None,
-    min_length: int = DEFAULT_MIN_LENGTH,
     prefixes: Sequence[Sequence[int]] | None = None,
     constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+    **settings: Any,
 ) -> jax.Array:
     """The best translation of each source: [B, S] -> [B, L] int32 (beam_size 1 = greedy;
     with prefixes or constraints, beam search's, as `translate_beams` takes them).
 
     Tokens exclude BOS, end with EOS and are 0 after it; `Tokenizer.decode` reads them.
     """
-    if beam_size == 1 and prefixes is None and constraints is None:
+    search = SearchSettings(**settings)
+    if search.beam_size == 1 and prefixes is None and constraints is None:
         return translate_greedy(
             model, src, max_decode_len=max_decode_len, vocab_limit=vocab_limit,
-            min_length=min_length,
+            min_length=search.min_length,
         )  # fmt: skip
     tokens, _ = translate_beams(
         model,
         src,
-        beam_size=beam_size,
-        alpha=alpha,
         max_decode_len=max_decode_len,
         vocab_limit=vocab_limit,
-        length_penalty=length_penalty,
-        stop="count" if beam_size == 1 else stop,
-        steps_per_check=steps_per_check,
-        min_length=min_length,
         prefixes=prefixes,
         constraints=constraints,
+        **settings,
     )
     return tokens[:, 0]  # [B, K, L] -> [B, L]

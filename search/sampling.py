@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.search.beam import StepFn, uniform_limits
-from attention_jax.search.defaults import DEFAULT_MIN_LENGTH
 from attention_jax.search.scoring import NEG_INF, restrict
+from attention_jax.search.settings import DEFAULTS
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 
@@ -45,7 +45,7 @@ def sample_loop(
     greedy: bool,
     top_k: int = 0,
     vocab_limit: int | None = None,
-    min_length: int = DEFAULT_MIN_LENGTH,
+    min_length: int = DEFAULTS.min_length,
 ) -> tuple[jax.Array, jax.Array]:
     """Greedy (argmax) or ancestral sampling: tokens [B, L] and their log P [B], EOS included
     (scored as beam search scores: log-softmax over the whole vocabulary).
@@ -107,7 +107,7 @@ def greedy_search(
     length: int,
     limits: jax.Array | None = None,
     vocab_limit: int | None = None,
-    min_length: int = DEFAULT_MIN_LENGTH,
+    min_length: int = DEFAULTS.min_length,
     return_logprob: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Argmax decoding: each row's most likely next token, until EOS.
@@ -150,7 +150,7 @@ def sample(
     temperature: float = 1.0,
     top_k: int = 0,
     vocab_limit: int | None = None,
-    min_length: int = DEFAULT_MIN_LENGTH,
+    min_length: int = DEFAULTS.min_length,
 ) -> jax.Array:
     """Ancestral sampling from softmax(logits / temperature), optionally over the top_k tokens.
 

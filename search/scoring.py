@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attention_jax.search.defaults import DEFAULT_LENGTH_PENALTY, EXTRA_DECODE_LEN, LENGTH_PENALTIES
+from attention_jax.search.settings import DEFAULTS, EXTRA_DECODE_LEN, LENGTH_PENALTIES
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = -jnp.inf
@@ -22,7 +22,7 @@ FIRST_EXTRA = 16
 
 
 def length_penalty(
-    length: jax.Array, alpha: jax.Array | float, kind: str = DEFAULT_LENGTH_PENALTY
+    length: jax.Array, alpha: jax.Array | float, kind: str = DEFAULTS.length_penalty
 ) -> jax.Array:
     """lp(Y), by which scores are log P(Y) / lp(Y); `length` = |Y|, EOS included.
 
@@ -42,7 +42,10 @@ def length_penalty(
 
 
 def normalized_score(
-    logp: jax.Array, length: jax.Array, alpha: jax.Array | float, kind: str = DEFAULT_LENGTH_PENALTY
+    logp: jax.Array,
+    length: jax.Array,
+    alpha: jax.Array | float,
+    kind: str = DEFAULTS.length_penalty,
 ) -> jax.Array:
     """log P / lp(length), what searches rank by; -inf where lp is 0 (never NaN)."""
     lp = length_penalty(length, alpha, kind)

@@ -32,12 +32,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from attention_jax.common.errors import UserError
-from attention_jax.data.plans import MIN_ROWS, plan_translation
+from attention_jax.data.plans import plan_translation
 from attention_jax.search import timing
 from attention_jax.search.constraints import Controls
-from attention_jax.search.defaults import DEFAULT_CONSTRAINT_TOKENS, DEFAULT_MAX_CONSTRAINTS
 from attention_jax.search.hypothesis import hypotheses
 from attention_jax.search.scoring import FILLER, output_limit, rooms
+from attention_jax.search.settings import DEFAULTS
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
@@ -60,8 +60,8 @@ class Targets:
 
     prefixes: Sequence[Sequence[int]] | None = None
     constraints: Sequence[Sequence[Sequence[int]]] | None = None
-    max_phrases: int = DEFAULT_MAX_CONSTRAINTS
-    max_tokens: int = DEFAULT_CONSTRAINT_TOKENS
+    max_phrases: int = DEFAULTS.max_constraints
+    max_tokens: int = DEFAULTS.constraint_tokens
 
     def sizes(self, width: int, max_len: int) -> tuple[int, int, int]:
         """(P, Q, T): a batch's prefix room, phrases and tokens per phrase."""
@@ -134,9 +134,6 @@ class Search(Protocol):
     may also have `prepare(rows, width, rooms, controls)` (controls as shapes): start
     compiling or loading the program of that shape in the background.
     """
-
-    n_best: int
-    beam_size: int
 
     def whole(
         self, src: jax.Array, rooms: list[int], controls: Controls | None = None
@@ -214,7 +211,7 @@ def plan_batches(
     max_len: int,
     batch_tokens: int,
     multiple: int = 1,
-    min_rows: int = MIN_ROWS,
+    min_rows: int = DEFAULTS.min_rows,
     skip: Collection[int] = (),
 ) -> tuple[Plan, list[int]]:
     """(the batches, the indices of the non-empty sources the plan's indices point into).
@@ -273,7 +270,7 @@ def run_stages(
     batch_tokens: int,
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
-    min_rows: int = MIN_ROWS,
+    min_rows: int = DEFAULTS.min_rows,
     skip: Collection[int] = (),
     targets: Targets | None = None,
 ) -> list[list[Any]]:

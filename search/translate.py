@@ -32,11 +32,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from attention_jax import Transformer
-from attention_jax.search import beam, decoding, programs
+from attention_jax.search import decoding, programs
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
-from attention_jax.search.settings import SearchSettings
+from attention_jax.search.settings import Rule, SearchSettings
 from attention_jax.search.stages import (
     Progress,
     Targets,
@@ -91,17 +91,13 @@ class LiveSearch:
     """A model's search of one batch in one program (search.stages.Search)."""
 
     model: Transformer
-    rule: beam.Rule
-    alpha: float
+    settings: SearchSettings
+    vocab_limit: int | None = None  # never emit ids >= this (None: the whole vocabulary)
     call: decoding.Call = programs.call  # how its programs run (`prepare`: compiled ahead)
 
     @property
-    def n_best(self) -> int:
-        return self.rule.n_best
-
-    @property
-    def beam_size(self) -> int:
-        return self.rule.beam_size
+    def rule(self) -> Rule:
+        return self.settings.rule(self.vocab_limit)
 
     def whole(
         self, src: jax.Array, rooms: Sequence[int], controls: Controls | None = None
@@ -113,7 +109,7 @@ class LiveSearch:
         return decoding.search_batch(
             self.model,
             src,
-            alpha=self.alpha,
+            alpha=self.settings.alpha,
             rule=self.rule,
             length=length,
             extra=extra,
@@ -140,7 +136,7 @@ def search_fn(
     The program `LiveSearch` runs for a batch of that width, its rooms included, so
     its results are the same.
     """
-    live = LiveSearch(model, settings.rule(vocab_limit), settings.alpha, decoding.jit_call)
+    live = LiveSearch(model, settings, vocab_limit, decoding.jit_call)
     max_len = model.config.max_len
     return lambda src: live.whole(src, stage_rooms(src.shape[1], max_len))
 
@@ -184,7 +180,7 @@ def translate_ids(
       beam found fewer distinct ones); with constraints, each says which it met.
     """
     return run_stages(
-        LiveSearch(model, settings.rule(vocab_limit), settings.alpha),
+        LiveSearch(model, settings, vocab_limit),
         sources,
         max_len=model.config.max_len,
         batch_tokens=settings.tokens_per_batch,
@@ -210,7 +206,7 @@ class LiveTranslator:
         return self.model.config.max_len
 
     def search(self) -> LiveSearch:
-        return LiveSearch(self.model, self.settings.rule(self.vocab_limit), self.settings.alpha)
+        return LiveSearch(self.model, self.settings, self.vocab_limit)
 
     def prepare(
         self,

@@ -220,3 +220,11 @@ def train_rows(workdir) -> dict[int, dict]:
 def train_losses(workdir) -> dict[int, float]:
     """{step: train_loss} from WORKDIR/metrics.jsonl."""
     return {step: row["train_loss"] for step, row in train_rows(workdir).items()}
+
+
+def search_rule(beam_size: int, n_best: int | None = None, **settings):
+    """A compiled search's Rule for these settings; n_best defaults to all K beams."""
+    from attention_jax.search.settings import SearchSettings
+
+    n_best = beam_size if n_best is None else n_best
+    return SearchSettings(beam_size=beam_size, n_best=n_best, **settings).rule()

@@ -74,7 +74,7 @@ def test_shipped_configs_pass_validation(name):
         ("data_shards", -1, "data_shards must be >= 0"),
         ("loss_logits_dtype", "float16", "loss_logits_dtype must be one of"),
         ("loss_logits_dtype", "bfloat16", "takes effect only with config.loss_chunk_tokens > 0"),
-        ("search.beam_size", 0, r"bad config.search: n_best must be in \[1, beam_size=0\]"),
+        ("search.beam_size", 0, "bad config.search: beam_size must be >= 1, got 0"),
         ("search.alpha", -0.5, "bad config.search: alpha must be >= 0"),
         ("search.length_penalty", "wu", "bad config.search: length_penalty must be one of"),
         ("search.stop", "never", "bad config.search: stop must be one of"),

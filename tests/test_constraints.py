@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from attention_jax import EOS_ID
-from attention_jax.search import beam, constraints, decoding
+from attention_jax.search import constraints, decoding
 from attention_jax.search.constraints import Controls
+from tests.conftest import search_rule
 from tests.test_decoding import as_list, make, ragged_src
 
 
@@ -132,7 +133,7 @@ def search_with(model, src, phrases, beam_size, limit):
     controls = Controls.of(
         [], phrases, rows=src.shape[0], prefix_len=0, max_phrases=2, max_tokens=3
     )
-    rule = beam.Rule(beam_size, stop="count" if beam_size == 1 else "bound")
+    rule = search_rule(beam_size, stop="count" if beam_size == 1 else "bound")
     tokens, _, met = decoding.search_batch(
         model, src, alpha=0.6, rule=rule, length=limit, extra=None, controls=controls
     )

@@ -194,8 +194,8 @@ def test_groups_side_by_side_give_what_one_group_at_a_time_gives(ct2_dirs):
     pairs = digit_pairs(np.random.default_rng(11), 60, max_words=14)
     sources = [[*sp.encode(s), EOS_ID] for s, _ in pairs]
     sources[7] = []  # an empty line gets no hypothesis
-    one = CT2Translator.load(d, threads=1, n_best=2)
-    three = CT2Translator.load(d, threads=3, n_best=2)
+    one = CT2Translator.load(d, threads=1, search={"n_best": 2})
+    three = CT2Translator.load(d, threads=3, search={"n_best": 2})
     assert (one.workers, three.workers) == (1, 3)
     # More groups than the 2 x 3 queued at once, so some wait for a free place.
     assert len(groups([len(s) for s in sources], three._extra, three.max_len)) > 6

@@ -21,7 +21,7 @@ from flax import nnx
 from attention_jax import EOS_ID, Transformer, TransformerConfig
 from attention_jax.search import beam, decoding
 from attention_jax.search.settings import SearchSettings
-from tests.conftest import model_fields
+from tests.conftest import model_fields, search_rule
 from tests.test_decode_cli import (
     ROOT,
     digit_pairs,
@@ -119,7 +119,7 @@ def test_the_dry_run_skips_sources_as_the_search_does():
 
 def test_steps_per_check_is_checked():
     with pytest.raises(ValueError, match="steps_per_check must be >= 1"):
-        beam.Rule(4, steps_per_check=0)
+        search_rule(4, steps_per_check=0)
     assert beam.steps_per_check("cpu") >= 1 and beam.steps_per_check("cuda") >= 1
 
 
@@ -314,7 +314,7 @@ def test_a_job_killed_mid_chunk_goes_on_from_its_finished_batches(
 def test_bad_pace_settings_are_one_line_errors(workdir, tmp_path):  # noqa: F811
     for flags, message in (
         (["--steps_per_check=0"], "--steps_per_check must be >= 1"),
-        (["--batch_tokens=0"], "--batch_tokens >= 1"),
+        (["--batch_tokens=0"], "--batch_tokens must be >= 1"),
         (["--ct2=x", "--steps_per_check=2"], "--steps_per_check is for --workdir"),
     ):
         workdir_flag = [] if any(f.startswith("--ct2") for f in flags) else [f"--workdir={workdir}"]

@@ -17,7 +17,7 @@ from attention_jax import (
     TransformerConfig,
 )
 from attention_jax.search import beam, decoding, scoring
-from tests.conftest import model_fields
+from tests.conftest import model_fields, search_rule
 from tests.parity import TIE
 
 TINY = model_fields(vocab_size=12, num_decoder_layers=2)
@@ -211,7 +211,9 @@ def test_two_steps_per_iteration_give_the_results_of_one(model, monkeypatch):
     def search(min_bytes):
         monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", min_bytes)
         jax.clear_caches()
-        return [decoding.search_batch(model, src, alpha=0.6, rule=beam.Rule(3), **c) for c in cases]
+        return [
+            decoding.search_batch(model, src, alpha=0.6, rule=search_rule(3), **c) for c in cases
+        ]
 
     for one, two in zip(search(1 << 62), search(0), strict=True):  # a step per iteration, two
         (tokens_1, scores_1), (tokens_2, scores_2) = map(np.asarray, one), map(np.asarray, two)
@@ -346,7 +348,7 @@ def test_heuristic_stop_is_the_bound_search_cut_short(n_best):
             exact, cut = (
                 _search_state(
                     graphdef, params, src[b : b + 1], length=length, extra=extra,
-                    rule=beam.Rule(4, n_best=n_best, stop=stop),
+                    rule=search_rule(4, n_best=n_best, stop=stop),
                 )
                 for stop in ("bound", "heuristic")
             )  # fmt: skip

@@ -1,8 +1,11 @@
-"""Every search default is declared once, in its home; everything else imports it.
+"""Every search setting is declared once, in its home; everything else derives or imports it.
 
-The homes: search/defaults.py (beam size, alpha, the + 50 output tokens, the length
-penalty, the stop rule, a search's batch tokens, decode.py's and CTranslate2's) and
-configs/default.py (training's max_length and batch_tokens). The
+The homes: search/settings.py (`SearchSettings`: every search setting's name, type,
+default and help, from which decode.py's flags, the options, the config's `search`
+block and the compiled search's `Rule` are derived; the + 50 output tokens; a search's
+batch tokens, decode.py's and CTranslate2's) and configs/default.py (training's
+max_length and batch_tokens). No other class, flag, config entry or parameter declares
+a search setting again (`test_no_search_setting_is_declared_twice`). The
 library's code (not tests/, bench/ or tools/, which pick their own settings on purpose)
 may not give any of these fields a number of its own: not as a keyword argument, a
 parameter's or dataclass field's default, an assignment or a flag's default. Docstrings
@@ -14,6 +17,7 @@ another value than configs/default.py's.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import io
 import os
@@ -22,7 +26,7 @@ import tokenize
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HOMES = {"search/defaults.py", "configs/default.py"}
+HOMES = {"search/settings.py", "configs/default.py"}
 NOT_LIBRARY = ("tests/", "bench/", "tools/", ".venv", ".cache", "workdir", ".data")
 RECIPES = "configs/"  # overrides of configs/default.py: checked by what they change
 # The fields whose value has a home.
@@ -103,6 +107,102 @@ def test_no_default_is_declared_outside_its_home(path):
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         found = literals(f.read())
     assert not found, f"{path}: a default typed again, import it from its home: {found}"
+
+
+def setting_names() -> set[str]:
+    from attention_jax.search.settings import SearchSettings
+
+    return {f.name for f in SearchSettings.fields()}
+
+
+def declarations(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each declaration of a search setting in `source`: a class
+    attribute of its name (a dataclass or NamedTuple field), a flag defined by its name,
+    a `c.search.NAME = ...` config entry, or a parameter of its name whose default is
+    neither None nor `DEFAULTS.NAME` (search/settings.py's)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                target = item.target if isinstance(item, ast.AnnAssign) else None
+                if isinstance(target, ast.Name) and target.id in names:
+                    found.append((item.lineno, f"field {node.name}.{target.id}"))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "").startswith("DEFINE"):
+            first = node.args[0] if node.args else None
+            if isinstance(first, ast.Constant) and first.value in names:
+                found.append((node.lineno, f"flag --{first.value}"))
+        elif isinstance(node, ast.Assign):
+            target = node.targets[0]
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr in names
+                and isinstance(target.value, ast.Attribute)
+                and target.value.attr == "search"
+            ):
+                found.append((node.lineno, f"config search.{target.attr}"))
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            args = node.args
+            positional = args.posonlyargs + args.args
+            defaulted = positional[len(positional) - len(args.defaults) :]
+            pairs = list(zip(defaulted, args.defaults, strict=True))
+            keywords = zip(args.kwonlyargs, args.kw_defaults, strict=True)
+            pairs += [(a, d) for a, d in keywords if d is not None]
+            for arg, default in pairs:
+                if arg.arg not in names:
+                    continue
+                none = isinstance(default, ast.Constant) and default.value is None
+                home = (
+                    isinstance(default, ast.Attribute)
+                    and default.attr == arg.arg
+                    and getattr(default.value, "id", "") == "DEFAULTS"
+                )
+                if not (none or home):
+                    found.append((default.lineno, f"parameter {arg.arg}={ast.unparse(default)}"))
+    return found
+
+
+def test_the_declaration_check_finds_each_kind():
+    code = """
+@dataclasses.dataclass
+class Options:
+    beam_size: int | None = None
+def f(x, alpha=0.5, *, stop=DEFAULTS.stop, n_best=None, min_length=DEFAULTS.alpha): ...
+flags.DEFINE_integer("n_best", 1, "K")
+c.search.stop = "bound"
+"""
+    names = {"beam_size", "alpha", "stop", "n_best", "min_length"}
+    assert sorted(line for line, _ in declarations(code, names)) == [4, 5, 5, 6, 7]
+
+
+# The floors below search/ (docs/architecture.md), which cannot see SearchSettings: the
+# batch planner's own parameters (data/plans.py MIN_ROWS) are the home SearchSettings reads.
+BELOW_SEARCH = ("common/", "model/", "data/")
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in [*library_files(), "configs/default.py"] if not p.startswith(BELOW_SEARCH)]
+)
+def test_no_search_setting_is_declared_twice(path):
+    """SearchSettings is the one declaration: decode.py's flags, DecodeOptions, the config's
+    `search` block and the compiled search's Rule derive theirs from it."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        found = declarations(f.read(), setting_names())
+    assert not found, (
+        f"{path} declares a search setting again (derive it from SearchSettings): {found}"
+    )
+
+
+def test_the_derived_declarations_are_search_settings():
+    from attention_jax.configs import default
+    from attention_jax.search.settings import PROGRAM_FIELDS, Rule, SearchSettings
+
+    config = default.get_config().search.to_dict()
+    assert config == {f.name: f.default for f in SearchSettings.fields(config=True)}
+    rule = {f.name: f.default for f in dataclasses.fields(Rule)}
+    assert rule == {
+        **{n: getattr(SearchSettings(), n) for n in PROGRAM_FIELDS},
+        "vocab_limit": None,
+    }
 
 
 def recipe_assignments(source: str) -> list[tuple[int, str, object]]:

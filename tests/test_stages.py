@@ -16,6 +16,7 @@ from attention_jax import EOS_ID
 from attention_jax.search import beam, decoding, stages
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import LiveSearch, translate_ids
+from tests.conftest import search_rule
 from tests.test_decoding import make, ragged_src
 
 
@@ -114,7 +115,7 @@ def test_a_jobs_programs_do_not_depend_on_how_its_sources_are_cut(model):
     allowed = {(16, 8), (8, 8), (8, 16)}  # width 16: 8 rows full; small batches 8 rows
     results = {}
     for cut, count in ((40, 40), (9, 40), (1, 10)):  # one at a time: the first 10
-        search = _Recording(model, settings.rule(), settings.alpha)
+        search = _Recording(model, settings)
         _SEEN.clear()
         found = []
         for lo in range(0, count, cut):
@@ -133,7 +134,7 @@ def test_stopping_once_the_best_is_final_keeps_the_best(model):
     length, extra = min(src.shape[1] + 50, 96), 50
     out = {}
     for n_best in (1, 4):
-        rule = beam.Rule(4, n_best)
+        rule = search_rule(4, n_best)
         out[n_best] = decoding.search_batch(
             model, src, alpha=0.6, rule=rule, length=length, extra=extra
         )
@@ -147,7 +148,7 @@ def test_first_rule_is_greedy_search_in_growing_rooms(model):
     src = ragged_src(5, [6, 2, 9, 4], vocab=40)
     greedy, logp = decoding.translate_greedy(model, src, return_logprob=True)
     length = min(src.shape[1] + 50, 96)
-    rule = beam.Rule(1, stop="count")
+    rule = search_rule(1, stop="count")
     rooms = (16, 32, length)
     tokens, scores = decoding.search_batch(
         model, src, alpha=0.0, rule=rule, length=length, extra=50, rooms=rooms
@@ -161,7 +162,7 @@ def test_rooms_must_grow_to_the_length(model):
     for rooms in [(16, 16, 40), (32, 16, 40), (16, 32)]:
         with pytest.raises(ValueError, match="rooms must increase"):
             decoding.search_batch(
-                model, src, alpha=0.6, rule=beam.Rule(2), length=40, extra=50, rooms=rooms
+                model, src, alpha=0.6, rule=search_rule(2), length=40, extra=50, rooms=rooms
             )
 
 
@@ -169,7 +170,7 @@ def test_the_search_rule_is_greedy_for_beam_one():
     assert SearchSettings(beam_size=1).rule().stop == "count"
     assert SearchSettings(beam_size=4, n_best=2).rule().n_best == 2
     with pytest.raises(ValueError, match="n_best must be in"):
-        beam.Rule(2, n_best=3)
+        search_rule(2, n_best=3)
     with pytest.raises(ValueError, match="n_best must be in"):
         SearchSettings(beam_size=2, n_best=3)
 

@@ -244,8 +244,8 @@ def test_meter_draws_a_bar_on_a_terminal():
 
 def test_chunk_lines_grow_with_the_batch_budget():
     assert DecodeOptions(workdir="w").chunk_lines == 10_000  # the least (CPU: 2.5 x 512)
-    assert DecodeOptions(workdir="w", batch_tokens=1024).chunk_lines == 10_000
-    assert DecodeOptions(workdir="w", batch_tokens=32768).chunk_lines == 81_920
+    assert DecodeOptions(workdir="w", search={"batch_tokens": 1024}).chunk_lines == 10_000
+    assert DecodeOptions(workdir="w", search={"batch_tokens": 32768}).chunk_lines == 81_920
     assert DecodeOptions(workdir="w", read_lines=3).chunk_lines == 3
     with pytest.raises(UserError, match="--read_lines must be >= 1"):
         DecodeOptions(workdir="w", read_lines=0).check()
@@ -276,42 +276,35 @@ def test_the_journal_keeps_its_chunks_batches_and_skips_a_torn_line(tmp_path):
 
 
 def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choices():
-    """decode.py's flags (inference/cli.py) and DecodeOptions' fields: one setting each, the same
-    name, default and accepted values (the search settings are None until given)."""
+    """decode.py's flags (inference/cli.py): DecodeOptions' own fields, one flag each with
+    the same name, default and accepted values; and one flag per search setting with
+    SearchSettings' name, default, choices and help (none declared a second time)."""
     import dataclasses
 
     from absl import flags
 
     from attention_jax.backends.ct2_export import DEVICES, QUANTIZATIONS
     from attention_jax.inference import cli, options
-    from attention_jax.search.defaults import (
-        BEAM_STOPS,
-        DEFAULT_ALPHA,
-        DEFAULT_BEAM_SIZE,
-        DEFAULT_LENGTH_PENALTY,
-        DEFAULT_MIN_LENGTH,
-        LENGTH_PENALTIES,
-    )
+    from attention_jax.search.settings import SearchSettings
 
     job = {name: flags.FLAGS[name] for name in cli.job_flags()}
-    fields = {f.name: f.default for f in dataclasses.fields(DecodeOptions)}
+    fields = {f.name: f.default for f in dataclasses.fields(DecodeOptions) if f.name != "search"}
     assert sorted(job) == sorted(fields)
-    shown = {
-        "beam_size": DEFAULT_BEAM_SIZE, "alpha": DEFAULT_ALPHA, "n_best": 1,
-        "length_penalty": DEFAULT_LENGTH_PENALTY, "stop": BEAM_STOPS[0],
-        "min_length": DEFAULT_MIN_LENGTH,
-    }  # fmt: skip
-    assert sorted(shown) == sorted(cli._SEARCH)
     for name, flag in job.items():
-        want = shown[name] if name in shown else fields[name]
         got = tuple(flag.default) if name == "export_platforms" else flag.default
-        assert got == want, name
-        assert fields[name] is None or name not in shown, name
+        assert got == fields[name], name
     choices = {
         "long_lines": options.LONG_LINES, "output_format": options.OUTPUT_FORMATS,
-        "split": options.SPLITS, "length_penalty": LENGTH_PENALTIES, "stop": BEAM_STOPS,
-        "quantization": QUANTIZATIONS, "device": DEVICES,
+        "split": options.SPLITS, "quantization": QUANTIZATIONS, "device": DEVICES,
     }  # fmt: skip
     parsers = {n: f.parser for n, f in job.items()}
     enums = {n: tuple(p.enum_values) for n, p in parsers.items() if hasattr(p, "enum_values")}
     assert enums == {n: tuple(c) for n, c in choices.items()}
+    settings = SearchSettings.fields(flag=True)
+    assert {f.name for f in settings} >= {"beam_size", "alpha", "n_best", "stop", "min_length"}
+    for field in settings:
+        flag = flags.FLAGS[field.name]
+        assert flag.default == field.default and flag.help.endswith(field.metadata["help"])
+        enum = getattr(flag.parser, "enum_values", None)
+        assert (tuple(enum) if enum else None) == field.metadata["choices"], field.name
+        assert field.name not in job and field.name not in fields

@@ -117,7 +117,7 @@ def test_eight_devices_write_the_single_devices_output(workdir, files):  # noqa:
         ({"t.tsv": "one\n\n"}, ["--constraints={d}/t.tsv", "--long_lines=split"],
          "need --long_lines=truncate"),
         ({"t.tsv": "one\n\n"}, ["--constraints={d}/t.tsv", "--max_constraints=0"],
-         "--max_constraints >= 1"),
+         "--max_constraints must be >= 1"),
     ],
 )  # fmt: skip
 def test_bad_files_and_settings_are_one_line_before_anything_is_written(
