@@ -130,10 +130,19 @@ class CT2Translator:
         if device == "cpu":
             batches = f"{workers} batches" if workers > 1 else "1 batch"
             _log.info(f"CTranslate2 on the CPU: {batches} at once, one thread each")
+        return cls(directory, decoding, translator, cls.settings_for(decoding, device, search))
+
+    @staticmethod
+    def settings_for(
+        decoding: dict[str, Any], device: str, search: Mapping[str, Any] | None
+    ) -> SearchSettings:
+        """The settings given (`search`), the directory's beam size and alpha and
+        CTranslate2's batch size for `device` for the others; CTranslate2's length penalty
+        and stop rule."""
         given = {k: v for k, v in (search or {}).items() if v is not None}
         defaults = dict(beam_size=decoding["beam_size"], alpha=decoding["alpha"])
         settings = SearchSettings(**{**defaults, "batch_tokens": CT2_BATCH_TOKENS[device], **given})
-        return cls(directory, decoding, translator, settings)
+        return settings.replace(length_penalty="average", stop="count")
 
     def translate(
         self,

@@ -37,7 +37,6 @@ from attention_jax.inference.alignment import add_alignments
 from attention_jax.inference.lines import (
     Translated,
     best_texts,
-    encode_lines,
     format_lines,
     output_text,
     translate_segments,
@@ -45,10 +44,10 @@ from attention_jax.inference.lines import (
 from attention_jax.inference.output import Journal
 from attention_jax.inference.plots import plot_lines
 from attention_jax.inference.progress import Meter
-from attention_jax.inference.targets import encode_targets
+from attention_jax.inference.targets import EncodedLines, encode_chunk
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
-from attention_jax.search.stages import Targets, output_tokens
+from attention_jax.search.stages import output_tokens
 from attention_jax.search.translate import Translator
 
 
@@ -141,29 +140,8 @@ class _Read:
     lines: list[str]
     bad_utf8: int
     offset: int
-    segments: list[Any]
-    line_tokens: list[list[int]]
-    num_long: int
-    targets: Targets | None = None
+    encoded: EncodedLines
     offsets: tuple[int, int] = (0, 0)
-
-
-def _targets(job: StreamJob, lines: list[str], segments: list[Any], first: int) -> Targets | None:
-    """The prefixes and phrases of a chunk's segments (one a line: --long_lines=split is
-    refused with them), from the next lines of --prefix and --constraints."""
-    if job.prefixes is None and job.constraints is None:
-        return None
-    read = lambda reader: None if reader is None else reader.read(len(lines))[0]
-    prefixes, phrases = encode_targets(
-        job.tokenizer,
-        lines,
-        read(job.prefixes),
-        read(job.constraints),
-        first_line=first,
-        settings=job.translator.settings,
-    )
-    pick = lambda per_line: None if per_line is None else [per_line[s.line] for s in segments]
-    return job.translator.settings.targets(pick(prefixes), pick(phrases))
 
 
 def _read(job: StreamJob, first: int) -> _Read | None:
@@ -176,15 +154,22 @@ def _read(job: StreamJob, first: int) -> _Read | None:
         return None
     offset = job.source.offset
     with timing.phase("tokenize"):
-        segments, line_tokens, num_long = encode_lines(
-            job.tokenizer, lines, job.max_length, job.long_lines == "split"
+        read = lambda reader: None if reader is None else reader.read(len(lines))[0]
+        encoded = encode_chunk(
+            job.tokenizer,
+            lines,
+            read(job.prefixes),  # the next lines of --prefix and --constraints
+            read(job.constraints),
+            max_length=job.max_length,
+            split=job.long_lines == "split",
+            settings=job.translator.settings,
+            first_line=first,
         )
-        targets = _targets(job, lines, segments, first)
     offsets = tuple(r.offset if r is not None else 0 for r in (job.prefixes, job.constraints))
     prepare = getattr(job.translator, "prepare", None)
     if prepare is not None:  # its programs compile while the chunk before is translated
-        prepare([s.ids for s in segments], targets=targets)
-    return _Read(lines, bad_utf8, offset, segments, line_tokens, num_long, targets, offsets)
+        prepare([s.ids for s in encoded.segments], targets=encoded.targets)
+    return _Read(lines, bad_utf8, offset, encoded, offsets)
 
 
 def translate_chunk(
@@ -195,7 +180,7 @@ def translate_chunk(
     journal: where each finished batch's results go, and the results an earlier run
     of the job left for this chunk, which are not translated again.
     """
-    meter.start_chunk(len(chunk.lines), len(chunk.segments))
+    meter.start_chunk(len(chunk.lines), len(chunk.encoded.segments))
     known = journal.read() if journal is not None else {}
     if jax.process_count() > 1:  # every process translates what process 0's journal lacks
         ids = devices.known_sources(known)
@@ -218,11 +203,11 @@ def translate_chunk(
     translated = translate_segments(
         job.translator,
         job.tokenizer,
-        chunk.segments,
-        chunk.line_tokens,
+        chunk.encoded.segments,
+        chunk.encoded.line_tokens,
         progress,
         known,
-        chunk.targets,
+        chunk.encoded.targets,
     )
     if job.alignment:
         with timing.phase("alignment"):
@@ -273,7 +258,7 @@ def _chunk(
         prefix_offset=chunk.offsets[0],
         constraints_offset=chunk.offsets[1],
         bad_utf8=totals.bad_utf8 + chunk.bad_utf8,
-        long=totals.long + chunk.num_long,
+        long=totals.long + chunk.encoded.num_long,
         empty=totals.empty + sum(1 for h in translated.hypotheses if not h),
         segments=totals.segments + len(translated.segments),
         tokens=totals.tokens + sum(len(h[0].tokens) + 1 for h in translated.search if h),

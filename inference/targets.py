@@ -2,6 +2,8 @@
 
     prefixes, phrases = encode_targets(tokenizer, lines, prefix_lines, constraint_lines,
                                        first_line=1, settings=settings)
+    chunk = encode_chunk(tokenizer, lines, prefix_lines, constraint_lines, max_length=256,
+                         split=False, settings=settings)    # segments, their targets
 
 Line i of --prefix is the start translation i must have (empty: none); line i of
 --constraints holds the phrases it must contain, separated by tabs (fairseq's
@@ -13,13 +15,14 @@ the line and the flag to change.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from attention_jax.common.errors import UserError
-from attention_jax.inference.lines import LineReader, encode_lines
+from attention_jax.inference.lines import LineReader, Segment, encode_lines
 from attention_jax.search.settings import SearchSettings
-from attention_jax.search.stages import prefix_room
+from attention_jax.search.stages import Targets, prefix_room
 
 
 def split_phrases(line: str) -> list[str]:
@@ -57,6 +60,44 @@ def encode_targets(
                 _check_phrases(ps, ids, first_line + n, settings)
             phrases.append(ids)
     return prefixes, phrases
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedLines:
+    """Lines as the search takes them: their segments (inference/lines.py), each line's
+    token ids, how many were too long, and the segments' prefixes and phrases."""
+
+    segments: list[Segment]
+    line_tokens: list[list[int]]
+    num_long: int
+    targets: Targets | None
+
+
+def encode_chunk(
+    tokenizer: Any,
+    lines: Sequence[str],
+    prefix_lines: Sequence[str] | None,
+    constraint_lines: Sequence[str] | None,
+    *,
+    max_length: int,
+    split: bool,
+    settings: SearchSettings,
+    first_line: int = 1,
+) -> EncodedLines:
+    """`lines` encoded into segments (a line longer than max_length truncated, or with
+    `split` cut), with the targets of their lines' prefixes and phrases (one segment a
+    line where there are any: `split` is refused with them). The one encoding of
+    decode.py's chunks and of the library's `Translator`."""
+    segments, line_tokens, num_long = encode_lines(tokenizer, lines, max_length, split)
+    if prefix_lines is None and constraint_lines is None:
+        return EncodedLines(segments, line_tokens, num_long, None)
+    prefixes, phrases = encode_targets(
+        tokenizer, lines, prefix_lines, constraint_lines, first_line=first_line, settings=settings
+    )
+    pick = lambda per_line: None if per_line is None else [per_line[s.line] for s in segments]
+    return EncodedLines(
+        segments, line_tokens, num_long, settings.targets(pick(prefixes), pick(phrases))
+    )
 
 
 def _same_count(lines: Sequence[str], other: Sequence[str], flag: str, first_line: int) -> None:

@@ -7,6 +7,7 @@ that plans batches without a model; with its tokenizer and what it depends on.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Callable
@@ -113,6 +114,22 @@ def _check_exported(options: DecodeOptions, translator: ExportedTranslator) -> N
             raise UserError(
                 f"{options.exported} was exported with {name}={exported}; export again to change it"
             )
+
+
+def reconfigure(loaded: Loaded, options: DecodeOptions) -> Loaded:
+    """`loaded` searching as `options` asks, its model and tokenizer kept (the library's
+    per-call settings): UserError for a setting an export fixed."""
+    translator = copy.copy(loaded.translator)
+    if options.backend == "exported":
+        _check_exported(options, translator)
+        batch_tokens = options.search.get("batch_tokens")
+        translator.settings = translator.settings.replace(batch_tokens=batch_tokens)
+    elif options.backend == "ct2":
+        device = options.device or "cpu"
+        translator.settings = translator.settings_for(translator.decoding, device, options.search)
+    else:
+        translator.settings = options.settings
+    return dataclasses.replace(loaded, translator=translator)
 
 
 def dry_run(loaded: Loaded, options: DecodeOptions) -> Loaded:

@@ -10,7 +10,7 @@ from flax import nnx
 
 from attention_jax import Transformer, TransformerConfig
 from attention_jax.precision import einsum_f32
-from attention_jax.training import steps
+from attention_jax.training import loss, steps
 from attention_jax.training.loss import chunked_loss_sums
 from attention_jax.training.mesh import shard_batch
 from tests.conftest import small_train_config
@@ -42,7 +42,7 @@ def test_chunked_loss_equals_numpy_and_whole_autodiff(chunk):
     assert float(sums["correct"]) == hits
 
     def whole(y, w):
-        return steps.loss_sums(jnp.einsum("BTD,VD->BTV", y, w), jnp.asarray(targets), 0.1)
+        return loss.loss_sums(jnp.einsum("BTD,VD->BTV", y, w), jnp.asarray(targets), 0.1)
 
     def chunked(y, w):
         return chunked_loss_sums(y, w, jnp.asarray(targets), 0.1, chunk_tokens=chunk)

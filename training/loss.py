@@ -1,8 +1,11 @@
-"""The loss over the vocabulary in token chunks: no [B, T, V] logits array, forward or back.
+"""The label-smoothed cross-entropy of the paper (section 5.4): over whole logits, or over
+the vocabulary in token chunks with no [B, T, V] logits array, forward or back.
 
+    loss = label_smoothed_loss(logits, targets, label_smoothing=0.1)  # [] mean per token
+    sums = loss_sums(logits, targets, 0.1)         # {loss, nll, correct, tokens}, summed
     sums = chunked_loss_sums(y, w, targets, label_smoothing, chunk_tokens=2048)
     # y [B, T, D] final decoder states, w [V, D] output matrix, targets [B, T]
-    # -> the same sums as steps.loss_sums(y @ w^T, targets, label_smoothing)
+    # -> the same sums as loss_sums(y @ w^T, targets, label_smoothing)
 
 With a 37k vocabulary the float32 logits of a 25k-token batch take 3.5 GB, and
 autodiff keeps them for the backward pass next to their float32 and bf16
@@ -28,8 +31,56 @@ import jax
 import jax.numpy as jnp
 
 
+def loss_sums(
+    logits: jax.Array, targets: jax.Array, label_smoothing: float
+) -> dict[str, jax.Array]:
+    """Summed (not averaged) loss statistics over non-padding target tokens.
+
+    Args:
+      logits: [B, T, V] float32.
+      targets: [B, T] int32, 0 = padding (weight 0).
+      label_smoothing: eps_ls; the target gets 1 - eps, every other id eps / (V - 1).
+    Returns:
+      loss: sum of cross-entropy against the smoothed labels (what is minimized);
+      nll: sum of the plain negative log-likelihood (for perplexity);
+      correct: number of argmax hits; tokens: number of non-padding targets.
+    """
+    vocab = logits.shape[-1]
+    real = targets != 0  # [B, T]
+    # Select, never multiply: a NaN/Inf at a padded position (fused attention kernels
+    # may leave garbage in rows they skip) times a zero weight would still be NaN,
+    # in the loss and in its gradient. Zeroed logits keep padded rows finite both ways.
+    logits = jnp.where(real[..., None], logits.astype(jnp.float32), 0.0)  # [B, T, V]
+    # Reductions over V only: log p_v = logits_v - lse is never materialized as a
+    # second [B, T, V] array (XLA fuses each reduction into one pass over logits).
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    sum_logp = logits.sum(-1) - vocab * lse  # [B, T]: sum_v log p_v
+    on, off = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
+    # -sum_v q_v log p_v with q = off everywhere except `on` at the target.
+    smoothed = (on - off) * nll - off * sum_logp  # [B, T]
+    correct = jnp.argmax(logits, axis=-1) == targets  # [B, T]
+    total = lambda x: jnp.where(real, x, 0.0).sum()
+    return {
+        "loss": total(smoothed),
+        "nll": total(nll),
+        "correct": total(correct.astype(jnp.float32)),
+        "tokens": real.sum(dtype=jnp.float32),
+    }
+
+
+def label_smoothed_loss(
+    logits: jax.Array, targets: jax.Array, label_smoothing: float = 0.1
+) -> jax.Array:
+    """The mean label-smoothed cross-entropy per non-padding target token, what training
+    minimizes: logits [B, T, V], targets [B, T] int32 (0 = padding) -> [] float32 (0 for a
+    batch of padding only). Label smoothing 0.1 is the paper's (section 5.4)."""
+    sums = loss_sums(logits, targets, label_smoothing)
+    return sums["loss"] / jnp.maximum(sums["tokens"], 1.0)
+
+
 def _loss_stats(logits: jax.Array, targets: jax.Array, label_smoothing: float):
-    """Sums (as steps.loss_sums) and d(summed smoothed loss)/d(logits) of one chunk.
+    """Sums (as loss_sums) and d(summed smoothed loss)/d(logits) of one chunk.
 
     logits [..., V] float32 or bfloat16 (read as float32: every statistic is computed and
     summed in float32), targets [...] (0 = padding) -> (sums, grad [..., V] float32).
@@ -106,7 +157,7 @@ def chunked_loss_sums(
     chunk_tokens: int,
     logits_dtype: str = "float32",
 ) -> dict[str, jax.Array]:
-    """`steps.loss_sums(logits, targets, label_smoothing)` for logits = y w^T, in chunks.
+    """`loss_sums(logits, targets, label_smoothing)` for logits = y w^T, in chunks.
 
     Args:
       y: [B, T, D] final decoder states (`Transformer.hidden`), compute dtype.

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from attention_jax import TransformerConfig
 from attention_jax.training.config import build_model, model_config
-from attention_jax.training.loss import chunked_loss_sums
+from attention_jax.training.loss import chunked_loss_sums, loss_sums
 from attention_jax.training.mesh import axis_rules, gathered, split_micro, state_shardings
 from attention_jax.training.optim import make_optimizer, make_schedule
 from attention_jax.training.state_buffers import Packing
@@ -108,44 +108,6 @@ def init_train_state(setup: TrainSetup) -> TrainState:
 
 
 # --- Loss ---------------------------------------------------------------------
-
-
-def loss_sums(
-    logits: jax.Array, targets: jax.Array, label_smoothing: float
-) -> dict[str, jax.Array]:
-    """Summed (not averaged) loss statistics over non-padding target tokens.
-
-    Args:
-      logits: [B, T, V] float32.
-      targets: [B, T] int32, 0 = padding (weight 0).
-      label_smoothing: eps_ls; the target gets 1 - eps, every other id eps / (V - 1).
-    Returns:
-      loss: sum of cross-entropy against the smoothed labels (what is minimized);
-      nll: sum of the plain negative log-likelihood (for perplexity);
-      correct: number of argmax hits; tokens: number of non-padding targets.
-    """
-    vocab = logits.shape[-1]
-    real = targets != 0  # [B, T]
-    # Select, never multiply: a NaN/Inf at a padded position (fused attention kernels
-    # may leave garbage in rows they skip) times a zero weight would still be NaN,
-    # in the loss and in its gradient. Zeroed logits keep padded rows finite both ways.
-    logits = jnp.where(real[..., None], logits.astype(jnp.float32), 0.0)  # [B, T, V]
-    # Reductions over V only: log p_v = logits_v - lse is never materialized as a
-    # second [B, T, V] array (XLA fuses each reduction into one pass over logits).
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
-    nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
-    sum_logp = logits.sum(-1) - vocab * lse  # [B, T]: sum_v log p_v
-    on, off = 1.0 - label_smoothing, label_smoothing / (vocab - 1)
-    # -sum_v q_v log p_v with q = off everywhere except `on` at the target.
-    smoothed = (on - off) * nll - off * sum_logp  # [B, T]
-    correct = jnp.argmax(logits, axis=-1) == targets  # [B, T]
-    total = lambda x: jnp.where(real, x, 0.0).sum()
-    return {
-        "loss": total(smoothed),
-        "nll": total(nll),
-        "correct": total(correct.astype(jnp.float32)),
-        "tokens": real.sum(dtype=jnp.float32),
-    }
 
 
 def _forward_sums(

@@ -1,0 +1,222 @@
+"""Translate strings from Python, as decode.py does: a model directory in, texts out.
+
+    from attention_jax import Translator
+
+    translator = Translator("workdir/tiny")           # a training workdir, an export, ...
+    translator.translate(["Das Haus ist klein."])     # ['The house is small.']
+    results = translator.translate_batch(lines, beam_size=4, n_best=2)
+    results[0].hypotheses, results[0].scores          # best first
+
+A `Translator` opens the directory with decode.py's own openers (inference/
+translators.py: a training workdir, an exported translator, a CTranslate2 model, or
+an OPUS-MT / Marian directory, npz or Hugging Face's safetensors), and translates a
+list of lines with decode.py's own steps (inference/lines.py): each line stripped,
+encoded, cut or truncated at `max_length`, batched by a token budget over every
+local device, searched, and decoded. So its texts, scores and tokens are decode.py's
+for the same lines and settings, byte for byte. Search settings are
+search/settings.py `SearchSettings` fields, given when the translator is made or per
+call (an exported translator fixes its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from attention_jax.common.errors import UserError
+from attention_jax.inference.lines import translate_segments
+from attention_jax.inference.options import DecodeOptions
+from attention_jax.inference.targets import EncodedLines, encode_chunk
+from attention_jax.inference.translators import Loaded, open_translator, reconfigure
+from attention_jax.search.settings import SearchSettings
+
+# What a directory holds -> the kind of model it is (the first that matches).
+KINDS = ("exported", "ct2", "marian", "workdir")
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslationResult:
+    """One line's translations, best first (none for an empty line): as decode.py's jsonl
+    gives them. scores: the length-normalized log-probabilities the search ranks by."""
+
+    hypotheses: list[str]
+    scores: list[float]
+    tokens: list[list[int]]
+    constraints_met: list[list[bool]] | None = None  # with constraints: per phrase
+
+
+def model_kind(path: str) -> str:
+    """Which of KINDS the directory `path` is, by the files it holds (ValueError if none)."""
+    if not os.path.isdir(path):
+        raise UserError(f"{path} is not a directory")
+    names = set(os.listdir(path))
+    if "metadata.json" in names and "params.npz" in names:
+        return "exported"
+    if {"model.bin", "decoding.json"} <= names:
+        return "ct2"
+    if "decoder.yml" in names or "model.safetensors" in names or "pytorch_model.bin" in names:
+        return "marian"
+    if "checkpoints" in names or "config.json" in names:
+        return "workdir"
+    raise UserError(
+        f"{path} holds no model this library reads: a training workdir (config.json, "
+        "checkpoints/), an exported translator, a CTranslate2 model or an OPUS-MT directory"
+    )
+
+
+class Translator:
+    """A model directory, ready to translate lists of strings.
+
+    Args:
+      path: a training workdir (train.py's), an exported translator (decode.py
+        --export), a CTranslate2 model (--export_ct2) or an OPUS-MT / Marian
+        directory (the release's npz, decoder.yml, vocabulary and .spm files, or
+        Hugging Face's MarianMT layout).
+      kind: one of KINDS; None: from the files in `path`.
+      checkpoint_step, average_last: a workdir's checkpoint (None: the newest), and
+        how many of the last ones to average.
+      device, threads: a CTranslate2 model's ("cpu" or "cuda"; 0 = one per core).
+      settings: SearchSettings fields (beam_size, alpha, n_best, length_penalty, stop,
+        min_length, batch_tokens, max_constraints, constraint_tokens, ...): the
+        defaults of every call.
+    Raises:
+      ValueError (attention_jax.common.errors.UserError) saying what is wrong.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        kind: str | None = None,
+        checkpoint_step: int | None = None,
+        average_last: int = 1,
+        device: str | None = None,
+        threads: int = 0,
+        **settings: Any,
+    ):
+        self.kind = kind or model_kind(path)
+        if self.kind not in KINDS:
+            raise UserError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        self._options = DecodeOptions(
+            **{self.kind: path},
+            checkpoint_step=checkpoint_step,
+            average_last=average_last,
+            device=device,
+            threads=threads,
+            output_format="jsonl",  # every hypothesis, as translate_batch returns them
+            search=settings,
+        )
+        with _plain_errors():
+            self._options.check()
+            self._loaded: Loaded = open_translator(self._options)
+
+    @property
+    def settings(self) -> SearchSettings:
+        """The search every call runs unless it says otherwise."""
+        return self._loaded.translator.settings
+
+    @property
+    def max_len(self) -> int:
+        """The longest source the model takes, in tokens with EOS."""
+        return self._loaded.translator.max_len
+
+    def translate_batch(
+        self,
+        lines: Sequence[str],
+        *,
+        prefixes: Sequence[str] | None = None,
+        constraints: Sequence[Sequence[str]] | None = None,
+        max_length: int | None = None,
+        long_lines: str = "truncate",
+        **settings: Any,
+    ) -> list[TranslationResult]:
+        """Each line's translations, in order, as decode.py --output_format=jsonl gives them.
+
+        Args:
+          lines: the sources, one sentence each (a newline inside one is a space).
+          prefixes: per line, the text its translation must start with ("" : none).
+          constraints: per line, the phrases its translation must contain.
+          max_length: the longest source in tokens with EOS (None: the model's).
+          long_lines: "truncate" a longer line, or "split" it into pieces translated
+            one after another and joined.
+          settings: SearchSettings fields for this call (e.g. beam_size=2, n_best=2).
+        """
+        with _plain_errors():
+            loaded = self._searching(settings)
+            chunk = _encode(
+                loaded, lines, prefixes, constraints, max_length=max_length, long_lines=long_lines
+            )
+            done = translate_segments(
+                loaded.translator, loaded.tokenizer, chunk.segments, chunk.line_tokens,
+                targets=chunk.targets,
+            )  # fmt: skip
+        return [_result(line) for line in done.hypotheses]
+
+    def _searching(self, settings: dict[str, Any]) -> Loaded:
+        """The model, searching with these settings over the translator's own."""
+        if not settings:
+            return self._loaded
+        options = dataclasses.replace(self._options, search={**self._options.search, **settings})
+        options.check()
+        return reconfigure(self._loaded, options)
+
+    def translate(self, lines: Sequence[str], **kwargs: Any) -> list[str]:
+        """Each line's best translation ("" for an empty line): decode.py's text output.
+        Takes `translate_batch`'s arguments."""
+        results = self.translate_batch(lines, **kwargs)
+        return [r.hypotheses[0] if r.hypotheses else "" for r in results]
+
+
+def _encode(
+    loaded: Loaded,
+    lines: Sequence[str],
+    prefixes: Sequence[str] | None,
+    constraints: Sequence[Sequence[str]] | None,
+    *,
+    max_length: int | None,
+    long_lines: str,
+) -> EncodedLines:
+    """The lines as decode.py encodes a chunk (inference/targets.py `encode_chunk`)."""
+    if long_lines not in ("truncate", "split"):
+        raise UserError(f"long_lines must be 'truncate' or 'split', got {long_lines!r}")
+    if (prefixes or constraints) and long_lines == "split":
+        raise UserError("prefixes and constraints need long_lines='truncate'")
+    max_len = loaded.translator.max_len
+    max_length = min(max_length or max_len, max_len)
+    if max_length < 2:
+        raise UserError(f"max_length must be >= 2, got {max_length}")
+    phrases = None if constraints is None else ["\t".join(c) for c in constraints]
+    return encode_chunk(
+        loaded.tokenizer,
+        [line.replace("\n", " ") for line in lines],
+        prefixes,
+        phrases,
+        max_length=max_length,
+        split=long_lines == "split",
+        settings=loaded.translator.settings,
+    )
+
+
+def _result(hypotheses: list[dict[str, Any]]) -> TranslationResult:
+    """A line's hypotheses as inference/lines.py `line_hypotheses` gives them."""
+    met = [h["constraints_met"] for h in hypotheses if "constraints_met" in h]
+    return TranslationResult(
+        hypotheses=[h["text"] for h in hypotheses],
+        scores=[h["score"] for h in hypotheses],
+        tokens=[h["tokens"] for h in hypotheses],
+        constraints_met=met or None,
+    )
+
+
+@contextlib.contextmanager
+def _plain_errors() -> Iterator[None]:
+    """decode.py's messages name its flags (--n_best); from Python they name the
+    arguments (n_best)."""
+    try:
+        yield
+    except UserError as e:
+        raise UserError(re.sub(r"--(?=[a-z])", "", str(e))) from e
