@@ -9,13 +9,23 @@ The one batch planner (data/plans.py) serves training, the dev loss, translation
 and alignments; it is pure: shards that must agree on batch counts (the
 processes of a job) are told what to agree on by their caller (training/input.py).
 
-Importing this package is light (numpy and SentencePiece, never JAX; grain loads
-when a plan is made): the cache's worker processes import it.
+Importing this package loads nothing: each name below is loaded on first use (PEP 562),
+so the search's settings (which read data/plans.py) need neither SentencePiece nor
+grain, and the cache's worker processes never start JAX.
 """
 
-from attention_jax.data.corpora import ParallelCorpus, TsvCorpus, load_split
-from attention_jax.data.pipeline import TrainIterator, eval_batches
-from attention_jax.data.tokenizer import Tokenizer, get_tokenizer
+import importlib
+
+# name -> the module that defines it
+_LAZY = {
+    "ParallelCorpus": "attention_jax.data.corpora",
+    "TsvCorpus": "attention_jax.data.corpora",
+    "load_split": "attention_jax.data.corpora",
+    "TrainIterator": "attention_jax.data.pipeline",
+    "eval_batches": "attention_jax.data.pipeline",
+    "Tokenizer": "attention_jax.data.tokenizer",
+    "get_tokenizer": "attention_jax.data.tokenizer",
+}
 
 __all__ = [
     "ParallelCorpus",
@@ -26,3 +36,9 @@ __all__ = [
     "get_tokenizer",
     "load_split",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'attention_jax.data' has no attribute {name!r}")

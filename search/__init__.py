@@ -1,8 +1,19 @@
-"""Token ids in, hypotheses out: the layer between the model and its two users,
-training's evaluation and decode.py's application (inference/).
+"""The searches, and token ids in, hypotheses out: the layer between the model and its
+users, training's evaluation, decode.py's application (inference/) and the library's
+Translator.
 
-    settings.py    `SearchSettings`: beam, alpha, n_best, length penalty, stop, batch
-                   tokens: one object from decode.py's flags to the programs
+Over any decoder's step function, step_fn(tokens, cache) -> (logits, cache):
+    beam.py        beam search: length penalty, exact stopping, prefixes, constraints,
+                   n-best (`beam_search`; `Rule` and `BeamState` for the compiled ones)
+    sampling.py    greedy search and ancestral sampling (`greedy_search`, `sample`)
+    scoring.py     length penalties, length limits, restricted ids, the two-level top-k
+    constraints.py target prefixes and terminology constraints as fixed-size arrays
+    settings.py    `SearchSettings`: every search setting declared once (name, type,
+                   default, help), from which flags, options, configs and `Rule` derive
+
+The Transformer's, and many sources batched into static shapes:
+    decoding.py    the Transformer's step function under those searches, one compiled
+                   program per batch shape (`translate`, `translate_beams`, `search_batch`)
     translate.py   the Translator interface, the live model's (`LiveTranslator`,
                    `translate_ids`) and the batching every backend shares
     hypothesis.py  `Hypothesis` (ids and score), what every translator returns per source
@@ -12,5 +23,5 @@ training's evaluation and decode.py's application (inference/).
     bleu.py        corpus BLEU and chrF
 
 Imports model/ and data/ only. Nothing is imported here, so that importing one module
-loads only what it needs.
+loads only what it needs (settings.py is free of JAX: decode.py's flags read it).
 """
