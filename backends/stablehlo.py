@@ -43,10 +43,9 @@ from flax import nnx
 from attention_jax import Transformer
 from attention_jax.data.files import atomic_write, atomic_write_bytes, read_versioned_json
 from attention_jax.data.plans import inference_widths
-from attention_jax.search import beam
 from attention_jax.search.hypothesis import Hypothesis
 from attention_jax.search.scoring import output_limit
-from attention_jax.search.settings import SearchSettings
+from attention_jax.search.settings import SearchSettings, steps_per_check
 from attention_jax.search.stages import Targets, run_stages, stage_rooms
 from attention_jax.search.translate import Progress, search_fn
 
@@ -98,7 +97,7 @@ def export_translator(
     widths = inference_widths(max_len)
     live = lambda flat: nnx.merge(graphdef, jax.tree.unflatten(treedef, flat), rest)
     # One program serves every platform: the most steps per check any of them wants.
-    per = max(beam.steps_per_check(p) for p in platforms or [jax.default_backend()])
+    per = max(steps_per_check(p) for p in platforms or [jax.default_backend()])
     settings = settings.replace(steps_per_check=per)
     sizes, rooms = _write_programs(
         directory, live, leaves, model.config, settings, vocab_limit, platforms

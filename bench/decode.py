@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     from flax import nnx
 
     from attention_jax import EOS_ID, Transformer, TransformerConfig
-    from attention_jax.search import beam
+    from attention_jax.search.settings import steps_per_check
 
     checks = [int(x) for x in args.steps_per_check.split(",")] if args.steps_per_check else [None]
 
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
             for k in (int(x) for x in args.beam_sizes.split(",")):
                 for per in checks:
                     r = _bench_one(model, src, k, args.iters, per)
-                    per = per or beam.steps_per_check()
+                    per = per or steps_per_check()
                     rows.append({"config": name, "beam": k, "batch": b, "per_check": per, **r})
                     print(
                         f"# {name} beam={k} batch={b} steps/check={per}: "

@@ -96,7 +96,7 @@ def encode_chunk(
     )
     pick = lambda per_line: None if per_line is None else [per_line[s.line] for s in segments]
     return EncodedLines(
-        segments, line_tokens, num_long, settings.targets(pick(prefixes), pick(phrases))
+        segments, line_tokens, num_long, Targets.of(settings, pick(prefixes), pick(phrases))
     )
 
 

@@ -65,22 +65,6 @@ def reorder_rows(cache: Any, rows: jax.Array) -> Any:
     return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
 
 
-# Steps between tests of a search's stopping condition, by platform. XLA:GPU runs a
-# `while_loop` by copying its condition to the host at every iteration and launching
-# the body's kernels again, which a fixed-trip inner loop of k steps avoids; but on an
-# H200 (base, beam 4, 128 sentences) k = 8 gave 69.3k target tokens/s against 71.5k
-# at k = 1, and on a CPU decode.py ran 2,035 / 2,013 / 1,801 tokens/s at k = 1 / 4 / 8
-# (tiny, the Ding test set): a step's kernels outlast the round trip. 1 until a
-# platform measures better with more.
-STEPS_PER_CHECK: dict[str, int] = {"cpu": 1, "tpu": 1, "gpu": 1, "cuda": 1, "rocm": 1}
-
-
-def steps_per_check(platform: str | None = None) -> int:
-    """The steps per test of the stopping condition for `platform` (default: JAX's
-    default backend); 1 for a platform not listed."""
-    return STEPS_PER_CHECK.get(platform or jax.default_backend(), 1)
-
-
 class BeamState(NamedTuple):
     """One batch of B sources between steps (a pytree); C = the room for tokens."""
 

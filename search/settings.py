@@ -14,13 +14,9 @@ source length + 50 output tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from attention_jax.data.plans import MIN_ROWS
-
-if TYPE_CHECKING:
-    from attention_jax.search.stages import Targets
 
 # How scores are normalized by length: "gnmt" (the paper's setup: ((5 + len) / 6)^alpha)
 # or "average" (CTranslate2's and OpenNMT's: len^alpha); search/scoring.py.
@@ -38,6 +34,24 @@ EXTRA_DECODE_LEN = 50
 BATCH_TOKENS = {"cpu": 512, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
 # CTranslate2's (decode.py --ct2: its max_batch_size, batch_type "tokens"), by --device.
 CT2_BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
+
+
+# Steps between tests of a search's stopping condition, by platform. XLA:GPU runs a
+# `while_loop` by copying its condition to the host at every iteration, which a
+# fixed-trip inner loop of k steps avoids; but a step's kernels outlast that round trip,
+# and k > 1 measured no faster on a GPU or a CPU (docs/decoding.md): 1 until a platform
+# measures better with more.
+STEPS_PER_CHECK: dict[str, int] = {"cpu": 1, "tpu": 1, "gpu": 1, "cuda": 1, "rocm": 1}
+
+
+def steps_per_check(platform: str | None = None) -> int:
+    """The steps per test of the stopping condition for `platform` (default: JAX's
+    default backend); 1 for a platform not listed."""
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return STEPS_PER_CHECK.get(platform, 1)
 
 
 def default_batch_tokens(platform: str | None = None) -> int:
@@ -110,7 +124,7 @@ class SearchSettings:
     steps_per_check: int | None = _setting(
         None,
         "Search steps between tests of whether every source is done, in a loop XLA:GPU "
-        "runs without a host round trip (default: the platform's, search/beam.py "
+        "runs without a host round trip (default: the platform's, search/settings.py "
         "STEPS_PER_CHECK). The output is the same for any value.",
         program=True,
     )
@@ -151,23 +165,8 @@ class SearchSettings:
         if self.beam_size == 1:
             values["stop"] = "count"
         if self.steps_per_check is None:
-            from attention_jax.search.beam import steps_per_check  # JAX, when it is asked
-
             values["steps_per_check"] = steps_per_check()
         return Rule(**values, vocab_limit=vocab_limit)
-
-    def targets(
-        self,
-        prefixes: Sequence[Sequence[int]] | None = None,
-        constraints: Sequence[Sequence[Sequence[int]]] | None = None,
-    ) -> Targets | None:
-        """The prefixes and constraints of some sources, sized by these settings (None:
-        neither)."""
-        if prefixes is None and constraints is None:
-            return None
-        from attention_jax.search.stages import Targets  # JAX, when it is asked
-
-        return Targets(prefixes, constraints, self.max_constraints, self.constraint_tokens)
 
     def replace(self, **changes: Any) -> SearchSettings:
         return dataclasses.replace(self, **changes)

@@ -37,7 +37,7 @@ from attention_jax.search import timing
 from attention_jax.search.constraints import Controls
 from attention_jax.search.hypothesis import hypotheses
 from attention_jax.search.scoring import FILLER, output_limit, rooms
-from attention_jax.search.settings import DEFAULTS
+from attention_jax.search.settings import DEFAULTS, SearchSettings
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
@@ -62,6 +62,19 @@ class Targets:
     constraints: Sequence[Sequence[Sequence[int]]] | None = None
     max_phrases: int = DEFAULTS.max_constraints
     max_tokens: int = DEFAULTS.constraint_tokens
+
+    @classmethod
+    def of(
+        cls,
+        settings: SearchSettings,
+        prefixes: Sequence[Sequence[int]] | None = None,
+        constraints: Sequence[Sequence[Sequence[int]]] | None = None,
+    ) -> Targets | None:
+        """The prefixes and constraints of some sources, sized by `settings` (None:
+        neither)."""
+        if prefixes is None and constraints is None:
+            return None
+        return cls(prefixes, constraints, settings.max_constraints, settings.constraint_tokens)
 
     def sizes(self, width: int, max_len: int) -> tuple[int, int, int]:
         """(P, Q, T): a batch's prefix room, phrases and tokens per phrase."""

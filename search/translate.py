@@ -188,7 +188,7 @@ def translate_ids(
         progress=progress,
         min_rows=settings.min_rows,
         skip=skip,
-        targets=settings.targets(prefixes, constraints),
+        targets=Targets.of(settings, prefixes, constraints),
     )
 
 

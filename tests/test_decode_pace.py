@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 
 from attention_jax import EOS_ID, Transformer, TransformerConfig
-from attention_jax.search import beam, decoding
-from attention_jax.search.settings import SearchSettings
+from attention_jax.search import decoding
+from attention_jax.search.settings import SearchSettings, steps_per_check
 from tests.conftest import model_fields, search_rule
 from tests.test_decode_cli import (
     ROOT,
@@ -120,7 +120,7 @@ def test_the_dry_run_skips_sources_as_the_search_does():
 def test_steps_per_check_is_checked():
     with pytest.raises(ValueError, match="steps_per_check must be >= 1"):
         search_rule(4, steps_per_check=0)
-    assert beam.steps_per_check("cpu") >= 1 and beam.steps_per_check("cuda") >= 1
+    assert steps_per_check("cpu") >= 1 and steps_per_check("cuda") >= 1
 
 
 # --- decode.py: devices, processes, kills, --stats ------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -33,8 +34,12 @@ def _run(args, **kwargs) -> subprocess.CompletedProcess:
 def installed(tmp_path_factory) -> str:
     """A fresh venv holding the wheel of this checkout with [translate]; its python."""
     base = tmp_path_factory.mktemp("install")
+    # Built from a copy: setuptools leaves build/ and *.egg-info beside the sources.
+    source = base / "source"
+    skip = (".*", "build", "*.egg-info", "workdir", "__pycache__", "bench", "tests")
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*skip))
     wheels = base / "wheels"
-    r = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), ROOT])
+    r = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), source])
     assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = wheels.glob("attention_jax-*.whl")
     venv = base / "venv"

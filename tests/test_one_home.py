@@ -27,7 +27,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOMES = {"search/settings.py", "configs/default.py"}
-NOT_LIBRARY = ("tests/", "bench/", "tools/", ".venv", ".cache", "workdir", ".data")
+NOT_LIBRARY = ("tests/", "bench/", "tools/", ".venv", ".cache", "workdir", ".data", "build/")
 RECIPES = "configs/"  # overrides of configs/default.py: checked by what they change
 # The fields whose value has a home.
 FIELDS = {"beam_size", "alpha", "batch_tokens", "max_length", "max_decode_len", "extra"}
