@@ -80,6 +80,10 @@ class Translator:
       checkpoint_step, average_last: a workdir's checkpoint (None: the newest), and
         how many of the last ones to average.
       device, threads: a CTranslate2 model's ("cpu" or "cuda"; 0 = one per core).
+      compilation_cache: a directory where compiled programs are kept for the next
+        process, as decode.py keeps them ("default": decode.py's own,
+        ~/.cache/attention-jax/xla); it sets JAX's compilation cache for the process.
+        None: programs live as long as this process.
       settings: SearchSettings fields (beam_size, alpha, n_best, length_penalty, stop,
         min_length, batch_tokens, max_constraints, constraint_tokens, ...): the
         defaults of every call.
@@ -96,6 +100,7 @@ class Translator:
         average_last: int = 1,
         device: str | None = None,
         threads: int = 0,
+        compilation_cache: str | None = None,
         **settings: Any,
     ):
         self.kind = kind or model_kind(path)
@@ -112,6 +117,8 @@ class Translator:
         )
         with _plain_errors():
             self._options.check()
+            if compilation_cache is not None:
+                _keep_programs(compilation_cache)
             self._loaded: Loaded = open_translator(self._options)
 
     @property
@@ -199,6 +206,16 @@ def _encode(
         split=long_lines == "split",
         settings=loaded.translator.settings,
     )
+
+
+def _keep_programs(directory: str) -> None:
+    """JAX's compilation cache and the search's program store in `directory`, as decode.py
+    sets them ("default": its own)."""
+    from attention_jax.common import xla
+    from attention_jax.search import programs
+
+    cache = xla.default_cache_dir() if directory == "default" else directory
+    programs.enable_beside(xla.enable_compilation_cache(cache))
 
 
 def _result(hypotheses: list[dict[str, Any]]) -> TranslationResult:

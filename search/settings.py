@@ -34,8 +34,6 @@ EXTRA_DECODE_LEN = 50
 BATCH_TOKENS = {"cpu": 512, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
 # CTranslate2's (decode.py --ct2: its max_batch_size, batch_type "tokens"), by --device.
 CT2_BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
-
-
 # Steps between tests of a search's stopping condition, by platform. XLA:GPU runs a
 # `while_loop` by copying its condition to the host at every iteration, which a
 # fixed-trip inner loop of k steps avoids; but a step's kernels outlast that round trip,
@@ -44,23 +42,24 @@ CT2_BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
 STEPS_PER_CHECK: dict[str, int] = {"cpu": 1, "tpu": 1, "gpu": 1, "cuda": 1, "rocm": 1}
 
 
+def _platform(platform: str | None) -> str:
+    """`platform`, or JAX's default backend (JAX is imported only then)."""
+    if platform is not None:
+        return platform
+    import jax
+
+    return jax.default_backend()
+
+
 def steps_per_check(platform: str | None = None) -> int:
     """The steps per test of the stopping condition for `platform` (default: JAX's
     default backend); 1 for a platform not listed."""
-    if platform is None:
-        import jax
-
-        platform = jax.default_backend()
-    return STEPS_PER_CHECK.get(platform, 1)
+    return STEPS_PER_CHECK.get(_platform(platform), 1)
 
 
 def default_batch_tokens(platform: str | None = None) -> int:
     """BATCH_TOKENS of `platform` (default: JAX's default backend; a CPU's if unlisted)."""
-    if platform is None:
-        import jax
-
-        platform = jax.default_backend()
-    return BATCH_TOKENS.get(platform, BATCH_TOKENS["cpu"])
+    return BATCH_TOKENS.get(_platform(platform), BATCH_TOKENS["cpu"])
 
 
 def _setting(
