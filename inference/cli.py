@@ -115,8 +115,11 @@ flags.DEFINE_string(
 )  # fmt: skip
 
 # A flag per search setting, of SearchSettings' name, type, default, choices and help.
-_DEFINE = {"int": flags.DEFINE_integer, "int | None": flags.DEFINE_integer}
-_DEFINE["float"] = flags.DEFINE_float
+_DEFINE = {
+    "int": flags.DEFINE_integer,
+    "int | None": flags.DEFINE_integer,
+    "float": flags.DEFINE_float,
+}
 SEARCH_FLAGS = tuple(f.name for f in SearchSettings.fields(flag=True))
 for _field in SearchSettings.fields(flag=True):
     _help, _choices = _field.metadata["help"], _field.metadata["choices"]

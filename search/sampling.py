@@ -37,7 +37,7 @@ class _State(NamedTuple):
 def sample_loop(
     step_fn: StepFn,
     cache: Any,
-    limits: jax.Array,
+    limits: jax.Array | None,
     length: int,
     rng: jax.Array,
     temperature: jax.Array | float = 1.0,
@@ -51,7 +51,8 @@ def sample_loop(
     (scored as beam search scores: log-softmax over the whole vocabulary).
 
     cache: the decoder's, one row a source, room for `length` tokens; limits [B] int32:
-    the most tokens (EOS included) each row may produce (the last one is EOS)."""
+    the most tokens (EOS included) each row may produce (the last one is EOS; None: L)."""
+    limits = uniform_limits(cache, length) if limits is None else jnp.asarray(limits, jnp.int32)
     b = limits.shape[0]
     init = _State(
         step=jnp.zeros((), jnp.int32),
@@ -126,7 +127,6 @@ def greedy_search(
       also [B] float32 log P(tokens), EOS included.
     """
     _check(min_length)
-    limits = uniform_limits(cache, length) if limits is None else jnp.asarray(limits, jnp.int32)
     tokens, logp = sample_loop(
         step_fn,
         cache,
@@ -161,7 +161,6 @@ def sample(
       [B, L] int32 tokens as `greedy_search`.
     """
     _check(min_length, temperature, top_k)
-    limits = uniform_limits(cache, length) if limits is None else jnp.asarray(limits, jnp.int32)
     tokens, _ = sample_loop(
         step_fn,
         cache,
