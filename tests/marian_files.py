@@ -1,6 +1,7 @@
 """Small Marian / OPUS-MT model directories, written as an OPUS-MT release lays them out
 (decoder.yml, a .npz with Marian's parameter names and special:model.yml, a joint
-vocabulary), for tests/test_marian.py and bench/marian_import.py."""
+vocabulary), for the OPUS-MT tests (test_marian, test_finetune, test_library) and
+bench/marian_import.py."""
 
 import json
 import os
@@ -140,3 +141,26 @@ def write_hugging_face(marian_dir, directory) -> str:
     with open(os.path.join(directory, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f, ensure_ascii=False)
     return str(directory)
+
+
+def opus_mt_directory(tmp_path, eos: float = 2.0):
+    """An OPUS-MT directory with real source.spm / target.spm and a joint vocabulary of
+    their pieces; returns (directory, German lines, the two SentencePiece processors)."""
+    import sentencepiece as spm
+
+    from attention_jax.data.tokenizer import train_tokenizer
+    from tests.test_decode_cli import digit_pairs
+
+    pairs = digit_pairs(np.random.default_rng(3), 300)
+    protos = [train_tokenizer([p[k] for p in pairs], 300) for k in (0, 1)]
+    procs = [spm.SentencePieceProcessor(model_proto=p) for p in protos]
+    pieces = ["</s>", "<unk>"]
+    for sp in procs:
+        for i in range(sp.get_piece_size()):
+            piece = sp.id_to_piece(i)
+            if not (sp.is_control(i) or sp.is_unknown(i)) and piece not in pieces:
+                pieces.append(piece)
+    directory = write_marian(tmp_path / "opus", 4, pieces=pieces, eos=eos)
+    for name, proto in zip(("source.spm", "target.spm"), protos, strict=True):
+        (tmp_path / "opus" / name).write_bytes(proto)
+    return directory, [de for de, _ in pairs[:100]], procs

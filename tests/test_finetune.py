@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.marian_files import opus_mt_directory
 from tests.test_decode_cli import digit_pairs, run_decode
-from tests.test_marian import opus_mt_directory
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 

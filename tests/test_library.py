@@ -13,8 +13,8 @@ import attention_jax
 from attention_jax import Translator
 from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import output_text
+from tests.marian_files import opus_mt_directory
 from tests.test_decode_cli import digit_pairs, run_decode, workdir  # noqa: F401
-from tests.test_marian import opus_mt_directory
 
 
 def _lines(seed: int, n: int) -> list[str]:

@@ -20,7 +20,13 @@ from attention_jax.common.errors import UserError
 from attention_jax.data.tokenizer import MARIAN_VOCAB
 from attention_jax.search.decoding import translate
 from attention_jax.search.scoring import EXTRA_DECODE_LEN
-from tests.marian_files import PIECES, vocab_yml, write_hugging_face, write_marian
+from tests.marian_files import (
+    PIECES,
+    opus_mt_directory,
+    vocab_yml,
+    write_hugging_face,
+    write_marian,
+)
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -139,29 +145,6 @@ def test_untrusted_or_broken_directories_are_one_clear_error(tmp_path):
         marian.load_marian(str(objects))
     with pytest.raises(UserError, match="not a directory"):
         marian.load_marian(str(tmp_path / "nothing"))
-
-
-def opus_mt_directory(tmp_path, eos: float = 2.0):
-    """An OPUS-MT directory with real source.spm / target.spm and a joint vocabulary of
-    their pieces; returns (directory, German lines, the two SentencePiece processors)."""
-    import sentencepiece as spm
-
-    from attention_jax.data.tokenizer import train_tokenizer
-    from tests.test_decode_cli import digit_pairs
-
-    pairs = digit_pairs(np.random.default_rng(3), 300)
-    protos = [train_tokenizer([p[k] for p in pairs], 300) for k in (0, 1)]
-    procs = [spm.SentencePieceProcessor(model_proto=p) for p in protos]
-    pieces = ["</s>", "<unk>"]
-    for sp in procs:
-        for i in range(sp.get_piece_size()):
-            piece = sp.id_to_piece(i)
-            if not (sp.is_control(i) or sp.is_unknown(i)) and piece not in pieces:
-                pieces.append(piece)
-    directory = write_marian(tmp_path / "opus", 4, pieces=pieces, eos=eos)
-    for name, proto in zip(("source.spm", "target.spm"), protos, strict=True):
-        (tmp_path / "opus" / name).write_bytes(proto)
-    return directory, [de for de, _ in pairs[:100]], procs
 
 
 def at_limit_with_eos(translator, src: list[str], out, most: int) -> list[str]:
