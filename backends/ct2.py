@@ -72,7 +72,7 @@ def groups(lengths: Sequence[int], extra: int, max_len: int) -> list[tuple[int, 
 
 
 class CT2Translator:
-    """A CTranslate2 model directory as a `Translator`.
+    """A CTranslate2 model directory as a `Backend`.
 
     Unlike an exported JAX translator, beam size, alpha and n_best are chosen at
     run time (the directory's decoding.json gives the defaults). CTranslate2 ranks by

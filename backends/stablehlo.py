@@ -167,7 +167,7 @@ def _write_programs(
 
 
 class ExportedTranslator:
-    """An exported directory as a `Translator` (its programs are loaded on first use).
+    """An exported directory as a `Backend` (its programs are loaded on first use).
 
     Its settings (beam size, alpha, n_best, length penalty, stop) and the longest source
     are the export's (its metadata); only batch_tokens is the reader's.

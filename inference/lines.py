@@ -27,7 +27,7 @@ from attention_jax.data.files import atomic_write
 from attention_jax.search import timing
 from attention_jax.search.hypothesis import Hypothesis
 from attention_jax.search.stages import Targets
-from attention_jax.search.translate import Progress, Translator
+from attention_jax.search.translate import Backend, Progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +199,7 @@ def line_hypotheses(
 
 
 def translate_segments(
-    translator: Translator,
+    translator: Backend,
     tokenizer: Any,
     segments: Sequence[Segment],
     line_tokens: list[list[int]],

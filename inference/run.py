@@ -2,7 +2,7 @@
 
     run(DecodeOptions(workdir="workdir/tiny", input="test.de", output="test.en"))
 
-Steps: check the input (and references); open a `Translator` (the workdir's
+Steps: check the input (and references); open a `Backend` (the workdir's
 live model, an exported one, or, with --dry_run, a stand-in that plans batches
 without a model); describe the job (its inputs, model and settings) and open
 the output, which goes on from an earlier run's record of the same job

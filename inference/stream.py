@@ -4,7 +4,7 @@
     totals = translate_stream(job, open_output("big.en", record_job, restart=False), meter)
 
 Each chunk: `read_lines` lines are read, encoded (inference/lines.py), handed to
-the `Translator` as one list (which sorts them by length into batches of a few
+the `Backend` as one list (which sorts them by length into batches of a few
 static shapes, data/plans.py), joined back into lines, given alignments and
 plots if asked, formatted and appended to the output in input order, with the
 record of everything counted so far (`Totals`). The next chunk is read and
@@ -48,7 +48,7 @@ from attention_jax.inference.targets import EncodedLines, encode_chunk
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
 from attention_jax.search.stages import output_tokens
-from attention_jax.search.translate import Translator
+from attention_jax.search.translate import Backend
 
 
 class Reader(Protocol):
@@ -106,7 +106,7 @@ class StreamJob:
     """What `translate_stream` needs: a translator and its tokenizer, the readers, and how
     lines are cut, written and looked at (decode.py's flags of the same names)."""
 
-    translator: Translator
+    translator: Backend
     tokenizer: Any
     source: Reader
     read_lines: int

@@ -23,9 +23,9 @@ from attention_jax.inference import devices
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.progress import warn
 from attention_jax.search.translate import (
+    Backend,
     LiveTranslator,
     PlanOnlyTranslator,
-    Translator,
     vocab_limit,
 )
 from attention_jax.training.workdir import load_workdir, workdir_identity
@@ -37,7 +37,7 @@ class Loaded:
     its model (alignments, plots, export) and training config (--split); for --marian
     its model."""
 
-    translator: Translator
+    translator: Backend
     tokenizer: Tokenizer  # or data.tokenizer.MarianTokenizer (the same interface)
     description: str  # "step 3000", "the translator exported in DIR"
     model: Transformer | None = None

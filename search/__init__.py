@@ -14,7 +14,7 @@ Over any decoder's step function, step_fn(tokens, cache) -> (logits, cache):
 The Transformer's, and many sources batched into static shapes:
     decoding.py    the Transformer's step function under those searches, one compiled
                    program per batch shape (`translate`, `translate_beams`, `search_batch`)
-    translate.py   the Translator interface, the live model's (`LiveTranslator`,
+    translate.py   the Backend interface, the live model's (`LiveTranslator`,
                    `translate_ids`) and the batching every backend shares
     hypothesis.py  `Hypothesis` (ids and score), what every translator returns per source
     stages.py      the JAX backends' batch loop: one program per batch shape, planned ahead

@@ -1,4 +1,4 @@
-"""Token ids in, translations out: the Translator interface, the live model's, and its search.
+"""Token ids in, translations out: the Backend interface, the live model's, and its search.
 
 The one path from token ids to hypotheses, taken by decode.py and by the
 dev-set evaluation during training:
@@ -6,9 +6,9 @@ dev-set evaluation during training:
     hyps = translate_ids(model, sources, SearchSettings(beam_size=4, alpha=0.6))
     hyps[i][0].tokens, hyps[i][0].score      # the best translation of sources[i]
 
-A `Translator` is what decode.py translates with: the live model of a workdir
-(`LiveTranslator`), an exported one (backends/stablehlo.py) or a CTranslate2
-model (backends/ct2.py). The JAX ones share one batch loop
+A `Backend` is what decode.py (and the library's `Translator`) translates with: the
+live model of a workdir (`LiveTranslator`), an exported one (backends/stablehlo.py)
+or a CTranslate2 model (backends/ct2.py). The JAX ones share one batch loop
 (search/stages.py): sources of any lengths in batches of one static shape per
 width (data/plans.py `plan_translation`), each searched in one program that
 grows its room in stages (search/beam.py; greedy search for beam 1), so a job's
@@ -54,7 +54,7 @@ from attention_jax.search.stages import (
 WholeSearch = Callable[[jax.Array], tuple[jax.Array, jax.Array]]
 
 
-class Translator(Protocol):
+class Backend(Protocol):
     """A translation backend: token-id sources -> hypotheses, in input order.
 
     sources are id lists as the model was trained on (EOS-terminated, at most
@@ -194,7 +194,7 @@ def translate_ids(
 
 @dataclasses.dataclass
 class LiveTranslator:
-    """The `Translator` of a model in memory (e.g. restored from a training workdir)."""
+    """The `Backend` of a model in memory (e.g. restored from a training workdir)."""
 
     model: Transformer
     settings: SearchSettings = dataclasses.field(default_factory=SearchSettings)
@@ -248,7 +248,7 @@ class LiveTranslator:
 
 @dataclasses.dataclass
 class PlanOnlyTranslator:
-    """A `Translator` that plans, fills, places and reads back every batch as the real one
+    """A `Backend` that plans, fills, places and reads back every batch as the real one
     does, but runs no search: each source's one hypothesis is itself (without EOS), score 0.
 
     decode.py --dry_run: everything but the model (reading, tokenizing, batching,
