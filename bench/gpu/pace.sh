@@ -18,8 +18,8 @@
 #      DECODE_FLAGS go to decode.py (e.g. --batch_tokens=8192)
 #   4. with CONSTRAINTS_S > 0 (seconds, default 0): bench/constraints.py on that model
 #      and the Ding test set (what --constraints and --prefix cost)
-# The train step's MFU is bench/gpu/mfu.sh's. Everything goes to the output dir, 8 files
-# (the device tool returns 8 from $OUT): steps.log (the environment, each step's exit
+# The train step's MFU is bench/gpu/mfu.sh's. Everything goes to the output dir, in 8
+# files: steps.log (the environment, each step's exit
 # status and time), compile_*.log, train.log, train_metrics.jsonl, decode_file.log and
 # .jsonl, constraints.log. A rehearsal on a CPU: NO_WHEELS=1 PY=.venv/bin/python \
 #   CONFIG=tiny LINES=1000 BATCHES=8 EVAL_EVERY=20 bash bench/gpu/pace.sh DIR 75
