@@ -116,8 +116,8 @@ class DecodeOptions:
         unknown = sorted(set(self.search) - {f.name for f in SearchSettings.fields()})
         if unknown:
             raise UserError(f"no search setting named {', '.join(unknown)}")
-        try:
-            n_best = self.settings.n_best
+        try:  # the settings given, unresolved: no platform default (JAX stays unstarted)
+            n_best = SearchSettings(**self.search).n_best
         except ValueError as e:  # SearchSettings names its fields: here they are flags
             names = "|".join(f.name for f in SearchSettings.fields())
             raise UserError(re.sub(rf"\b({names})\b", r"--\1", str(e))) from e

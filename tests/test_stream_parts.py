@@ -242,6 +242,22 @@ def test_meter_draws_a_bar_on_a_terminal():
     assert "10/10" in stream.getvalue() and "tok_s" in stream.getvalue()
 
 
+def test_checking_the_options_starts_no_jax_backend():
+    """decode.py checks its options before jax.distributed.initialize, which must come
+    before any backend starts (several processes): the check reads no platform default."""
+    import subprocess
+    import sys
+
+    code = (
+        "from attention_jax.inference.options import DecodeOptions\n"
+        "import jax._src.xla_bridge as xb\n"
+        "DecodeOptions(workdir='w', output_format='jsonl', search={'n_best': 2}).check()\n"
+        "assert not xb.backends_are_initialized()\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_chunk_lines_grow_with_the_batch_budget():
     assert DecodeOptions(workdir="w").chunk_lines == 10_000  # the least (CPU: 2.5 x 512)
     assert DecodeOptions(workdir="w", search={"batch_tokens": 1024}).chunk_lines == 10_000
