@@ -119,7 +119,7 @@ def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     """
     if rule.stop == "count":  # the K slots hold every hypothesis finished so far until full
         return jnp.isfinite(s.fin_scores[:, -1])
-    # alpha >= 0: a live beam's best is log P (only falls) / lp(limit); see Rule.stop.
+    # alpha >= 0: a live beam's best is log P (only falls) / lp(limit); see above.
     length = s.step + 1 if rule.stop == "heuristic" else s.limits
     best_live = normalized_score(jnp.max(s.live_logp, axis=1), length, alpha, rule.length_penalty)
     return s.fin_scores[:, rule.n_best - 1] >= best_live  # [B]

@@ -24,6 +24,7 @@ evaluates its dev set with every device and no host differs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
@@ -95,8 +96,9 @@ class LiveSearch:
     vocab_limit: int | None = None  # never emit ids >= this (None: the whole vocabulary)
     call: decoding.Call = programs.call  # how its programs run (`prepare`: compiled ahead)
 
-    @property
+    @functools.cached_property
     def rule(self) -> Rule:
+        """The compiled search's static settings (made once, not per batch)."""
         return self.settings.rule(self.vocab_limit)
 
     def whole(
