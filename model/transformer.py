@@ -101,6 +101,19 @@ class DecodeCache:
         take = lambda x: jnp.take(x, rows, axis=0)  # [B*K, N, L, H] -> [B*K, N, L, H]
         return self.replace(self_kv=jax.tree.map(take, self.self_kv))
 
+    def select(self, sources: jax.Array, k: int) -> DecodeCache:
+        """The cache of the sources `sources` [B'] (indices) alone, with their k beams each:
+        cross-attention and the source mask [B, ...] -> [B', ...], self-attention
+        [B*k, ...] -> [B'*k, ...] (a batch whose other sources are finished goes on in
+        fewer rows)."""
+        rows = (sources[:, None] * k + jnp.arange(k)).reshape(-1)  # [B', k] -> [B'*k]
+        by_source = lambda x: jnp.take(x, sources, axis=0)
+        return self.replace(
+            self_kv=jax.tree.map(lambda x: jnp.take(x, rows, axis=0), self.self_kv),
+            cross_kv=jax.tree.map(by_source, self.cross_kv),
+            src_valid=by_source(self.src_valid),
+        )
+
 
 class Transformer(nnx.Module):
     """Encoder-decoder Transformer; see the module docstring for the calling convention."""

@@ -50,6 +50,8 @@ class BeamCache(Protocol):
 
     def grow(self, capacity: int) -> BeamCache: ...  # room for `capacity` tokens
 
+    def select(self, sources: jax.Array, k: int) -> BeamCache: ...  # sources [B'], K rows each
+
 
 def repeat_rows(cache: Any, k: int) -> Any:
     """Each source's cache as its K beams' rows: [B, ...] -> [B*K, ...]."""
@@ -78,6 +80,7 @@ class BeamState(NamedTuple):
     controls: Controls  # per source: its prefix [B, P] and phrases [B, Q, T] (constraints.py)
     progress: jax.Array  # [B, K, Q] int32, tokens of each phrase each live beam has produced
     fin_met: jax.Array  # [B, K, Q] bool, the phrases each finished hypothesis has met
+    ended: jax.Array  # [B] int32, the step at which each source was finished (-1: not yet)
 
 
 def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -106,6 +109,7 @@ def init(
         controls=jax.tree.map(jnp.asarray, controls),
         progress=jnp.zeros((b, k, q), jnp.int32),
         fin_met=jnp.zeros((b, k, q), bool),
+        ended=jnp.full((b,), -1, jnp.int32),
     )
 
 
@@ -162,6 +166,7 @@ def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamSta
     b, k, _ = s.live_seqs.shape
     t = s.step
     stopped = done(s, alpha, rule)  # [B]: nothing is added to a done source's results
+    ended = jnp.where((s.ended < 0) & (stopped | (t >= s.limits)), t, s.ended)  # [B]
     logp, cache = _logp(step_fn, s, rule)  # [B, K, V]
     v = logp.shape[-1]
     cand = (s.live_logp[:, :, None] + logp).reshape(b, k * v)  # [B, K, V] -> [B, K*V]
@@ -229,6 +234,7 @@ def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamSta
         cache=cache,
         progress=progress,
         fin_met=_gather_beams(all_met, fin_pos),
+        ended=ended,
     )
 
 
@@ -241,8 +247,16 @@ def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     return done(s, alpha, rule) | (s.step >= s.limits)
 
 
-def run(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule, unroll: int = 1) -> BeamState:
-    """Steps until every source is finished or the room (C) is full: a `while_loop`.
+def run(
+    step_fn: StepFn,
+    s: BeamState,
+    alpha: jax.Array,
+    rule: Rule,
+    unroll: int = 1,
+    until: jax.Array | int = 0,
+) -> BeamState:
+    """Steps until at most `until` sources are unfinished (by default: every source is
+    finished) or the room (C) is full: a `while_loop`.
 
     Each iteration takes `rule.steps_per_check` steps in a loop of that fixed trip
     count, which XLA:GPU runs without reading a condition back. With `unroll` 2 (a
@@ -256,7 +270,8 @@ def run(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule, unroll: int
     capacity = s.live_seqs.shape[2]
 
     def cond(s: BeamState) -> jax.Array:
-        return (s.step < capacity) & jnp.any(~finished(s, alpha, rule))
+        left = jnp.sum(~finished(s, alpha, rule), dtype=jnp.int32)
+        return (s.step < capacity) & (left > until)
 
     def steps(n: int) -> Callable[[BeamState], BeamState]:
         def body(s: BeamState) -> BeamState:
@@ -271,6 +286,25 @@ def run(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule, unroll: int
         trips = lambda s: jax.lax.fori_loop(0, per // unroll, lambda _, s: steps(unroll)(s), s)
         s = jax.lax.while_loop(lambda s: cond(s) & (s.step + per <= capacity), trips, s)
     return jax.lax.while_loop(cond, steps(1), s)
+
+
+def select_rows(cache: Any, sources: jax.Array, k: int) -> Any:
+    """The cache of the sources `sources` [B'] (indices) alone, their K beams' rows each."""
+    if isinstance(cache, BeamCache):
+        return cache.select(sources, k)
+    rows = (sources[:, None] * k + jnp.arange(k)).reshape(-1)  # [B', K] -> [B'*K]
+    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
+
+
+def select(s: BeamState, sources: jax.Array) -> BeamState:
+    """The search of the sources `sources` [B'] int32 (indices into the B) alone: the same
+    step, so each one's search goes on as it would have in the whole batch (a source's
+    results never depend on the others)."""
+    k = s.live_seqs.shape[1]
+    per_source = lambda x: jnp.take(x, sources, axis=0)  # [B, ...] -> [B', ...]
+    fields = [f for f in s._fields if f not in ("step", "cache")]
+    kept = {f: jax.tree.map(per_source, getattr(s, f)) for f in fields}
+    return s._replace(cache=select_rows(s.cache, sources, k), **kept)
 
 
 def grow(s: BeamState, capacity: int) -> BeamState:

@@ -251,6 +251,95 @@ def search_batch(
     return out if controls is not None or out is None else out[:2]  # None: only prepared
 
 
+# --- beam search in segments: a batch whose rows shrink as its sources finish ----------
+
+# What a segment's program returns beside the state: left [B] bool (sources not finished),
+# step [] int32, and the results so far (`segment_results`).
+Segment = tuple[beam.BeamState, tuple[jax.Array, ...]]
+
+
+def segment_results(s: beam.BeamState, alpha: jax.Array, rule: Rule) -> tuple[jax.Array, ...]:
+    """(left [B] bool, step [], tokens [B, n, C], scores [B, n], met [B, n, Q], ended [B]):
+    which sources are not finished, and every source's results so far with the steps it
+    took (those of a finished source are final)."""
+    tokens, scores = beam.results(s)  # [B, K, C], [B, K]
+    n = rule.n_best
+    left = ~beam.finished(s, alpha, rule)
+    ended = jnp.where(s.ended < 0, s.step, s.ended)  # finished at the last step: now
+    return left, s.step, tokens[:, :n], scores[:, :n], s.fin_met[:, :n], ended
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "room", "length", "extra"))
+def _start(graphdef, state, src, alpha, until, controls, *, rule, room, length, extra) -> Segment:
+    """src [B, S]'s search from its first step until at most `until` sources are left
+    or `room` tokens are decoded."""
+    model = nnx.merge(graphdef, state)
+    limits = row_limits(src, length, extra)
+    k = rule.beam_size
+    s = beam.init(model.init_cache(src, room), limits, k, room, controls)
+    unroll = 2 if _large(model, src.shape[0] * k, room) else 1
+    s = beam.run(model.decode_step, s, alpha, rule, unroll, until)
+    return s, segment_results(s, alpha, rule)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "room"))
+def _reshape(graphdef, s, keep, *, room) -> beam.BeamState:
+    """The search `s` of the sources `keep` [B'] alone, grown to `room` (a program of its
+    own: gathers compile in no time, and the searches stay one per rows and room)."""
+    s = beam.select(s, keep)
+    return beam.grow(s, room) if room > s.live_seqs.shape[2] else s
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "rule"))
+def _advance(graphdef, state, s, alpha, until, *, rule) -> Segment:
+    """The search `s` until at most `until` sources are left or its room is full."""
+    model = nnx.merge(graphdef, state)
+    rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
+    s = beam.run(model.decode_step, s, alpha, rule, 2 if _large(model, rows, room) else 1, until)
+    return s, segment_results(s, alpha, rule)
+
+
+def start_segment(
+    model: Transformer,
+    src: jax.Array,
+    *,
+    alpha: float,
+    rule: Rule,
+    room: int,
+    until: int,
+    controls: Controls | None = None,
+    call: Call = jit_call,
+) -> Segment | None:
+    """The first segment of src [B, S]'s beam search (`_start`); a `ShapeDtypeStruct` src
+    only prepares its program (None). Sources may produce min(n + 50, max_len) tokens."""
+    length, extra = decode_shape(model, src, None)
+    graphdef, state = nnx.split(model)
+    if not isinstance(src, jax.ShapeDtypeStruct):
+        src = jnp.asarray(src, jnp.int32)
+    args = state, src, jnp.float32(alpha), jnp.int32(until), controls
+    static = dict(rule=rule, room=min(room, length), length=length, extra=extra)
+    return call(_start, graphdef, args, static)
+
+
+def resume_segment(
+    model: Transformer,
+    s: beam.BeamState,
+    keep: jax.Array,
+    *,
+    alpha: float,
+    rule: Rule,
+    room: int,
+    until: int,
+    call: Call = jit_call,
+) -> Segment:
+    """The next segment of the search `s`, of the sources `keep` [B'] int32 only, with
+    room for `room` tokens (`_reshape`, then `_advance`)."""
+    graphdef, state = nnx.split(model)
+    s = call(_reshape, None, (s, keep), dict(room=room))
+    args = state, s, jnp.float32(alpha), jnp.int32(until)
+    return call(_advance, graphdef, args, dict(rule=rule))
+
+
 def translate_beams(
     model: Transformer,
     src: jax.Array,

@@ -21,7 +21,7 @@ sources and gets all results.
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Sequence
@@ -31,11 +31,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from attention_jax.common.cpus import usable_cpus
 from attention_jax.common.errors import UserError
 from attention_jax.data.plans import plan_translation
 from attention_jax.search import timing
 from attention_jax.search.constraints import Controls
 from attention_jax.search.hypothesis import hypotheses
+from attention_jax.search.rows import Found, shrinking
 from attention_jax.search.scoring import FILLER, output_limit, rooms
 from attention_jax.search.settings import DEFAULTS, SearchSettings
 
@@ -286,6 +288,7 @@ def run_stages(
     min_rows: int = DEFAULTS.min_rows,
     skip: Collection[int] = (),
     targets: Targets | None = None,
+    streams: int | None = None,
 ) -> list[list[Any]]:
     """Per source, in input order, its hypotheses (search.hypothesis.Hypothesis).
 
@@ -294,6 +297,7 @@ def run_stages(
     batch (data.plans.plan_translation). skip: sources not to translate (they get no
     hypotheses), e.g. those a killed run's journal holds; the batches keep the shapes
     they have with them. targets: the prefixes and constraints of the sources.
+    streams: how many batches search at once (None: `search_streams`).
     """
     if targets is not None:
         targets.check(sources, max_len)
@@ -307,39 +311,70 @@ def run_stages(
     )
     prepare_plan(search, plan, max_len, sharding, targets)
     results: list[list[Any]] = [[] for _ in sources]
+    multiple = rows_multiple(sharding)
+    put = lambda x: place(x, sharding)
 
-    def launch(chunk: np.ndarray, width: int, rows: int) -> tuple[Any, np.ndarray]:
-        picked = [nonempty[j] for j in chunk]
-        src = place(batch_of(sources, picked, rows, width), sharding)
+    def search_one(picked: list[int], width: int, rows: int) -> Found:
+        """A batch's search, on a search thread: its results, read back."""
+        src = batch_of(sources, picked, rows, width)
         controls = None
         if targets is not None:
-            controls = place(targets.batch(picked, rows, width, max_len), sharding)
+            controls = put(targets.batch(picked, rows, width, max_len))
+        rooms = stage_rooms(width, max_len)
+        if hasattr(search, "start"):  # rows that shrink as the sources finish
+            return shrinking(
+                search, src, rooms, controls=controls, multiple=multiple, place=put,
+                fetch=fetch, beam_size=search.settings.beam_size, sources=len(picked),
+            )  # fmt: skip
         with timing.search_call() as call:
-            out = search.whole(src, stage_rooms(width, max_len), controls)
+            out = search.whole(put(src), rooms, controls)
             call.dispatched(out)
-        return out, chunk
-
-    def finish(job: tuple[Any, np.ndarray]) -> None:
-        out, chunk = job
         with timing.phase("fetch"):
             tokens, scores, *met = fetch(out)  # [B, n, C], [B, n], ([B, n, Q])
-        indices = [nonempty[j] for j in chunk]
-        if met and targets is not None and targets.constraints is not None:
-            count = [len(targets.constraints[i]) for i in indices]
-            found = [hypotheses(tokens[r], scores[r], met[0][r], n) for r, n in enumerate(count)]
-        else:
-            found = [hypotheses(tokens[r], scores[r]) for r in range(len(chunk))]
-        for i, hyps in zip(indices, found, strict=True):
-            results[i] = hyps
-        if progress is not None:
-            progress(indices, found)
+        return tokens, scores, met[0] if met else None, None
 
-    # One search queued behind the one read back, so the device never waits for the host.
-    queue: collections.deque = collections.deque()
-    for chunk, width, rows in plan:
-        queue.append(launch(chunk, width, rows))
-        if len(queue) > 1:
-            finish(queue.popleft())
-    while queue:
-        finish(queue.popleft())
+    def finish(found: Found, indices: list[int]) -> None:
+        tokens, scores, met, counts = found
+        if counts is not None:
+            timing.count("beam_row_steps_run", counts.run)
+            timing.count("beam_row_steps_needed", counts.needed)
+        if met is not None and targets is not None and targets.constraints is not None:
+            count = [len(targets.constraints[i]) for i in indices]
+            hyps = [hypotheses(tokens[r], scores[r], met[r], n) for r, n in enumerate(count)]
+        else:
+            hyps = [hypotheses(tokens[r], scores[r]) for r in range(len(indices))]
+        for i, h in zip(indices, hyps, strict=True):
+            results[i] = h
+        if progress is not None:
+            progress(indices, hyps)
+
+    # Batches run on `streams` threads, a few more queued, and are read back as they end.
+    streams = search_streams(sharding) if streams is None else streams
+    with concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="search") as pool:
+        running: dict[concurrent.futures.Future, list[int]] = {}
+        for chunk, width, rows in plan:
+            picked = [nonempty[j] for j in chunk]
+            running[pool.submit(search_one, picked, width, rows)] = picked
+            while len(running) > streams:
+                _collect(running, finish, concurrent.futures.FIRST_COMPLETED)
+        while running:
+            _collect(running, finish, concurrent.futures.ALL_COMPLETED)
     return results
+
+
+def _collect(running: dict, finish: Callable, when: str) -> None:
+    """Wait for some of the `running` batches (`when`), and finish those that ended."""
+    ended, _ = concurrent.futures.wait(running, return_when=when)
+    for future in ended:
+        finish(future.result(), running.pop(future))
+
+
+def search_streams(sharding: NamedSharding | None) -> int:
+    """How many batches search at once: on one device, two (a GPU computes one while the
+    host reads the other back), or one per core on a CPU, where one small step barely
+    uses a second core; one when the rows are split over devices, whose programs every
+    device must run in the same order."""
+    if sharding is not None and sharding.mesh.size > 1:
+        return 1
+    device = jax.devices()[0] if sharding is None else sharding.mesh.devices.flat[0]
+    return min(usable_cpus(), 4) if device.platform == "cpu" else 2

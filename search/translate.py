@@ -120,13 +120,30 @@ class LiveSearch:
             call=self.call,
         )
 
+    def start(
+        self, src: jax.Array, room: int, controls: Controls | None, until: int
+    ) -> decoding.Segment | None:
+        """The first segment of src [B, S]'s search (search/rows.py `SegmentedSearch`)."""
+        return decoding.start_segment(
+            self.model, src, alpha=self.settings.alpha, rule=self.rule, room=room,
+            until=until, controls=controls, call=self.call,
+        )  # fmt: skip
+
+    def resume(self, state: Any, keep: jax.Array, room: int, until: int) -> decoding.Segment:
+        """The next segment, of the sources `keep` of `state` alone (search/rows.py)."""
+        return decoding.resume_segment(
+            self.model, state, keep, alpha=self.settings.alpha, rule=self.rule, room=room,
+            until=until, call=self.call,
+        )  # fmt: skip
+
     def prepare(
         self, rows: int, width: int, rooms: Sequence[int], controls: Controls | None = None
     ) -> None:
-        """Start compiling or loading, in the background, the program of `whole` for a
-        batch of `rows` sources of width `width` (controls: as shapes)."""
+        """Start compiling or loading, in the background, the program that starts the
+        search of a batch of `rows` sources of width `width` (controls: as shapes)."""
         ahead = dataclasses.replace(self, call=programs.prepare)
-        ahead.whole(jax.ShapeDtypeStruct((rows, width), np.int32), rooms, controls)
+        src = jax.ShapeDtypeStruct((rows, width), np.int32)
+        ahead.start(src, rooms[0], controls, 0)
 
 
 def search_fn(
