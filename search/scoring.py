@@ -118,17 +118,38 @@ def top_k(x: jax.Array, k: int, chunk: int = 64) -> tuple[jax.Array, jax.Array]:
     the tiny model at beam 4), about as slow as the output projection. Here the
     row is cut into chunks of `chunk`; the k chunks with the largest maxima (ties:
     the earlier chunk) hold the k largest entries (ties: the earlier index), and
-    only they, in their original order, go through the exact top-k.
+    only they, in their original order, go through the exact top-k. Both levels
+    pick their k by `passes_top_k`, which sorts nothing.
     """
     b, m = x.shape
     if m < 8 * chunk:
-        return jax.lax.top_k(x, k)
+        return passes_top_k(x, k)
     pad = (-m) % chunk
     x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=NEG_INF)
     chunks = x.reshape(b, -1, chunk)  # [B, M] -> [B, M/chunk, chunk]
-    _, picked = jax.lax.top_k(chunks.max(axis=-1), k)  # [B, k] chunk indices
+    _, picked = passes_top_k(chunks.max(axis=-1), k)  # [B, k] chunk indices
     picked = jnp.sort(picked, axis=1)  # original order, so that ties go to the earlier index
     near = jnp.take_along_axis(chunks, picked[:, :, None], axis=1)  # [B, k, chunk]
-    values, pos = jax.lax.top_k(near.reshape(b, k * chunk), k)  # [B, k]
+    values, pos = passes_top_k(near.reshape(b, k * chunk), k)  # [B, k]
     index = jnp.take_along_axis(picked, pos // chunk, axis=1) * chunk + pos % chunk
     return values, index
+
+
+def passes_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` over x [B, M] (k <= M) in k passes, each taking the largest
+    entry not yet taken (ties, -inf ones too: the lowest index): the same values and
+    indices, without the sort that XLA lowers top-k to on a CPU (for the small k of a
+    beam, a few reductions over the row cost less)."""
+    m = x.shape[1]
+    ids = jnp.arange(m, dtype=jnp.int32)  # [M]
+    taken = jnp.zeros(x.shape, bool)  # [B, M]
+    values, indices = [], []
+    for _ in range(k):
+        free = jnp.where(taken, NEG_INF, x)
+        best = jnp.max(free, axis=1, keepdims=True)  # [B, 1]
+        first = jnp.min(jnp.where((free == best) & ~taken, ids, m), axis=1)  # [B]
+        first = jnp.minimum(first, m - 1)  # a row of NaN: any index
+        values.append(best[:, 0])
+        indices.append(first)
+        taken = taken | (ids == first[:, None])
+    return jnp.stack(values, axis=1), jnp.stack(indices, axis=1)  # [B, k], [B, k]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from attention_jax import EOS_ID
-from attention_jax.search import beam, decoding, stages
+from attention_jax.search import beam, decoding, scoring, stages
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import LiveSearch, translate_ids
 from tests.conftest import search_rule
@@ -43,6 +43,9 @@ def test_two_level_top_k_equals_lax_top_k_with_ties():
         got = beam.top_k(jnp.asarray(x), k, chunk=64)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+        small = jnp.asarray(x[:, :300])  # one level: k passes over the row
+        for got, want in zip(scoring.passes_top_k(small, k), jax.lax.top_k(small, k)):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_stage_rooms_grow_to_every_sources_limit():
