@@ -12,7 +12,8 @@ that many rows (search/beam.py `select`), grown to the next room if it was full.
 A source's results do not depend on the others in its batch, so the results are
 the batch's as one program would give them, while the beam-row steps run stay
 close to those the sources need. The programs are one per (rows, room) reached,
-fixed by the batch's shape: a warm job compiles nothing.
+fixed by the batch's shape: a warm job compiles nothing. A batch of fewer than
+`SHRINK_FROM` rows (a request of a few lines) runs whole, in one program.
 
 Each segment's end is read by the host (which sources are left: a few bytes), so a
 batch's search holds its thread; search/stages.py runs batches on several threads,
@@ -59,6 +60,9 @@ class SegmentedSearch(Protocol):
 # The fewest rows a batch shrinks to. Each row count is a program to compile, and below
 # a few sources a step costs about what it does with a few (its fixed cost dominates).
 FEWEST_ROWS = 4
+# A batch of fewer rows (a request of a few lines) runs its whole search in one program
+# (search/stages.py): it has too few rows to gain back what more programs cost to compile.
+SHRINK_FROM = 16
 
 
 def row_ladder(rows: int, multiple: int = 1) -> list[int]:

@@ -9,7 +9,7 @@
 Host phases are timed with the host's clock on the thread that runs them (they
 do not overlap one another). Programs: JAX's compile events (tracing, lowering,
 compiling or reading XLA's cache) and search/programs.py's loading of kept
-executables, on whatever thread runs them, and the main thread's waits for a
+executables, on whatever thread runs them, and the waits of the main and search threads for a
 program another thread prepares. The device is timed without a profiler: a search
 keeps the device busy from its launch (the later of the call, once its program is
 there, and the previous search's end: one device stream runs them in order) until
@@ -82,7 +82,9 @@ def enable(origin: float | None = None) -> None:
 
 
 def _on_main() -> bool:
-    return threading.current_thread() is threading.main_thread()
+    """On the critical path: the main thread, or a search thread (search/stages.py)."""
+    thread = threading.current_thread()
+    return thread is threading.main_thread() or thread.name.startswith("search")
 
 
 def _on_duration(event: str, seconds: float, fun_name: str = "?", **_: Any) -> None:
@@ -199,9 +201,10 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
     the part the main thread spent on them, compiling or waiting (the compile time on
     the critical path). device_busy_s + device_idle_s = work_s; host_bound_s: the
     device idle while no program was compiling or loading (waiting for the host), and
-    host_share its share of work_s. Host phases by name (read, tokenize, search_host:
-    planning, filling and placing batches; fetch: waiting for results; detokenize,
-    format, write). target_tokens_per_s: tokens over work_s;
+    host_share its share of work_s. beam_row_steps: the beam rows times steps the
+    searches ran, those the sources needed, and their ratio. Host phases by name
+    (read, tokenize, search_host: planning, filling and placing batches; fetch:
+    waiting for results; detokenize, format, write). target_tokens_per_s: tokens over work_s;
     target_tokens_per_s_after_programs: over work_s less programs_critical_s (None
     when that leaves less than 1% of work_s).
     """
@@ -222,6 +225,7 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
     host_bound = max(0.0, work - _union(_state.device + _state.programs, after))
     counts = dict(_state.counts)
     searches = counts.pop("searches", 0)
+    run, needed = counts.pop("beam_row_steps_run", 0), counts.pop("beam_row_steps_needed", 0)
     compiles = counts.pop("xla_compiles_or_cache_reads", 0)
     reads = counts.pop("xla_cache_reads", 0)
     after_programs = work - critical
@@ -244,6 +248,13 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
         # helper compiled per shape shows here
         "program_names": dict(_state.names.most_common(NAMES_SHOWN)),
         "phases_s": {k: round(v, 4) for k, v in sorted(raw.items())},
+        # beam rows x steps the searches ran, and those the sources needed (each source's
+        # K beams until its search ended): the share of the work spent on finished ones
+        "beam_row_steps": {
+            "run": run,
+            "needed": needed,
+            "ratio": round(run / needed, 3) if needed else None,
+        },
         "lines": lines,
         "target_tokens": tokens,
         "target_tokens_per_s": round(tokens / work, 1) if work > 0 else None,
@@ -305,6 +316,11 @@ def table(b: dict[str, Any]) -> str:
     if b.get("program_names"):
         names = ", ".join(f"{name} {n}" for name, n in list(b["program_names"].items())[:5])
         out.append(f"XLA programs by name: {names}")
+    steps = b.get("beam_row_steps") or {}
+    if steps.get("needed"):
+        out.append(
+            f"beam-row steps: {steps['run']} run, {steps['needed']} needed (x{steps['ratio']})"
+        )
     out.append(
         f"{b['lines']} lines, {b['target_tokens']} target tokens: "
         f"{b['target_tokens_per_s']} tokens/s after start-up"

@@ -37,6 +37,7 @@ from attention_jax.search import decoding, programs
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
+from attention_jax.search.rows import SHRINK_FROM
 from attention_jax.search.settings import Rule, SearchSettings
 from attention_jax.search.stages import (
     Progress,
@@ -140,10 +141,14 @@ class LiveSearch:
         self, rows: int, width: int, rooms: Sequence[int], controls: Controls | None = None
     ) -> None:
         """Start compiling or loading, in the background, the program that starts the
-        search of a batch of `rows` sources of width `width` (controls: as shapes)."""
+        search of a batch of `rows` sources of width `width` (controls: as shapes): its
+        first segment, or its whole search for a batch too small to shrink (search/rows.py)."""
         ahead = dataclasses.replace(self, call=programs.prepare)
         src = jax.ShapeDtypeStruct((rows, width), np.int32)
-        ahead.start(src, rooms[0], controls, 0)
+        if rows >= SHRINK_FROM:
+            ahead.start(src, rooms[0], controls, 0)
+        else:
+            ahead.whole(src, rooms, controls)
 
 
 def search_fn(

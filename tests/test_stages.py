@@ -4,7 +4,9 @@ padded batch with room for every token at once.
 A source's results must not depend on the batch it is in, the rooms its search
 grows through, the filler rows beside it, or on stopping it as soon as the
 hypotheses asked for are final; and a job's programs must depend on its settings
-and source widths alone, not on how its sources are cut into calls.
+and source widths alone, not on how its sources are cut into calls. A batch whose
+rows shrink as its sources finish (search/rows.py) finds what the whole batch finds,
+and counts the steps each source needed.
 """
 
 import jax
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from attention_jax import EOS_ID
-from attention_jax.search import beam, decoding, scoring, stages
+from attention_jax.search import beam, decoding, rows, scoring, stages
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import LiveSearch, translate_ids
 from tests.conftest import search_rule
@@ -44,7 +46,7 @@ def test_two_level_top_k_equals_lax_top_k_with_ties():
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
         small = jnp.asarray(x[:, :300])  # one level: k passes over the row
-        for got, want in zip(scoring.passes_top_k(small, k), jax.lax.top_k(small, k)):
+        for got, want in zip(scoring.passes_top_k(small, k), jax.lax.top_k(small, k), strict=True):
             np.testing.assert_array_equal(got, want)
 
 
@@ -105,17 +107,29 @@ _SEEN = set()
 
 
 class _Recording(LiveSearch):
-    """A LiveSearch that notes the shape of every batch it searches or prepares."""
+    """A LiveSearch that notes the shape of every batch it starts, and the rows and width
+    of every segment it goes on with."""
+
+    def start(self, src, room, controls, until):
+        _SEEN.add(("start", *src.shape))
+        return super().start(src, room, controls, until)
 
     def whole(self, src, rooms, controls=None):
-        _SEEN.add(tuple(src.shape))
+        _SEEN.add(("whole", *src.shape))
         return super().whole(src, rooms, controls)
+
+    def resume(self, state, keep, room, until):
+        _SEEN.add(("resume", keep.shape[0], state.cache.src_valid.shape[1]))
+        return super().resume(state, keep, room, until)
 
 
 def test_a_jobs_programs_do_not_depend_on_how_its_sources_are_cut(model):
     settings = SearchSettings(beam_size=2, batch_tokens=128)  # full rows: 16 at width 8
     sources = sources_of(np.random.default_rng(4).integers(2, 16, 40), seed=4)
-    allowed = {(16, 8), (8, 8), (8, 16)}  # width 16: 8 rows full; small batches 8 rows
+    # width 16: 8 rows full; small batches 8 rows, searched whole; 16 rows shrink by
+    # halves down to 4
+    starts = {("start", 16, 8), ("whole", 8, 8), ("whole", 8, 16)}
+    allowed = starts | {("resume", r, 8) for r in (16, 8, 4)}
     results = {}
     for cut, count in ((40, 40), (9, 40), (1, 10)):  # one at a time: the first 10
         search = _Recording(model, settings)
@@ -124,7 +138,8 @@ def test_a_jobs_programs_do_not_depend_on_how_its_sources_are_cut(model):
         for lo in range(0, count, cut):
             part = sources[lo : lo + cut]
             found += stages.run_stages(search, part, max_len=96, batch_tokens=128)
-        assert allowed >= _SEEN, (cut, _SEEN)
+        assert allowed >= _SEEN, (cut, _SEEN - allowed)
+        assert _SEEN & starts, cut  # the recording saw the batches
         results[cut] = found
     for cut in (9, 1):  # the same hypotheses; a batch of another shape rounds its sums
         for got, want in zip(results[cut], results[40][: len(results[cut])], strict=True):
@@ -190,3 +205,61 @@ def test_an_exported_translator_translates_as_the_live_model(model, tmp_path):
     for got, want in zip(exported, live, strict=True):
         assert [h.tokens for h in got] == [h.tokens for h in want]
         np.testing.assert_allclose([h.score for h in got], [h.score for h in want], atol=1e-5)
+
+
+# --- rows that shrink as sources finish (search/rows.py) ---
+
+
+@pytest.mark.parametrize(
+    ("count", "multiple", "want"),
+    [
+        (64, 1, [64, 32, 16, 8, 4]),
+        (8, 1, [8, 4]),
+        (4, 1, [4]),
+        (3, 1, [3]),  # never more rows than the batch has
+        (64, 8, [64, 32, 16, 8]),  # every count a multiple of the devices
+        (24, 8, [24, 16, 8]),
+    ],
+)
+def test_the_ladder_halves_down_to_a_few_rows(count, multiple, want):
+    ladder = rows.row_ladder(count, multiple)
+    assert ladder == want
+    assert all(r % multiple == 0 for r in ladder[1:])
+
+
+def _search(model, src, settings, **kw):
+    """One batch through `shrinking`, on one device."""
+    rooms = stages.stage_rooms(src.shape[1], model.config.max_len)
+    return rows.shrinking(
+        LiveSearch(model, settings), src, rooms, beam_size=settings.beam_size,
+        place=lambda x: stages.place(x, None), fetch=stages.fetch, **kw,
+    )  # fmt: skip
+
+
+def test_steps_needed_are_each_sources_own(model):
+    # Beam 1 is greedy search: a source's search ends at the step its EOS is emitted,
+    # so it needs as many steps as its output has tokens, EOS included.
+    settings = SearchSettings(beam_size=1)
+    sources = sources_of(np.random.default_rng(5).integers(2, 9, 13), seed=5)
+    src = stages.batch_of(sources, range(13), 16, 8)  # 3 filler rows
+    tokens, _, met, counts = _search(model, src, settings, sources=13)
+    assert met is None
+    lengths = [t[0].tolist().index(1) + 1 for t in tokens[:13]]  # EOS_ID = 1
+    assert counts.needed == sum(lengths)
+    # The rows ran at least what was needed, and fewer than the whole batch's 16 rows
+    # for as many steps as its longest output.
+    assert counts.needed <= counts.run < 16 * max(lengths)
+
+
+def test_a_shrinking_search_finds_what_the_whole_batch_finds(model):
+    settings = SearchSettings(beam_size=3, n_best=2)
+    lengths = np.random.default_rng(6).integers(2, 13, 16)
+    sources = sources_of(lengths, seed=6)
+    src = stages.batch_of(sources, range(16), 16, 16)
+    search = LiveSearch(model, settings)
+    rooms = stages.stage_rooms(16, model.config.max_len)
+    want_tokens, want_scores = (np.asarray(x) for x in search.whole(src, rooms))
+    tokens, scores, _, counts = _search(model, src, settings)
+    assert counts.run < 16 * 3 * rooms[-1]  # it shrank (or ended early)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-5)
