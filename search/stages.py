@@ -1,4 +1,4 @@
-"""The batch loop every JAX backend shares: plan batches, search each in one program.
+"""The batch loop every JAX backend shares: plan batches, search them on a few threads.
 
     results = run_stages(search, sources, max_len=256, batch_tokens=4096)
 
@@ -6,17 +6,18 @@ Sources are cut into batches of a few static shapes (data/plans.py
 `plan_translation`): per source width, full batches and, for a width's last few
 sources, one small batch. So the programs a job runs are a function of its
 settings and of the widths present, never of its size, its chunks, its order or a
-resume, and a warm job compiles nothing. Each batch's whole search is one program
-(`Search.whole`) that grows the batch's room for tokens in stages (`stage_rooms`),
-so attention reads caches about as long as what was decoded, and ends when every
-source is finished. A source's results do not depend on the batch it is in
-(search/beam.py); filler rows (`batch_of`) are finished before the first step.
+resume, and a warm job compiles nothing. A batch's search grows its room for tokens
+in stages (`stage_rooms`), so attention reads caches about as long as what was
+decoded, and its rows shrink as its sources finish (search/rows.py); a batch of a
+few rows, or an exported search, runs whole in one program (`Search.whole`). A
+source's results do not depend on the batch it is in (search/beam.py); filler rows
+(`batch_of`) are finished before the first step.
 
 The programs of a plan's shapes are prepared (compiled or loaded, side by side)
-before its first batch runs, and searches are dispatched before the previous one
-is read back, so the host's work overlaps the device's. With a `sharding` of the
-rows, each batch's rows are spread over its devices; every process passes all
-sources and gets all results.
+before its first batch runs, and batches search on several threads
+(`search_streams`), so that the host's work overlaps the device's and a CPU's
+cores each run one. With a `sharding` of the rows, each batch's rows are spread
+over its devices; every process passes all sources and gets all results.
 """
 
 from __future__ import annotations
