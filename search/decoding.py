@@ -160,6 +160,30 @@ def _large(model: Transformer, rows: Any, room: Any) -> bool:
     return not isinstance(nbytes, int) or nbytes >= LARGE_SEARCH_BYTES
 
 
+def _first_state(
+    model: Transformer,
+    src: jax.Array,
+    rule: Rule,
+    room: int,
+    length: int,
+    extra: int | None,
+    controls: Controls | None,
+) -> beam.BeamState:
+    """src [B, S]'s beam search before its first step, with room for `room` tokens."""
+    limits = row_limits(src, length, extra)
+    return beam.init(model.init_cache(src, room), limits, rule.beam_size, room, controls)
+
+
+def _steps(
+    model: Transformer, s: beam.BeamState, alpha: jax.Array, rule: Rule, until: Any = 0
+) -> beam.BeamState:
+    """search/beam.py `run` over the model's step: two steps a loop iteration in a large
+    search, until at most `until` sources are left or the room is full."""
+    rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
+    unroll = 2 if _large(model, rows, room) else 1
+    return beam.run(model.decode_step, s, alpha, rule, unroll, until)
+
+
 def search_state(
     model: Transformer,
     src: jax.Array,
@@ -172,13 +196,10 @@ def search_state(
 ) -> beam.BeamState:
     """The state of src [B, S]'s beam search once every source is finished, grown through
     `rooms` (pure; `search_batch` runs it as one compiled program)."""
-    limits = row_limits(src, length, extra)
-    b, k = src.shape[0], rule.beam_size
-    unroll = lambda room: 2 if _large(model, b * k, room) else 1  # per stage
-    s = beam.init(model.init_cache(src, rooms[0]), limits, k, rooms[0], controls)
-    s = beam.run(model.decode_step, s, alpha, rule, unroll(rooms[0]))
+    s = _first_state(model, src, rule, rooms[0], length, extra, controls)
+    s = _steps(model, s, alpha, rule)
     for room in rooms[1:]:  # a stage's loop ends at once if every source is finished
-        s = beam.run(model.decode_step, beam.grow(s, room), alpha, rule, unroll(room))
+        s = _steps(model, beam.grow(s, room), alpha, rule)
     return s
 
 
@@ -274,11 +295,8 @@ def _start(graphdef, state, src, alpha, until, controls, *, rule, room, length, 
     """src [B, S]'s search from its first step until at most `until` sources are left
     or `room` tokens are decoded."""
     model = nnx.merge(graphdef, state)
-    limits = row_limits(src, length, extra)
-    k = rule.beam_size
-    s = beam.init(model.init_cache(src, room), limits, k, room, controls)
-    unroll = 2 if _large(model, src.shape[0] * k, room) else 1
-    s = beam.run(model.decode_step, s, alpha, rule, unroll, until)
+    s = _first_state(model, src, rule, room, length, extra, controls)
+    s = _steps(model, s, alpha, rule, until)
     return s, segment_results(s, alpha, rule)
 
 
@@ -293,9 +311,7 @@ def _reshape(graphdef, s, keep, *, room) -> beam.BeamState:
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule"))
 def _advance(graphdef, state, s, alpha, until, *, rule) -> Segment:
     """The search `s` until at most `until` sources are left or its room is full."""
-    model = nnx.merge(graphdef, state)
-    rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
-    s = beam.run(model.decode_step, s, alpha, rule, 2 if _large(model, rows, room) else 1, until)
+    s = _steps(nnx.merge(graphdef, state), s, alpha, rule, until)
     return s, segment_results(s, alpha, rule)
 
 

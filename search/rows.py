@@ -65,6 +65,12 @@ FEWEST_ROWS = 4
 SHRINK_FROM = 16
 
 
+def shrinks(search: Any, rows: int) -> bool:
+    """Whether a batch of `rows` sources searches in segments with `search` (one that can:
+    `SegmentedSearch`), or whole, in one program."""
+    return hasattr(search, "start") and rows >= SHRINK_FROM
+
+
 def row_ladder(rows: int, multiple: int = 1) -> list[int]:
     """The row counts a batch of `rows` sources shrinks through: halving, each a multiple
     of `multiple` (the devices its rows are split over), down to `FEWEST_ROWS` (or the

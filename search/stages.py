@@ -38,7 +38,7 @@ from attention_jax.data.plans import plan_translation
 from attention_jax.search import timing
 from attention_jax.search.constraints import Controls
 from attention_jax.search.hypothesis import hypotheses
-from attention_jax.search.rows import SHRINK_FROM, Found, shrinking
+from attention_jax.search.rows import Found, shrinking, shrinks
 from attention_jax.search.scoring import FILLER, output_limit, rooms
 from attention_jax.search.settings import DEFAULTS, SearchSettings
 
@@ -322,7 +322,7 @@ def run_stages(
         if targets is not None:
             controls = put(targets.batch(picked, rows, width, max_len))
         rooms = stage_rooms(width, max_len)
-        if hasattr(search, "start") and rows >= SHRINK_FROM:  # rows that shrink
+        if shrinks(search, rows):
             return shrinking(
                 search, src, rooms, controls=controls, multiple=multiple, place=put,
                 fetch=fetch, beam_size=search.settings.beam_size, sources=len(picked),

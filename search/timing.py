@@ -81,7 +81,7 @@ def enable(origin: float | None = None) -> None:
     _state.watcher.start()
 
 
-def _on_main() -> bool:
+def _on_critical_path() -> bool:
     """On the critical path: the main thread, or a search thread (search/stages.py)."""
     thread = threading.current_thread()
     return thread is threading.main_thread() or thread.name.startswith("search")
@@ -104,7 +104,7 @@ def _on_event(event: str, **_: Any) -> None:
 def _program_time(interval: tuple[float, float]) -> None:
     _state.seconds["programs"] += interval[1] - interval[0]
     _state.programs.append(interval)
-    if _on_main():
+    if _on_critical_path():
         _state.waits.append(interval)
 
 

@@ -37,7 +37,7 @@ from attention_jax.search import decoding, programs
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
-from attention_jax.search.rows import SHRINK_FROM
+from attention_jax.search.rows import shrinks
 from attention_jax.search.settings import Rule, SearchSettings
 from attention_jax.search.stages import (
     Progress,
@@ -145,7 +145,7 @@ class LiveSearch:
         first segment, or its whole search for a batch too small to shrink (search/rows.py)."""
         ahead = dataclasses.replace(self, call=programs.prepare)
         src = jax.ShapeDtypeStruct((rows, width), np.int32)
-        if rows >= SHRINK_FROM:
+        if shrinks(self, rows):
             ahead.start(src, rooms[0], controls, 0)
         else:
             ahead.whole(src, rooms, controls)
