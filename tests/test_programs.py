@@ -1,5 +1,6 @@
 """Search programs kept on disk (search/programs.py): a loaded executable must search
-exactly as `jax.jit` does, a bad file must be compiled again, a program XLA cannot
+exactly as `jax.jit` does, the programs a batch ran after its start must be loaded
+ahead the next time it starts, a bad file must be compiled again, a program XLA cannot
 serialize (or that XLA's cache handed back) must go through `jax.jit` later, JAX's
 own cache must stay on, and a directory that cannot be used must cost nothing but
 the speed-up."""
@@ -77,6 +78,30 @@ def test_kept_programs_search_as_jit_does(model, kept, monkeypatch):
     assert search(model) == got
     assert compiled == []
     assert kept_files(kept) == files
+
+
+def test_a_shrinking_batchs_programs_are_loaded_ahead_next_time(model, kept, monkeypatch):
+    sources = sources_of(np.random.default_rng(7).integers(2, 9, 16), seed=7)
+    settings = SearchSettings(beam_size=2, batch_tokens=128)  # 16 rows: they shrink
+
+    def run():
+        return [[h.tokens for h in hs] for hs in translate_ids(model, sources, settings)]
+
+    got = run()
+    uses = [f for f in os.listdir(kept) if f.endswith(programs.USES)]
+    assert len(uses) == 1  # one batch shape, whose start led its segments' programs
+    with open(os.path.join(kept, uses[0])) as f:
+        later = json.load(f)
+    assert later and all(os.path.exists(os.path.join(kept, k + programs.SUFFIX)) for k in later)
+
+    # As a new process would: preparing the batch's start loads its segments' programs.
+    for name, fresh in (("_loaded", {}), ("_pending", {}), ("_leaders", set()), ("_uses", {})):
+        monkeypatch.setattr(programs, name, fresh)
+    ahead = []
+    real_load = programs._load_kept
+    monkeypatch.setattr(programs, "_load_kept", lambda path: ahead.append(path) or real_load(path))
+    assert run() == got
+    assert sorted(os.path.basename(p)[: -len(programs.SUFFIX)] for p in ahead) == sorted(later)
 
 
 def test_a_program_from_xlas_cache_is_used_but_not_kept(model, kept, monkeypatch, tmp_path):
