@@ -140,16 +140,19 @@ def passes_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     entry not yet taken (ties, -inf ones too: the lowest index): the same values and
     indices, without the sort that XLA lowers top-k to on a CPU (for the small k of a
     beam, a few reductions over the row cost less)."""
-    m = x.shape[1]
+    b, m = x.shape
     ids = jnp.arange(m, dtype=jnp.int32)  # [M]
-    taken = jnp.zeros(x.shape, bool)  # [B, M]
-    values, indices = [], []
-    for _ in range(k):
+
+    def take(i: jax.Array, carry: tuple) -> tuple:
+        taken, values, indices = carry
         free = jnp.where(taken, NEG_INF, x)
-        best = jnp.max(free, axis=1, keepdims=True)  # [B, 1]
-        first = jnp.min(jnp.where((free == best) & ~taken, ids, m), axis=1)  # [B]
+        best = jnp.max(free, axis=1)  # [B]
+        first = jnp.min(jnp.where((free == best[:, None]) & ~taken, ids, m), axis=1)  # [B]
         first = jnp.minimum(first, m - 1)  # a row of NaN: any index
-        values.append(best[:, 0])
-        indices.append(first)
         taken = taken | (ids == first[:, None])
-    return jnp.stack(values, axis=1), jnp.stack(indices, axis=1)  # [B, k], [B, k]
+        return taken, values.at[:, i].set(best), indices.at[:, i].set(first)
+
+    # A loop, not k copies: the same work, and one copy for XLA to compile.
+    start = (jnp.zeros(x.shape, bool), jnp.zeros((b, k), x.dtype), jnp.zeros((b, k), jnp.int32))
+    _, values, indices = jax.lax.fori_loop(0, k, take, start)
+    return values, indices  # [B, k], [B, k]
