@@ -132,14 +132,16 @@ def shrinking(
         step = int(step)
         counts.run += len(holder) * (step - before) * beam_size
         before, n = step, int(left.sum())
-        if n == 0 or n <= below(len(holder)):  # the finished rows leave: keep their results
-            out = fetch(report[2:])
+        shrink = n <= below(len(holder))
+        if n == 0 or shrink:  # the finished rows leave: keep their results
+            *out, ended = fetch(report[2:])
             going = ~left & (holder >= 0)
             pieces.append((holder[going], tuple(x[going] for x in out)))
+            counts.needed += int(np.sum(ended[going & (holder < real)])) * beam_size
         if n == 0:
             break
         target = len(holder)
-        if n <= below(target):
+        if shrink:
             target = min(r for r in ladder if r >= n)
             stay = np.flatnonzero(left)
             filler = np.flatnonzero(~left)[: target - n]
@@ -152,25 +154,20 @@ def shrinking(
         with timing.search_call() as call:
             state, report = search.resume(state, place(keep), rooms[room], below(target))
             call.dispatched(report)
-    return _assemble(pieces, rows, length, real, counts, beam_size)
+    return (*_assemble(pieces, rows, length), counts)
 
 
 def _assemble(
-    pieces: list[tuple[np.ndarray, tuple[np.ndarray, ...]]],
-    rows: int,
-    length: int,
-    real: int,
-    counts: RowCounts,
-    beam_size: int,
-) -> Found:
-    """The batch's results in row order, tokens padded to `length` columns."""
-    _, (tokens, scores, met, _) = pieces[0]
+    pieces: list[tuple[np.ndarray, tuple[np.ndarray, ...]]], rows: int, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The batch's tokens, scores and met in row order, tokens padded to `length`
+    columns, from (batch rows, their results) pieces."""
+    _, (tokens, scores, met) = pieces[0]
     n, q = scores.shape[1], met.shape[2]
     all_tokens = np.zeros((rows, n, length), tokens.dtype)
     all_scores = np.full((rows, n), -np.inf, scores.dtype)
     all_met = np.zeros((rows, n, q), bool)
-    for where, (tokens, scores, met, ended) in pieces:
+    for where, (tokens, scores, met) in pieces:
         all_tokens[where, :, : tokens.shape[2]] = tokens
         all_scores[where], all_met[where] = scores, met
-        counts.needed += int(np.sum(ended[where < real])) * beam_size
-    return all_tokens, all_scores, all_met if q else None, counts
+    return all_tokens, all_scores, all_met if q else None
