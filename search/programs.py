@@ -75,7 +75,7 @@ UNKEPT = ".unkept"  # an empty file: XLA could not serialize the program of this
 # the programs its batches went on to run (search/rows.py's segments), loaded ahead
 USES = ".uses"
 _leaders: set[str] = set()  # keys `prepare` was asked for: programs that start a batch
-_uses: dict[str, set[str]] = {}  # leader -> the keys run after it on the same thread
+_uses: dict[str, set[str]] = {}  # a leader's USES file -> the keys run after it
 _thread = threading.local()  # .leader: the batch under way on this thread
 
 
@@ -312,14 +312,14 @@ def _note_use(key: str) -> None:
     leader = getattr(_thread, "leader", None)
     if leader is None:
         return
+    path = os.path.join(_directory, leader + USES)  # per directory: `enable` may change it
     with _lock:
-        known = _uses.setdefault(leader, set(_read_uses(leader)))
+        known = _uses.setdefault(path, set(_read_uses(leader)))
         if key in known:
             return
         known.add(key)
         with contextlib.suppress(OSError):  # only the loading ahead is lost
-            blob = json.dumps(sorted(known)).encode()
-            atomic_write_bytes(os.path.join(_directory, leader + USES), blob)
+            atomic_write_bytes(path, json.dumps(sorted(known)).encode())
 
 
 def _load_kept(path: str) -> Any | None:
