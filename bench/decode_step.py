@@ -1,0 +1,141 @@
+"""Where a beam-search step's time goes: the whole step and its pieces, per batch size.
+
+    python bench/decode_step.py [--config=tiny] [--sources=4,16,64] [--beam_size=4]
+
+Random weights of the config's size. For each batch of B sources (B*K beam rows,
+room for --room tokens) it times, each in one compiled loop of --steps iterations
+(so that no dispatch is counted), per step:
+
+- `step`: search/beam.py `step`, all of it;
+- `decoder`: the model's `decode_step` alone (embedding, layers, output projection);
+- `top_k`: picking the 2K best of the K x V candidates (search/scoring.py `top_k`);
+- `reorder`: the cache's gather of each beam's parent rows (`DecodeCache.reorder`);
+- `rest` = step - decoder - top_k - reorder: log-softmax, restrictions, bookkeeping.
+
+Then fits the step's time to a + b x rows (the fixed cost per step, and the cost
+per beam row). Prints one JSON object, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common
+
+
+def _model(name: str):
+    from flax import nnx
+
+    from attention_jax import Transformer, TransformerConfig
+
+    cfg = importlib.import_module(f"attention_jax.configs.{name}").get_config()
+    fields = {**cfg.model.to_dict(), "vocab_size": cfg.vocab_size, "dropout_rate": 0.0}
+    fields["dtype"] = "float32"  # as decode.py on a CPU
+    return Transformer(TransformerConfig.from_dict(fields), rngs=nnx.Rngs(0))
+
+
+def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, float]:
+    """Seconds per step of each piece, for `sources` sources of width 16."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from attention_jax import EOS_ID
+    from attention_jax.search import beam, scoring
+    from attention_jax.search.settings import SearchSettings
+
+    rng = np.random.default_rng(0)
+    src = rng.integers(4, model.config.vocab_size, (sources, 16)).astype(np.int32)
+    src[:, -1] = EOS_ID
+    rule = SearchSettings(beam_size=k).rule()
+    alpha = jnp.float32(0.6)
+    limits = jnp.full((sources,), room, jnp.int32)
+    state = beam.init(model.init_cache(jnp.asarray(src), room), limits, k, room)
+    rows = sources * k
+    cand = jnp.asarray(rng.standard_normal((sources, k * model.config.vocab_size)), jnp.float32)
+    parents = jnp.asarray(rng.permutation(rows) // k * k, jnp.int32)  # within each source
+
+    def loop(body):
+        return jax.jit(lambda c: jax.lax.fori_loop(0, steps, body, c))
+
+    def step(_, s):
+        return beam.step(model.decode_step, s, alpha, rule)
+
+    def decoder(i, c):
+        logits, cache = model.decode_step(jnp.full((rows,), 4 + i % 7, jnp.int32), c[1])
+        return c[0] + logits[:, 0], cache
+
+    def top(i, c):
+        values, _ = scoring.top_k(cand + i, 2 * k)  # another row each time: nothing hoisted
+        return c + values[:, :1]
+
+    def reorder(_, cache):
+        return cache.reorder(parents)
+
+    cases = {
+        "step": (step, state),
+        "decoder": (decoder, (jnp.zeros((rows,)), state.cache)),
+        "top_k": (top, jnp.zeros((sources, 1))),
+        "reorder": (reorder, state.cache),
+    }
+    out = {}
+    for name, (body, carry) in cases.items():
+        fn = loop(body)
+        out[name] = common.time_fn(lambda fn=fn, carry=carry: fn(carry), warmup=1, iters=5) / steps
+    out["rest"] = out["step"] - out["decoder"] - out["top_k"] - out["reorder"]
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--sources", default="4,16,64", help="batch sizes, in sources")
+    p.add_argument("--beam_size", type=int, default=4)
+    p.add_argument("--room", type=int, default=32, help="the caches' room for tokens")
+    p.add_argument("--steps", type=int, default=16, help="steps per timed loop (<= room)")
+    args = p.parse_args(argv)
+    if args.steps > args.room:
+        p.error("--steps must be at most --room (a step writes one more cache slot)")
+
+    import json
+
+    import numpy as np
+
+    model = _model(args.config)
+    k = args.beam_size
+    rows = []
+    for b in (int(x) for x in args.sources.split(",")):
+        ms = {name: 1000 * s for name, s in _pieces(model, b, k, args.room, args.steps).items()}
+        rows.append(
+            {"sources": b, "beam_rows": b * k, **{f"{n}_ms": round(v, 4) for n, v in ms.items()}}
+        )
+    fit = {}
+    if len(rows) > 1:
+        slope, fixed = np.polyfit([r["beam_rows"] for r in rows], [r["step_ms"] for r in rows], 1)
+        fit = {"fixed_ms": round(float(fixed), 4), "per_row_ms": round(float(slope), 5)}
+    result = {
+        "benchmark": "decode_step",
+        "config": args.config,
+        "beam_size": k,
+        "room": args.room,
+        **common.device_info(),
+        "rows": rows,
+        "fit": fit,
+    }
+    print(json.dumps(result))
+    names = ("step", "decoder", "top_k", "reorder", "rest")
+    print(f"{'sources':>7} {'rows':>5} " + " ".join(f"{n + ' ms':>10}" for n in names))
+    for r in rows:
+        shares = " ".join(f"{r[n + '_ms']:>10.3f}" for n in names)
+        print(f"{r['sources']:>7} {r['beam_rows']:>5} {shares}")
+    if fit:
+        print(f"step = {fit['fixed_ms']:.3f} ms + {fit['per_row_ms']:.4f} ms per beam row")
+
+
+if __name__ == "__main__":
+    main()
