@@ -10,7 +10,8 @@ room for --room tokens) it times, each in one compiled loop of --steps iteration
 - `decoder`: the model's `decode_step` alone (embedding, layers, output projection);
 - `top_k`: picking the 2K best of the K x V candidates (search/scoring.py `top_k`);
 - `reorder`: the cache's gather of each beam's parent rows (`DecodeCache.reorder`);
-- `rest` = step - decoder - top_k - reorder: log-softmax, restrictions, bookkeeping.
+- `rest` = step - decoder - top_k - reorder: log-softmax, restrictions, bookkeeping
+  (a difference of separate timings: within their noise it may even be negative).
 
 Then fits the step's time to a + b x rows (the fixed cost per step, and the cost
 per beam row). Prints one JSON object, then a table.
@@ -86,7 +87,7 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
     out = {}
     for name, (body, carry) in cases.items():
         fn = loop(body)
-        out[name] = common.time_fn(lambda fn=fn, carry=carry: fn(carry), warmup=1, iters=5) / steps
+        out[name] = common.time_fn(lambda fn=fn, carry=carry: fn(carry), warmup=1, iters=7) / steps
     out["rest"] = out["step"] - out["decoder"] - out["top_k"] - out["reorder"]
     return out
 
@@ -96,8 +97,8 @@ def main(argv=None) -> None:
     p.add_argument("--config", default="tiny")
     p.add_argument("--sources", default="4,16,64", help="batch sizes, in sources")
     p.add_argument("--beam_size", type=int, default=4)
-    p.add_argument("--room", type=int, default=32, help="the caches' room for tokens")
-    p.add_argument("--steps", type=int, default=16, help="steps per timed loop (<= room)")
+    p.add_argument("--room", type=int, default=48, help="the caches' room for tokens")
+    p.add_argument("--steps", type=int, default=32, help="steps per timed loop (<= room)")
     args = p.parse_args(argv)
     if args.steps > args.room:
         p.error("--steps must be at most --room (a step writes one more cache slot)")
