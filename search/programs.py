@@ -298,9 +298,10 @@ def _read_uses(leader: str) -> list[str]:
     """The keys a batch started by `leader` ran after it, as a file keeps them."""
     try:
         with open(os.path.join(_directory, leader + USES)) as f:
-            return [k for k in json.load(f) if isinstance(k, str)]
+            keys = json.load(f)
     except (OSError, ValueError):
         return []
+    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
 
 
 def _note_use(key: str) -> None:
