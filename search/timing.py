@@ -198,7 +198,7 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
     work_s: the rest of the wall time. Programs: programs_s, compiling or loading them
     summed over the threads that do it side by side (it may exceed the wall time);
     programs_wall_s, the part of work_s during which any was; programs_critical_s,
-    the part the main thread spent on them, compiling or waiting (the compile time on
+    the part the main and search threads spent on them, compiling or waiting (the compile time on
     the critical path). device_busy_s + device_idle_s = work_s; host_bound_s: the
     device idle while no program was compiling or loading (waiting for the host), and
     host_share its share of work_s. beam_row_steps: the beam rows times steps the
