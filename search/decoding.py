@@ -301,11 +301,16 @@ def _start(graphdef, state, src, alpha, until, controls, *, rule, room, length, 
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "room"))
-def _reshape(graphdef, s, keep, *, room) -> beam.BeamState:
-    """The search `s` of the sources `keep` [B'] alone, grown to `room` (a program of its
-    own: gathers compile in no time, and the searches stay one per rows and room)."""
-    s = beam.select(s, keep)
-    return beam.grow(s, room) if room > s.live_seqs.shape[2] else s
+def _grow(graphdef, s, *, room) -> beam.BeamState:
+    """The search `s` with room for `room` tokens (a program of its own, as `_select`:
+    copies compile in no time, and the step loops stay one per rows and room)."""
+    return beam.grow(s, room)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _select(graphdef, s, keep) -> beam.BeamState:
+    """The search `s` of the sources `keep` [B'] alone."""
+    return beam.select(s, keep)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule"))
@@ -337,23 +342,64 @@ def start_segment(
     return call(_start, graphdef, args, static)
 
 
-def resume_segment(
+def grow_segment(s: beam.BeamState, room: int, call: Call = jit_call) -> beam.BeamState:
+    """The search `s` (a state or its shapes) with room for `room` tokens (`_grow`)."""
+    return call(_grow, None, (s,), dict(room=room))
+
+
+def select_segment(s: beam.BeamState, keep: jax.Array, call: Call = jit_call) -> beam.BeamState:
+    """The search `s` of the sources `keep` [B'] int32 alone (`_select`)."""
+    return call(_select, None, (s, keep), {})
+
+
+def advance_segment(
     model: Transformer,
     s: beam.BeamState,
-    keep: jax.Array,
     *,
     alpha: float,
     rule: Rule,
-    room: int,
     until: int,
     call: Call = jit_call,
 ) -> Segment:
-    """The next segment of the search `s`, of the sources `keep` [B'] int32 only, with
-    room for `room` tokens (`_reshape`, then `_advance`)."""
+    """The search `s` on until at most `until` sources are left or its room is full."""
     graphdef, state = nnx.split(model)
-    s = call(_reshape, None, (s, keep), dict(room=room))
     args = state, s, jnp.float32(alpha), jnp.int32(until)
     return call(_advance, graphdef, args, dict(rule=rule))
+
+
+def prepare_segments(
+    model: Transformer,
+    src: jax.ShapeDtypeStruct,
+    *,
+    alpha: float,
+    rule: Rule,
+    rooms: Sequence[int],
+    ladder: Sequence[int],
+    controls: Any = None,
+    call: Call,
+) -> None:
+    """Prepare (`call`: search/programs.py `prepare`) every program a batch of src's shape
+    [B, S] can run in segments down `ladder` (search/rows.py `Segments`): its start at
+    rooms[0], its growth to rooms[-1], and per rung its steps and the selection of the
+    next rung's rows. Their states' shapes are traced, not computed."""
+    length, extra = decode_shape(model, src, None)
+    first, last = min(rooms[0], length), rooms[-1]
+    start_segment(model, src, alpha=alpha, rule=rule, room=first, until=0, controls=controls,
+                  call=call)  # fmt: skip
+    graphdef, state = nnx.split(model)
+    shape = lambda src, controls: _first_state(
+        nnx.merge(graphdef, state), src, rule, first, length, extra, controls
+    )
+    s = jax.eval_shape(shape, src, controls)
+    if first < last:
+        grow_segment(s, last, call)
+        s = jax.eval_shape(functools.partial(beam.grow, capacity=last), s)
+    for fewer in [*ladder[1:], None]:
+        advance_segment(model, s, alpha=alpha, rule=rule, until=0, call=call)
+        if fewer is not None:
+            keep = jax.ShapeDtypeStruct((fewer,), jnp.int32)
+            select_segment(s, keep, call)
+            s = jax.eval_shape(beam.select, s, keep)
 
 
 def translate_beams(

@@ -32,11 +32,10 @@ are): keep the directory as private as the code you run.
 `prepare` starts loading or compiling a program in a background thread before it
 is first called, so that the programs a job will need (its batches' shapes are
 known once a chunk is read and planned) compile side by side, on as many cores as
-the host has, while the first ones already run; a call of a program being
-prepared waits for it. It also loads ahead the kept programs that the batches it
-started ran after it last time (search/rows.py's segments: `<key>.uses` lists them).
-On a GPU, where each search program of base's size takes ~10-15 s to compile, this
-is most of a first run's start.
+the host has, while the first ones already run. A call of a program being prepared
+waits for it; one of a program still queued takes it from the queue and compiles it
+on its own thread. On a GPU, where each search program of base's size takes ~10-15 s
+to compile, this is most of a first run's start.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
-import json
 import os
 import pickle
 import re
@@ -71,12 +69,6 @@ SUFFIX = ".jaxexe"
 # which load but fail at run time ("Function ... not found"): never read them.
 FORMAT = 2
 UNKEPT = ".unkept"  # an empty file: XLA could not serialize the program of this key
-# JSON beside a program that starts a batch (one `prepare` was asked for): the keys of
-# the programs its batches went on to run (search/rows.py's segments), loaded ahead
-USES = ".uses"
-_leaders: set[str] = set()  # keys `prepare` was asked for: programs that start a batch
-_uses: dict[str, set[str]] = {}  # a leader's USES file -> the keys run after it
-_thread = threading.local()  # .leader: the batch under way on this thread
 
 
 def enable(directory: str | None) -> str | None:
@@ -91,6 +83,11 @@ def enable(directory: str | None) -> str | None:
             directory = None
     _directory = directory
     return directory
+
+
+def enabled() -> bool:
+    """Whether programs are kept (and `prepare` does anything)."""
+    return _directory is not None
 
 
 def enable_beside(cache: str | None) -> str | None:
@@ -242,14 +239,16 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     if not _single_device(leaves):
         return fn(graphdef, *args, **static)
     key = _key(fn, graphdef, leaves, treedef, static)
-    _note_use(key)
     compiled = _loaded.get(key)
-    if compiled is None:
+    while compiled is None:
         with _lock:  # prepared by another thread, or obtained here (and `prepare` knows)
             future = _pending.get(key)
+            if future is not None and future.cancel():  # still queued: take it
+                future = None
             mine = future is None
             if mine:
                 future = _pending[key] = concurrent.futures.Future()
+                future.set_running_or_notify_cancel()  # so no other call takes it
         if mine:
             try:
                 future.set_result(_obtain(key, fn, graphdef, args, static))
@@ -259,9 +258,10 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
                     _pending.pop(key, None)
                 raise
         with timing.phase("programs_wait"):
-            compiled = future.result()
-        if compiled is None:  # loaded ahead from a file that turned out unreadable
-            compiled = _obtain(key, fn, graphdef, args, static)
+            try:
+                compiled = future.result()
+            except concurrent.futures.CancelledError:  # taken from the queue by another call
+                continue
         with _lock:
             _loaded[key] = compiled
             _pending.pop(key, None)
@@ -282,51 +282,8 @@ def prepare(fn: Any, graphdef: Any, args: tuple, static: dict) -> None:
         return
     key = _key(fn, graphdef, leaves, treedef, static)
     with _lock:
-        _leaders.add(key)
         if _pool is None:
             workers = max(1, min(8, usable_cpus() - 1))
             _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
         if key not in _loaded and key not in _pending:
             _pending[key] = _pool.submit(_obtain, key, fn, graphdef, args, static)
-        for later in _read_uses(key):  # what its batches ran last time, if kept
-            path = os.path.join(_directory, later + SUFFIX)
-            if later not in _loaded and later not in _pending and os.path.exists(path):
-                _pending[later] = _pool.submit(_load_kept, path)
-
-
-def _read_uses(leader: str) -> list[str]:
-    """The keys a batch started by `leader` ran after it, as a file keeps them."""
-    try:
-        with open(os.path.join(_directory, leader + USES)) as f:
-            keys = json.load(f)
-    except (OSError, ValueError):
-        return []
-    return [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
-
-
-def _note_use(key: str) -> None:
-    """Remember that the batch under way on this thread runs `key` (a program that
-    starts a batch begins a new one), in its leader's `USES` file."""
-    if key in _leaders:
-        _thread.leader = key
-        return
-    leader = getattr(_thread, "leader", None)
-    if leader is None:
-        return
-    path = os.path.join(_directory, leader + USES)  # per directory: `enable` may change it
-    with _lock:
-        known = _uses.setdefault(path, set(_read_uses(leader)))
-        if key in known:
-            return
-        known.add(key)
-        with contextlib.suppress(OSError):  # only the loading ahead is lost
-            atomic_write_bytes(path, json.dumps(sorted(known)).encode())
-
-
-def _load_kept(path: str) -> Any | None:
-    """A kept executable, loaded ahead of its first call (None: unreadable)."""
-    with timing.phase("programs"):
-        compiled = _load(path)
-    if compiled is not None:
-        timing.count("loaded")
-    return compiled

@@ -5,15 +5,22 @@
 
 A batch of B sources runs until all of them are finished, but most finish long
 before the slowest (on Ding, 89% within the first 16 steps past the width). So the
-search runs in segments: each ends as soon as the unfinished sources fit the next
-row count of a fixed ladder (`row_ladder`: B, B/2, ..., 4), or when the room for
-tokens is full; the next segment goes on with the unfinished sources alone, in
-that many rows (search/beam.py `select`), grown to the next room if it was full.
-A source's results do not depend on the others in its batch, so the results are
-the batch's as one program would give them, while the beam-row steps run stay
-close to those the sources need. The programs are one per (rows, room) reached,
-fixed by the batch's shape: a warm job compiles nothing. A batch of fewer than
-`SHRINK_FROM` rows (a request of a few lines) runs whole, in one program.
+search runs in segments, down a fixed ladder of row counts (`row_ladder`: B, B/2,
+..., 4). The first segment has room for rooms[0] tokens; it ends when the
+unfinished sources fit the next rung, or when its room is full, and the search is
+then grown to its last room, the length every source ends by. Each later segment
+ends when the unfinished sources fit the next rung; its rows then go down the
+ladder, a rung at a time (search/beam.py `select`: the unfinished sources first,
+then filler), and the next segment goes on with them. A source's results do not
+depend on the others in its batch, so the results are the batch's as one program
+would give them, while the beam-row steps run stay close to those the sources need.
+
+The programs of a batch shape are fixed (`Segments`): its start, the growth, and a
+step loop and a selection per rung, whichever of them a batch happens to reach, so
+`prepare` compiles them all and a warm job compiles nothing. A batch of fewer than
+`SHRINK_FROM` rows (a request of a few lines), and one whose rows are split over
+several devices (all of them must run the same programs in the same order), runs
+whole, in one program.
 
 Each segment's end is read by the host (which sources are left: a few bytes), so a
 batch's search holds its thread; search/stages.py runs batches on several threads,
@@ -38,11 +45,12 @@ from attention_jax.search.settings import SearchSettings
 class SegmentedSearch(Protocol):
     """A search run in segments (search/translate.py `LiveSearch`), with its `settings`.
 
-    start(src [B, S], room, controls, until) -> (state, report) and
-    resume(state, keep [B'], room, until) -> (state, report): the search from its first
-    step, or of the sources `keep` of `state` alone (grown to `room`), until at most
-    `until` sources are unfinished or `room` tokens are decoded. report: (left [B] bool,
-    step [], tokens [B, n, C], scores [B, n], met [B, n, Q], ended [B] int32)
+    start(src [B, S], room, controls, until): the search from its first step, with room
+    for `room` tokens; grow(state, room): the same search with more room;
+    select(state, keep [B']): the search of the sources `keep` alone; advance(state,
+    until): the search on. A segment (start, advance) runs until at most `until` sources
+    are unfinished or its room is full, and returns (state, report). report: (left [B]
+    bool, step [], tokens [B, n, C], scores [B, n], met [B, n, Q], ended [B] int32)
     (search/decoding.py `segment_results`).
     """
 
@@ -52,9 +60,11 @@ class SegmentedSearch(Protocol):
         self, src: jax.Array, room: int, controls: Controls | None, until: int
     ) -> tuple[Any, tuple[jax.Array, ...]]: ...
 
-    def resume(
-        self, state: Any, keep: jax.Array, room: int, until: int
-    ) -> tuple[Any, tuple[jax.Array, ...]]: ...
+    def grow(self, state: Any, room: int) -> Any: ...
+
+    def select(self, state: Any, keep: jax.Array) -> Any: ...
+
+    def advance(self, state: Any, until: int) -> tuple[Any, tuple[jax.Array, ...]]: ...
 
 
 # The fewest rows a batch shrinks to. Each row count is a program to compile, and below
@@ -65,24 +75,42 @@ FEWEST_ROWS = 4
 SHRINK_FROM = 16
 
 
-def shrinks(search: Any, rows: int) -> bool:
-    """Whether a batch of `rows` sources searches in segments with `search` (one that can:
-    `SegmentedSearch`), or whole, in one program."""
-    return hasattr(search, "start") and rows >= SHRINK_FROM
+def shrinks(search: Any, rows: int, devices: int = 1) -> bool:
+    """Whether a batch of `rows` sources, split over `devices`, searches in segments with
+    `search` (one that can: `SegmentedSearch`), or whole, in one program."""
+    return hasattr(search, "start") and rows >= SHRINK_FROM and devices == 1
 
 
-def row_ladder(rows: int, multiple: int = 1) -> list[int]:
-    """The row counts a batch of `rows` sources shrinks through: halving, each a multiple
-    of `multiple` (the devices its rows are split over), down to `FEWEST_ROWS` (or the
-    multiple, if larger)."""
-    floor = max(FEWEST_ROWS, multiple)
+def row_ladder(rows: int) -> list[int]:
+    """The row counts a batch of `rows` sources shrinks through: halving (rounded up), down
+    to `FEWEST_ROWS`."""
     ladder = [rows]
-    while ladder[-1] > floor:
-        half = max(-(-ladder[-1] // 2 // multiple) * multiple, floor)  # rounded up
-        if half >= ladder[-1]:
-            break
-        ladder.append(half)
+    while ladder[-1] > FEWEST_ROWS:
+        ladder.append(max(-(-ladder[-1] // 2), FEWEST_ROWS))
     return ladder
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Every program a batch of `rows` sources runs in segments, by the rows and room of
+    the search it takes: ("start", rows, rooms[0]), ("grow", rows, rooms[0]) (to
+    rooms[-1]; none with one room), and per rung r of the ladder ("advance", r,
+    rooms[-1]) and, above the last, ("select", r, rooms[-1]) (to the next rung)."""
+
+    rows: int
+    rooms: tuple[int, ...]
+
+    def programs(self) -> list[tuple[str, int, int]]:
+        first, last = self.rooms[0], self.rooms[-1]
+        out = [("start", self.rows, first)]
+        if len(self.rooms) > 1:
+            out.append(("grow", self.rows, first))
+        ladder = row_ladder(self.rows)
+        for rung in ladder:
+            out.append(("advance", rung, last))
+            if rung != ladder[-1]:
+                out.append(("select", rung, last))
+        return out
 
 
 @dataclasses.dataclass
@@ -104,26 +132,26 @@ def shrinking(
     rooms: Sequence[int],
     *,
     controls: Any = None,
-    multiple: int = 1,
     beam_size: int,
     place: Callable[[Any], Any],
     fetch: Callable[[Any], Any],
     sources: int | None = None,
 ) -> Found:
     """One batch's search: src [B, S] (numpy) through `rooms` (search/stages.py
-    `stage_rooms`), controls (placed) the sources' prefixes and phrases. place: numpy ->
-    device arrays (the rows split over `multiple` devices); fetch: the reverse. sources:
-    how many of the B rows are real (the rest are filler: they count in the steps run,
-    not in those needed)."""
+    `stage_rooms`: its first and last are used), controls (placed) the sources' prefixes
+    and phrases. place: numpy -> device arrays; fetch: the reverse. sources: how many of
+    the B rows are real (the rest are filler: they count in the steps run, not in those
+    needed)."""
     rows = src.shape[0]
-    ladder = row_ladder(rows, multiple)
-    below = lambda r: next((x for x in ladder if x < r), 0)  # the next row count down
-    length, room = rooms[-1], 0  # room: index into rooms
+    ladder = row_ladder(rows)
+    rung = 0  # the ladder's row count the state has
+    below = lambda: ladder[rung + 1] if rung + 1 < len(ladder) else 0  # a segment's end
     holder = np.arange(rows)  # batch row of each state row (-1: a row kept as filler)
     counts, real = RowCounts(), rows if sources is None else sources
     pieces: list[tuple[np.ndarray, tuple[np.ndarray, ...]]] = []  # (batch rows, results)
+    grown = len(rooms) == 1
     with timing.search_call() as call:
-        state, report = search.start(place(src), rooms[0], controls, below(rows))
+        state, report = search.start(place(src), rooms[0], controls, below())
         call.dispatched(report)
     before = 0
     while True:
@@ -132,29 +160,27 @@ def shrinking(
         step = int(step)
         counts.run += len(holder) * (step - before) * beam_size
         before, n = step, int(left.sum())
-        shrink = n <= below(len(holder))
-        if n == 0 or shrink:  # the finished rows leave: keep their results
+        if n == 0 or n <= below():  # the finished rows leave: keep their results
             *out, ended = fetch(report[2:])
             going = ~left & (holder >= 0)
             pieces.append((holder[going], tuple(x[going] for x in out)))
             counts.needed += int(np.sum(ended[going & (holder < real)])) * beam_size
         if n == 0:
             break
-        target = len(holder)
-        if shrink:
-            target = min(r for r in ladder if r >= n)
-            stay = np.flatnonzero(left)
-            filler = np.flatnonzero(~left)[: target - n]
-            keep = np.concatenate([stay, filler]).astype(np.int32)
-            holder = np.concatenate([holder[stay], np.full(len(filler), -1)])
-        else:
-            keep = np.arange(target, dtype=np.int32)
-        if step >= rooms[room]:
-            room += 1
         with timing.search_call() as call:
-            state, report = search.resume(state, place(keep), rooms[room], below(target))
+            if not grown:  # the first segment's end: room for every source's last token
+                state, grown = search.grow(state, rooms[-1]), True
+            if n <= below():  # the unfinished first, then filler; a rung at a time
+                keep = np.concatenate([np.flatnonzero(left), np.flatnonzero(~left)])
+                holder = np.where(left, holder, -1)[keep]
+                while n <= below():
+                    rung += 1
+                    keep, holder = keep[: ladder[rung]], holder[: ladder[rung]]
+                    state = search.select(state, place(keep.astype(np.int32)))
+                    keep = np.arange(ladder[rung])
+            state, report = search.advance(state, below())
             call.dispatched(report)
-    return (*_assemble(pieces, rows, length), counts)
+    return (*_assemble(pieces, rows, rooms[-1]), counts)
 
 
 def _assemble(

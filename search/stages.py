@@ -9,7 +9,8 @@ settings and of the widths present, never of its size, its chunks, its order or 
 resume, and a warm job compiles nothing. A batch's search grows its room for tokens
 in stages (`stage_rooms`), so attention reads caches about as long as what was
 decoded, and its rows shrink as its sources finish (search/rows.py); a batch of a
-few rows, or an exported search, runs whole in one program (`Search.whole`). A
+few rows, one split over devices, or an exported search, runs whole in one program
+(`Search.whole`). A
 source's results do not depend on the batch it is in (search/beam.py); filler rows
 (`batch_of`) are finished before the first step.
 
@@ -322,10 +323,10 @@ def run_stages(
         if targets is not None:
             controls = put(targets.batch(picked, rows, width, max_len))
         rooms = stage_rooms(width, max_len)
-        if shrinks(search, rows):
+        if shrinks(search, rows, multiple):
             return shrinking(
-                search, src, rooms, controls=controls, multiple=multiple, place=put,
-                fetch=fetch, beam_size=search.settings.beam_size, sources=len(picked),
+                search, src, rooms, controls=controls, place=put, fetch=fetch,
+                beam_size=search.settings.beam_size, sources=len(picked),
             )  # fmt: skip
         with timing.search_call() as call:
             out = search.whole(put(src), rooms, controls)

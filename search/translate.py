@@ -37,7 +37,7 @@ from attention_jax.search import decoding, programs
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
-from attention_jax.search.rows import shrinks
+from attention_jax.search.rows import row_ladder, shrinks
 from attention_jax.search.settings import Rule, SearchSettings
 from attention_jax.search.stages import (
     Progress,
@@ -130,25 +130,38 @@ class LiveSearch:
             until=until, controls=controls, call=self.call,
         )  # fmt: skip
 
-    def resume(self, state: Any, keep: jax.Array, room: int, until: int) -> decoding.Segment:
-        """The next segment, of the sources `keep` of `state` alone (search/rows.py)."""
-        return decoding.resume_segment(
-            self.model, state, keep, alpha=self.settings.alpha, rule=self.rule, room=room,
-            until=until, call=self.call,
+    def grow(self, state: Any, room: int) -> Any:
+        """The search `state` with room for `room` tokens (search/rows.py)."""
+        return decoding.grow_segment(state, room, self.call)
+
+    def select(self, state: Any, keep: jax.Array) -> Any:
+        """The search `state` of the sources `keep` alone (search/rows.py)."""
+        return decoding.select_segment(state, keep, self.call)
+
+    def advance(self, state: Any, until: int) -> decoding.Segment:
+        """The search `state`'s next segment (search/rows.py)."""
+        return decoding.advance_segment(
+            self.model, state, alpha=self.settings.alpha, rule=self.rule, until=until,
+            call=self.call,
         )  # fmt: skip
 
     def prepare(
         self, rows: int, width: int, rooms: Sequence[int], controls: Controls | None = None
     ) -> None:
-        """Start compiling or loading, in the background, the program that starts the
-        search of a batch of `rows` sources of width `width` (controls: as shapes): its
-        first segment, or its whole search for a batch too small to shrink (search/rows.py)."""
+        """Start compiling or loading, in the background, the programs of a batch of `rows`
+        sources of width `width` (controls: as shapes): every program of its segments
+        (search/rows.py `Segments`), or its whole search for a batch too small to shrink."""
+        if not programs.enabled():
+            return
         ahead = dataclasses.replace(self, call=programs.prepare)
         src = jax.ShapeDtypeStruct((rows, width), np.int32)
-        if shrinks(self, rows):
-            ahead.start(src, rooms[0], controls, 0)
-        else:
+        if not shrinks(self, rows):
             ahead.whole(src, rooms, controls)
+            return
+        decoding.prepare_segments(
+            self.model, src, alpha=self.settings.alpha, rule=self.rule, rooms=rooms,
+            ladder=row_ladder(rows), controls=controls, call=programs.prepare,
+        )  # fmt: skip
 
 
 def search_fn(

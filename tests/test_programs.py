@@ -1,6 +1,6 @@
 """Search programs kept on disk (search/programs.py): a loaded executable must search
-exactly as `jax.jit` does, the programs a batch ran after its start must be loaded
-ahead the next time it starts, a bad file must be compiled again, a program XLA cannot
+exactly as `jax.jit` does, every program a batch may run must be prepared ahead,
+a bad file must be compiled again, a program XLA cannot
 serialize (or that XLA's cache handed back) must go through `jax.jit` later, JAX's
 own cache must stay on, and a directory that cannot be used must cost nothing but
 the speed-up."""
@@ -80,28 +80,35 @@ def test_kept_programs_search_as_jit_does(model, kept, monkeypatch):
     assert kept_files(kept) == files
 
 
-def test_a_shrinking_batchs_programs_are_loaded_ahead_next_time(model, kept, monkeypatch):
-    sources = sources_of(np.random.default_rng(7).integers(2, 9, 16), seed=7)
-    settings = SearchSettings(beam_size=2, batch_tokens=128)  # 16 rows: they shrink
+def _settle():
+    """Wait for the programs `prepare` is still compiling."""
+    for future in list(programs._pending.values()):
+        future.result()
 
-    def run():
-        return [[h.tokens for h in hs] for hs in translate_ids(model, sources, settings)]
 
-    got = run()
-    uses = [f for f in os.listdir(kept) if f.endswith(programs.USES)]
-    assert len(uses) == 1  # one batch shape, whose start led its segments' programs
-    with open(os.path.join(kept, uses[0])) as f:
-        later = json.load(f)
-    assert later and all(os.path.exists(os.path.join(kept, k + programs.SUFFIX)) for k in later)
+def test_every_program_a_shrinking_batch_may_run_is_prepared(model, kept, monkeypatch):
+    settings = SearchSettings(beam_size=2, batch_tokens=128)  # 16 rows at width 8: they shrink
+    compiled = []
+    real_compile = programs._compile
+    monkeypatch.setattr(
+        programs, "_compile", lambda fn, *a: compiled.append(fn.__name__) or real_compile(fn, *a)
+    )
+    lengths = np.random.default_rng(7).integers(2, 9, (2, 16))
+    translate_ids(model, sources_of(lengths[0], seed=7), settings)
+    _settle()
+    # rooms 24, 48, 58: the start at 24, the growth to 58, a step loop at each of 16, 8
+    # and 4 rows and a selection of the next rows at 16 and 8, whether run or not
+    want = ["_start", "_grow", "_advance", "_advance", "_advance", "_select", "_select"]
+    assert sorted(compiled) == sorted(want)
+    assert len(kept_files(kept)) == len(want)
 
-    # As a new process would: preparing the batch's start loads its segments' programs.
-    for name, fresh in (("_loaded", {}), ("_pending", {}), ("_leaders", set()), ("_uses", {})):
-        monkeypatch.setattr(programs, name, fresh)
-    ahead = []
-    real_load = programs._load_kept
-    monkeypatch.setattr(programs, "_load_kept", lambda path: ahead.append(path) or real_load(path))
-    assert run() == got
-    assert sorted(os.path.basename(p)[: -len(programs.SUFFIX)] for p in ahead) == sorted(later)
+    # As a new process would, on other sources (whose segments may end elsewhere):
+    # every program is loaded, none compiled.
+    monkeypatch.setattr(programs, "_loaded", {})
+    compiled.clear()
+    translate_ids(model, sources_of(lengths[1], seed=8), settings)
+    _settle()
+    assert compiled == []
 
 
 def test_a_program_from_xlas_cache_is_used_but_not_kept(model, kept, monkeypatch, tmp_path):

@@ -107,29 +107,40 @@ _SEEN = set()
 
 
 class _Recording(LiveSearch):
-    """A LiveSearch that notes the shape of every batch it starts, and the rows and width
-    of every segment it goes on with."""
+    """A LiveSearch that notes every program it runs: its kind, and the rows and room of
+    the search it takes (a whole search: the batch's rows and width)."""
 
     def start(self, src, room, controls, until):
-        _SEEN.add(("start", *src.shape))
+        _SEEN.add(("start", src.shape[0], room))
         return super().start(src, room, controls, until)
 
     def whole(self, src, rooms, controls=None):
         _SEEN.add(("whole", *src.shape))
         return super().whole(src, rooms, controls)
 
-    def resume(self, state, keep, room, until):
-        _SEEN.add(("resume", keep.shape[0], state.cache.src_valid.shape[1]))
-        return super().resume(state, keep, room, until)
+    def grow(self, state, room):
+        _SEEN.add(("grow", *state.live_seqs.shape[::2]))
+        return super().grow(state, room)
+
+    def select(self, state, keep):
+        _SEEN.add(("select", *state.live_seqs.shape[::2]))
+        return super().select(state, keep)
+
+    def advance(self, state, until):
+        _SEEN.add(("advance", *state.live_seqs.shape[::2]))
+        return super().advance(state, until)
 
 
 def test_a_jobs_programs_do_not_depend_on_how_its_sources_are_cut(model):
     settings = SearchSettings(beam_size=2, batch_tokens=128)  # full rows: 16 at width 8
     sources = sources_of(np.random.default_rng(4).integers(2, 16, 40), seed=4)
-    # width 16: 8 rows full; small batches 8 rows, searched whole; 16 rows shrink by
-    # halves down to 4
-    starts = {("start", 16, 8), ("whole", 8, 8), ("whole", 8, 16)}
-    allowed = starts | {("resume", r, 8) for r in (16, 8, 4)}
+    # width 8: rooms 24, 48, 58 (max_len 96); 16 rows shrink by halves down to 4 in the
+    # last room; small batches of 8 rows (widths 8 and 16) are searched whole.
+    shrinking = {("start", 16, 24), ("grow", 16, 24), ("select", 16, 58), ("select", 8, 58)}
+    shrinking |= {("advance", r, 58) for r in (16, 8, 4)}
+    assert set(rows.Segments(16, (24, 48, 58)).programs()) == shrinking  # what is prepared
+    starts = {("start", 16, 24), ("whole", 8, 8), ("whole", 8, 16)}
+    allowed = shrinking | starts
     results = {}
     for cut, count in ((40, 40), (9, 40), (1, 10)):  # one at a time: the first 10
         search = _Recording(model, settings)
@@ -211,20 +222,18 @@ def test_an_exported_translator_translates_as_the_live_model(model, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("count", "multiple", "want"),
+    ("count", "want"),
     [
-        (64, 1, [64, 32, 16, 8, 4]),
-        (8, 1, [8, 4]),
-        (4, 1, [4]),
-        (3, 1, [3]),  # never more rows than the batch has
-        (64, 8, [64, 32, 16, 8]),  # every count a multiple of the devices
-        (24, 8, [24, 16, 8]),
+        (64, [64, 32, 16, 8, 4]),
+        (8, [8, 4]),
+        (4, [4]),
+        (3, [3]),  # never more rows than the batch has
+        (24, [24, 12, 6, 4]),
+        (17, [17, 9, 5, 4]),  # halves rounded up
     ],
 )
-def test_the_ladder_halves_down_to_a_few_rows(count, multiple, want):
-    ladder = rows.row_ladder(count, multiple)
-    assert ladder == want
-    assert all(r % multiple == 0 for r in ladder[1:])
+def test_the_ladder_halves_down_to_a_few_rows(count, want):
+    assert rows.row_ladder(count) == want
 
 
 def _search(model, src, settings, **kw):
