@@ -3,6 +3,8 @@
 
 import json
 import os
+import re
+import subprocess
 
 from tools import results_page
 
@@ -38,3 +40,45 @@ def test_every_headline_is_a_value_of_its_file():
     assert len(table.splitlines()) == 2 + len(results_page.HEADLINES)
     for what, stem, _, _, _ in results_page.HEADLINES:
         assert what in table and f"bench/results/{stem}.jsonl" in table
+
+
+def _repo_paths(text: str) -> set[str]:
+    """The paths `text` names inside this repository: link targets, and words whose
+    first folder is one of the repository's top-level folders (workdir/ and the like,
+    which a command creates, are not)."""
+    tops = {e.name for e in os.scandir(results_page.ROOT) if e.is_dir() and e.name[0] != "."}
+    tops -= {"workdir"}
+    links = re.findall(r"\]\(([^)#\s]+)\)", text)
+    words = re.findall(r"(?<![\w./$-])([\w-]+/[\w./-]*[\w/])", text)
+    paths = {p for p in links if "://" not in p}
+    return paths | {w for w in words if w.split("/")[0] in tops}
+
+
+def test_every_path_the_readme_names_exists():
+    with open(results_page.README, encoding="utf-8") as f:
+        named = _repo_paths(f.read())
+    assert "bench/decode_file.py" in named and "docs/decoding.md" in named  # the reading works
+    missing = sorted(p for p in named if not os.path.exists(os.path.join(results_page.ROOT, p)))
+    assert not missing, f"README.md names paths that do not exist: {missing}"
+
+
+def test_a_run_whose_script_is_gone_says_where_it_can_be_had(tmp_path):
+    row = {"benchmark": "b", "command": "python bench/no_such_script.py --x && bench/train.py"}
+    (tmp_path / "cpu-zen5-20261127-abcdef0-pace.jsonl").write_text(json.dumps(row) + "\n")
+    (gone,) = re.findall(
+        r"\(no longer in the repository: ([^)]*)\)", results_page.render(str(tmp_path))
+    )
+    assert gone == "bench/no_such_script.py"  # bench/train.py is here
+    # On the real page every gone script names a commit that holds it.
+    with open(results_page.PAGE, encoding="utf-8") as f:
+        named = set(results_page.SCRIPT.findall(f.read()))
+    gone = {p for p in named if not os.path.exists(os.path.join(results_page.ROOT, p))}
+    assert gone <= set(results_page.GONE), (
+        f"add to results_page.GONE: {gone - set(results_page.GONE)}"
+    )
+    git = lambda *a: subprocess.run(["git", *a], cwd=results_page.ROOT, capture_output=True)
+    history = git("rev-parse", "--is-shallow-repository").stdout.strip() == b"false"
+    for script, commit in results_page.GONE.items():
+        assert script in gone, f"{script} is back, or no result names it: drop it from GONE"
+        if history:  # a whole clone (not an unpacked archive or a shallow clone)
+            assert git("cat-file", "-e", f"{commit}:{script}").returncode == 0, (commit, script)

@@ -43,8 +43,22 @@ Every number measured for this project, generated from the JSON lines in
 `bench/results/` by `python tools/results_page.py` (do not edit by hand). Files
 are grouped by machine, newest first; each line is one run: its benchmark, its
 command, then what it measured (several rows separated by `·`). The machine,
-date, commit and label are in the file's name, which each entry links.
+date, commit and label are in the file's name, which each entry links. A command
+whose script is no longer in the repository says so, with the `git show` that
+gives the script as it ran.
 """
+# A script a command runs: bench/, tools/ or tests/ code.
+SCRIPT = re.compile(r"(?<![\w./-])((?:bench|tools|tests)/[\w./-]+\.(?:py|sh))\b")
+# Scripts that results ran and that are gone: the last commit that holds each (the
+# parent of the one that removed it; tests/test_results_page.py checks them with git).
+GONE = {
+    "bench/decode_steps.py": "318430e",
+    "bench/decode_stream.py": "2b3c22e",
+    "bench/flax_wmt.py": "318430e",
+    "bench/gpu_ding.sh": "46ad127",
+    "bench/host_step.py": "2b3c22e",
+    "bench/trace_summary.py": "46ad127",
+}
 
 # The README's table: (what, file stem, the run's fields to match, result index, format).
 HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
@@ -135,13 +149,27 @@ def _suite(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def gone_scripts(command: str) -> list[str]:
+    """The scripts `command` runs that are not in the repository now."""
+    return [p for p in dict.fromkeys(SCRIPT.findall(command)) if not os.path.exists(_path(p))]
+
+
+def _path(script: str) -> str:
+    return os.path.join(ROOT, *script.split("/"))
+
+
 def _runs(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per run: benchmark, command, note, then its fields or its rows."""
+    """One line per run: benchmark, command (and which of its scripts are gone, and where
+    to get them), note, then its fields or its rows."""
     out = []
     for row in rows:
         head = f"  - **{row.get('benchmark', 'run')}**"
         if row.get("command"):
             head += f" `{_cell(row['command']).replace('`', '')}`"
+            gone = gone_scripts(row["command"])
+            if gone:
+                shows = ", ".join(f"`git show {GONE[p]}:{p}`" if p in GONE else p for p in gone)
+                head += f" (no longer in the repository: {shows})"
         if row.get("note"):
             head += f" ({_cell(row['note'])})"
         body = _fields(row)
@@ -167,7 +195,9 @@ def entry(path: str) -> list[str]:
         if base.endswith(".json"):
             return lines + _suite(json.load(f))
         rows = [json.loads(line) for line in f if line.strip()]
-    return lines + ([_metrics(rows)] if base.endswith(".metrics.jsonl") else _runs(rows))
+    if base.endswith(".metrics.jsonl"):
+        return [*lines, _metrics(rows)]
+    return lines + _runs(rows)
 
 
 def _machine_key(machine: str) -> tuple[int, str]:
