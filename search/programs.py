@@ -1,17 +1,17 @@
 """Compiled search programs kept on disk, so a new process skips tracing and lowering.
 
     programs.enable("~/.cache/attention-jax/xla/programs")  # decode.py does this
-    out = programs.call(beam._search, graphdef, args, static)  # _search(graphdef, *args, **static)
+    out = programs.call(decoding._start, graphdef, args, static)  # _start(graphdef, *args, **kw)
 
 JAX's persistent compilation cache skips XLA's compilation, but every process
-still traces and lowers each program to find its cache entry: ~0.5 s per beam
-search program of the tiny model on the 2-core box (0.2-0.37 s tracing, 0.19 s
-lowering, 0.1 s loading), and a job runs one or two per source width. Here a
-program compiled once is serialized whole (`jax.experimental.serialize_executable`)
-under a key made of everything it was built from -- the code of model/, the
-versions of jax, jaxlib, flax and Python, the backend and device, $XLA_FLAGS, the
-model's structure and config, the static arguments and the shapes, dtypes and
-structure of the others -- and later processes load it in ~0.1 s.
+still traces and lowers each program to find its cache entry, which for a beam
+search costs several times what loading it does (docs/jobs.md), and a job runs
+several per source width. Here a program compiled once is serialized whole
+(`jax.experimental.serialize_executable`) under a key made of everything it was
+built from -- the code of model/, the versions of jax, jaxlib, flax and Python, the
+backend and device, $XLA_FLAGS, the model's structure and config, the static
+arguments and the shapes, dtypes and structure of the others -- and later
+processes load it whole.
 
 Only single-device calls are kept (a sharded evaluation goes through `jax.jit` as
 before), and only programs XLA can serialize: for one it cannot (XLA:CPU's small
@@ -34,8 +34,8 @@ is first called, so that the programs a job will need (its batches' shapes are
 known once a chunk is read and planned) compile side by side, on as many cores as
 the host has, while the first ones already run. A call of a program being prepared
 waits for it; one of a program still queued takes it from the queue and compiles it
-on its own thread. On a GPU, where each search program of base's size takes ~10-15 s
-to compile, this is most of a first run's start.
+on its own thread. On a GPU, where a search program of base's size takes seconds to
+compile, this is most of a first run's start.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     tokens, scores, met, counts = shrinking(search, src, rooms, beam_size=4, ...)
 
 A batch of B sources runs until all of them are finished, but most finish long
-before the slowest (on Ding, 89% within the first 16 steps past the width). So the
+before the slowest (on Ding, most within 16 steps past the width). So the
 search runs in segments, down a fixed ladder of row counts (`row_ladder`: B, B/2,
 ..., 4). The first segment has room for rooms[0] tokens; it ends when the
 unfinished sources fit the next rung, or when its room is full, and the search is
