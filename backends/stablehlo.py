@@ -45,7 +45,7 @@ from attention_jax.data.files import atomic_write, atomic_write_bytes, read_vers
 from attention_jax.data.plans import inference_widths
 from attention_jax.search.hypothesis import Hypothesis
 from attention_jax.search.scoring import output_limit
-from attention_jax.search.settings import SearchSettings, steps_per_check
+from attention_jax.search.settings import SearchSettings
 from attention_jax.search.stages import Targets, run_stages, stage_rooms
 from attention_jax.search.translate import Progress, search_fn
 
@@ -84,8 +84,8 @@ def export_translator(
     Args:
       model: the Transformer to export (its config's max_len bounds the widths).
       tokenizer_files: the tokenizer's files ({name: contents}, `tokenizer.files()`).
-      settings: beam_size, alpha, n_best, length_penalty and stop are fixed into the
-        programs (steps_per_check is the platforms'; batch_tokens is the reader's).
+      settings: beam_size, alpha, n_best, length_penalty, stop and min_length are fixed
+        into the programs (batch_tokens is the reader's).
       vocab_limit: never emit ids >= this, also fixed into the programs.
       config: the training config, stored in the metadata for reference.
       platforms: backends to lower for (e.g. ("cpu", "cuda")); None = this one.
@@ -96,9 +96,6 @@ def export_translator(
     max_len = model.config.max_len
     widths = inference_widths(max_len)
     live = lambda flat: nnx.merge(graphdef, jax.tree.unflatten(treedef, flat), rest)
-    # One program serves every platform: the most steps per check any of them wants.
-    per = max(steps_per_check(p) for p in platforms or [jax.default_backend()])
-    settings = settings.replace(steps_per_check=per)
     sizes, rooms = _write_programs(
         directory, live, leaves, model.config, settings, vocab_limit, platforms
     )

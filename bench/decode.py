@@ -22,14 +22,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common
 
 
-def _bench_one(model, src, beam_size: int, iters: int, steps_per_check: int | None) -> dict:
+def _bench_one(model, src, beam_size: int, iters: int) -> dict:
     import jax
     import numpy as np
 
     from attention_jax import EOS_ID
     from attention_jax.search.decoding import translate
 
-    run = lambda: translate(model, src, beam_size=beam_size, steps_per_check=steps_per_check)
+    run = lambda: translate(model, src, beam_size=beam_size)
     t0 = time.perf_counter()
     tokens = np.asarray(jax.block_until_ready(run()))
     compile_s = time.perf_counter() - t0
@@ -55,11 +55,6 @@ def main(argv=None) -> None:
     p.add_argument("--src_len", type=int, default=32)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--vocab_size", type=int, default=0, help="0 = the config's")
-    p.add_argument(
-        "--steps_per_check",
-        default="",
-        help="beam search steps per stopping test, e.g. 1,8 for an A/B (default: the platform's)",
-    )
     args = p.parse_args(argv)
     common.set_gpu_flags()
 
@@ -70,9 +65,6 @@ def main(argv=None) -> None:
     from flax import nnx
 
     from attention_jax import EOS_ID, Transformer, TransformerConfig
-    from attention_jax.search.settings import steps_per_check
-
-    checks = [int(x) for x in args.steps_per_check.split(",")] if args.steps_per_check else [None]
 
     on_cpu = jax.default_backend() == "cpu"
     default_batches = "8,32,128" if on_cpu else "32,128,512"
@@ -96,22 +88,17 @@ def main(argv=None) -> None:
                 src[i, : n - 1] = rng.integers(4, tc.vocab_size, size=n - 1)
                 src[i, n - 1] = EOS_ID
             for k in (int(x) for x in args.beam_sizes.split(",")):
-                for per in checks:
-                    r = _bench_one(model, src, k, args.iters, per)
-                    per = per or steps_per_check()
-                    rows.append({"config": name, "beam": k, "batch": b, "per_check": per, **r})
-                    print(
-                        f"# {name} beam={k} batch={b} steps/check={per}: "
-                        f"{r['tokens_per_s']:.0f} tok/s",
-                        file=sys.stderr,
-                    )
+                r = _bench_one(model, src, k, args.iters)
+                rows.append({"config": name, "beam": k, "batch": b, **r})
+                note = f"# {name} beam={k} batch={b}: {r['tokens_per_s']:.0f} tok/s"
+                print(note, file=sys.stderr)
     meta = {
         **common.device_info(),
         "src_len": args.src_len,
         "max_decode_len": f"source length + 50 (<= {args.src_len + 50})",
         "configs": meta_configs,
     }
-    columns = ["config", "beam", "batch", "per_check", "sentences_per_s", "tokens_per_s"]
+    columns = ["config", "beam", "batch", "sentences_per_s", "tokens_per_s"]
     columns += ["mean_out_len"]
     common.report("decode", meta, rows, [*columns, "ms_per_step", "seconds", "first_call_s"])
 

@@ -121,8 +121,6 @@ class DecodeOptions:
         except ValueError as e:  # SearchSettings names its fields: here they are flags
             names = "|".join(f.name for f in SearchSettings.fields())
             raise UserError(re.sub(rf"\b({names})\b", r"--\1", str(e))) from e
-        if self.search.get("steps_per_check") is not None and (self.ct2 or self.exported):
-            raise UserError("--steps_per_check is for --workdir (an export fixes its own)")
         if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):
             raise UserError(
                 "--n_best > 1 needs --output_format=jsonl (text is the best translation)"

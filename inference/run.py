@@ -54,7 +54,7 @@ from attention_jax.search.settings import DEFAULTS
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
-    "quantization", "steps_per_check", "stats", "prefix", "constraints", "min_rows", "search",
+    "quantization", "stats", "prefix", "constraints", "min_rows", "search",
 )  # fmt: skip
 
 

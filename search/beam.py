@@ -258,9 +258,8 @@ def run(
     """Steps until at most `until` sources are unfinished (by default: every source is
     finished) or the room (C) is full: a `while_loop`.
 
-    Each iteration takes `rule.steps_per_check` steps in a loop of that fixed trip
-    count, which XLA:GPU runs without reading a condition back. With `unroll` 2 (a
-    large search: search/decoding.py) the steps go two at a time: a step's cache
+    With `unroll` 2 (a large search: search/decoding.py) the steps go two at a time,
+    each iteration testing the condition once: a step's cache
     reorder is a gather, which cannot write the buffer it reads, so a one-step loop
     copies it back every step; with two, the first writes a fresh buffer and the second
     the loop's own. Single steps then fill what is left of the room. The loop may run a
@@ -281,10 +280,8 @@ def run(
 
         return body
 
-    per = -(-max(rule.steps_per_check, unroll) // unroll) * unroll  # a multiple of unroll
-    if per > 1:
-        trips = lambda s: jax.lax.fori_loop(0, per // unroll, lambda _, s: steps(unroll)(s), s)
-        s = jax.lax.while_loop(lambda s: cond(s) & (s.step + per <= capacity), trips, s)
+    if unroll > 1:
+        s = jax.lax.while_loop(lambda s: cond(s) & (s.step + unroll <= capacity), steps(unroll), s)
     return jax.lax.while_loop(cond, steps(1), s)
 
 
@@ -359,8 +356,8 @@ def beam_search(
         in the length, not in the score).
       constraints: per source, the phrases (token lists) its output must contain.
       settings: search/settings.py `SearchSettings` fields: beam_size (K), alpha,
-        n_best (hypotheses returned per source), length_penalty, stop, min_length,
-        steps_per_check; the rest have no effect here.
+        n_best (hypotheses returned per source), length_penalty, stop and min_length;
+        the rest have no effect here.
     Returns:
       tokens [B, n, L] int32 (no BOS, EOS-terminated, 0 after EOS) and scores [B, n]
       float32 = log P / lp(len), best first; -inf for a slot never filled.

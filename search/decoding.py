@@ -419,8 +419,8 @@ def translate_beams(
 
     max_decode_len: output columns L (see `translate_greedy`). settings:
     search/settings.py `SearchSettings` fields (beam_size, alpha, length_penalty, stop,
-    min_length, steps_per_check; n_best is K here unless given). The other arguments
-    are search/beam.py `beam_search`'s.
+    min_length; n_best is K here unless given). The other arguments are search/beam.py
+    `beam_search`'s.
     """
     settings.setdefault("n_best", settings.get("beam_size", DEFAULTS.beam_size))
     search = SearchSettings(**settings)

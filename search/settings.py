@@ -34,12 +34,6 @@ EXTRA_DECODE_LEN = 50
 BATCH_TOKENS = {"cpu": 512, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
 # CTranslate2's (decode.py --ct2: its max_batch_size, batch_type "tokens"), by --device.
 CT2_BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
-# Steps between tests of a search's stopping condition, by platform. XLA:GPU runs a
-# `while_loop` by copying its condition to the host at every iteration, which a
-# fixed-trip inner loop of k steps avoids; but a step's kernels outlast that round trip,
-# and k > 1 measured no faster on a GPU or a CPU (docs/decoding.md): 1 until a platform
-# measures better with more.
-STEPS_PER_CHECK: dict[str, int] = {"cpu": 1, "tpu": 1, "gpu": 1, "cuda": 1, "rocm": 1}
 
 
 def _platform(platform: str | None) -> str:
@@ -49,12 +43,6 @@ def _platform(platform: str | None) -> str:
     import jax
 
     return jax.default_backend()
-
-
-def steps_per_check(platform: str | None = None) -> int:
-    """The steps per test of the stopping condition for `platform` (default: JAX's
-    default backend); 1 for a platform not listed."""
-    return STEPS_PER_CHECK.get(_platform(platform), 1)
 
 
 def default_batch_tokens(platform: str | None = None) -> int:
@@ -120,13 +108,6 @@ class SearchSettings:
         f"{BATCH_TOKENS['cpu']} on a CPU, {BATCH_TOKENS['gpu']} on a GPU or TPU; --ct2: "
         f"{CT2_BATCH_TOKENS['cpu']} on a CPU, {CT2_BATCH_TOKENS['cuda']} on CUDA).",
     )
-    steps_per_check: int | None = _setting(
-        None,
-        "Search steps between tests of whether every source is done, in a loop XLA:GPU "
-        "runs without a host round trip (default: the platform's, search/settings.py "
-        "STEPS_PER_CHECK). The output is the same for any value.",
-        program=True,
-    )
     min_rows: int = _setting(
         MIN_ROWS,
         "The rows of every batch of an input of at most this many sources (data/plans.py "
@@ -147,9 +128,8 @@ class SearchSettings:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.min_length < 0:
             raise ValueError(f"min_length must be >= 0, got {self.min_length}")
-        for name in ("batch_tokens", "steps_per_check"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
 
     @property
     def tokens_per_batch(self) -> int:
@@ -158,13 +138,10 @@ class SearchSettings:
 
     def rule(self, vocab_limit: int | None = None) -> Rule:
         """The compiled search's static part: these settings' program fields (beam_size 1 is
-        greedy search: stop "count"; steps_per_check the platform's when None), never
-        emitting ids >= vocab_limit."""
+        greedy search: stop "count"), never emitting ids >= vocab_limit."""
         values = {name: getattr(self, name) for name in PROGRAM_FIELDS}
         if self.beam_size == 1:
             values["stop"] = "count"
-        if self.steps_per_check is None:
-            values["steps_per_check"] = steps_per_check()
         return Rule(**values, vocab_limit=vocab_limit)
 
     def replace(self, **changes: Any) -> SearchSettings:

@@ -20,8 +20,8 @@ from flax import nnx
 
 from attention_jax import EOS_ID, Transformer, TransformerConfig
 from attention_jax.search import decoding
-from attention_jax.search.settings import SearchSettings, steps_per_check
-from tests.conftest import model_fields, search_rule
+from attention_jax.search.settings import SearchSettings
+from tests.conftest import model_fields
 from tests.test_decode_cli import (
     ROOT,
     digit_pairs,
@@ -50,32 +50,22 @@ def _batch(n: int, width: int, seed: int) -> np.ndarray:
     return src
 
 
-@pytest.mark.parametrize(
-    "beam_ks", [(3,), pytest.param((2, 4, 5, 6, 7, 8), marks=pytest.mark.slow)]
-)  # ~3 s a k
-def test_every_steps_per_check_gives_the_same_tokens_and_scores(model, monkeypatch, beam_ks):
-    """k steps between tests of the stopping condition: k = 1..8 for beam 4 (a room of
-    13 tokens: odd, and k = 8 leaves a remainder), and a few k for greedy search and for
-    a large search (two steps at a time): the same tokens and scores."""
+@pytest.mark.parametrize(("size", "room"), [(4, 13), (1, 13), (4, 24)])
+def test_two_steps_a_loop_iteration_give_the_same_tokens_and_scores(model, monkeypatch, size, room):
+    """A large search takes two steps per loop iteration (search/beam.py `run`), then
+    single steps for what is left of the room (odd rooms leave one): the same tokens and
+    scores as one step an iteration, for beam search and greedy search."""
     from attention_jax.search.decoding import translate_beams
 
     src = _batch(6, 11, seed=4)
-
-    def check(size: int, ks, room: int) -> None:
-        run = lambda k: translate_beams(
-            model, src, beam_size=size, steps_per_check=k, max_decode_len=room
-        )
-        want = [np.asarray(x) for x in run(1)]
-        for k in ks:
-            got = run(k)
-            np.testing.assert_array_equal(np.asarray(got[0]), want[0], err_msg=f"{size} {k}")
-            np.testing.assert_array_equal(np.asarray(got[1]), want[1], err_msg=f"{size} {k}")
-
-    check(4, beam_ks, 13)
-    if 8 in beam_ks:  # once: greedy search, and a large search (two steps at a time)
-        check(1, (5,), 13)
-        monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", 0)
-        check(4, (3,), 23)
+    run = lambda: [
+        np.asarray(x) for x in translate_beams(model, src, beam_size=size, max_decode_len=room)
+    ]
+    want = run()
+    monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", 0)  # every search is large
+    got = run()
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_skipped_sources_leave_the_others_hypotheses_as_they_were(model):
@@ -115,12 +105,6 @@ def test_the_dry_run_skips_sources_as_the_search_does():
     assert got == [[] if i in skip else whole[i] for i in range(len(sources))]
     kept = [[i for i in b if i not in skip] for b in batches]
     assert reported == [b for b in kept if b]
-
-
-def test_steps_per_check_is_checked():
-    with pytest.raises(ValueError, match="steps_per_check must be >= 1"):
-        search_rule(4, steps_per_check=0)
-    assert steps_per_check("cpu") >= 1 and steps_per_check("cuda") >= 1
 
 
 # --- decode.py: devices, processes, kills, --stats ------------------------------------------
@@ -312,11 +296,7 @@ def test_a_job_killed_mid_chunk_goes_on_from_its_finished_batches(
 
 
 def test_bad_pace_settings_are_one_line_errors(workdir, tmp_path):  # noqa: F811
-    for flags, message in (
-        (["--steps_per_check=0"], "--steps_per_check must be >= 1"),
-        (["--batch_tokens=0"], "--batch_tokens must be >= 1"),
-        (["--ct2=x", "--steps_per_check=2"], "--steps_per_check is for --workdir"),
-    ):
+    for flags, message in ((["--batch_tokens=0"], "--batch_tokens must be >= 1"),):
         workdir_flag = [] if any(f.startswith("--ct2") for f in flags) else [f"--workdir={workdir}"]
         r = run_decode(*workdir_flag, *flags, stdin=b"eins\n")
         assert r.returncode == 1, (flags, r.stderr.decode())
