@@ -39,18 +39,19 @@ import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
-from attention_jax.inference import cli  # noqa: E402 (defines the flags)
+from attention_jax.common import process_flags  # noqa: E402 (defines the process's flags)
+from attention_jax.inference import cli  # noqa: E402 (defines the job's flags)
 
 FLAGS = cli.FLAGS
 flags.adopt_module_key_flags(cli)  # --help lists them as decode.py's
+flags.adopt_module_key_flags(process_flags)
 
 
 def start_processes() -> None:
     """jax.distributed for a job of several processes (before JAX starts a backend)."""
     from attention_jax.common import distributed
 
-    where = (FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    distributed.initialize(*where, mode=FLAGS.distributed)
+    distributed.initialize(*process_flags.where(), mode=process_flags.DISTRIBUTED.value)
 
 
 def main(argv: list[str]) -> None:
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> None:
             from attention_jax.search import timing
 
             timing.enable(origin=_STARTED)
-        cache = FLAGS.compilation_cache
+        cache = process_flags.CACHE.value
         cache = xla.enable_compilation_cache(xla.default_cache_dir() if cache is None else cache)
         from attention_jax.inference.exports import write_translator
         from attention_jax.inference.run import run

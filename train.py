@@ -23,6 +23,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from attention_jax.common import process_flags  # the flags train.py shares with decode.py
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer.")
 flags.mark_flags_as_required(["config"])
@@ -47,33 +49,13 @@ _DUMP = flags.DEFINE_string(
 _FIND_BATCH = flags.DEFINE_boolean(
     "find_batch", False, "--compile_for: also search the largest batch_tokens that fits."
 )
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "Multi-process: HOST:PORT of process 0 (jax.distributed)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: process count.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: this process's index.")
-_DISTRIBUTED = flags.DEFINE_enum(
-    "distributed",
-    "auto",
-    ["auto", "on", "off"],
-    "jax.distributed.initialize: 'auto' = when the flags above are given or a cluster is "
-    "detected (TPU VM, SLURM with >1 task, Open MPI, JAX_COORDINATOR_ADDRESS); 'on' = always "
-    "(JAX reads the cluster's settings); 'off' = never.",
-)
-
-
 _SUPERVISE = flags.DEFINE_boolean(
     "supervise",
     True,
     "Multi-process: train in a child process and, if it is ended by a signal (a peer "
     "that died broke a collective), say so in one line and exit 75.",
 )
-_CACHE = flags.DEFINE_string(
-    "compilation_cache",
-    None,
-    "Persistent XLA compilation cache, so that a restart does not compile again ('off' = "
-    "none; default: $ATTENTION_JAX_COMPILATION_CACHE or ~/.cache/attention-jax/xla).",
-)
+flags.adopt_module_key_flags(process_flags)  # --help lists them as train.py's
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -153,7 +135,8 @@ def main(argv: list[str]) -> None:
     from attention_jax.common import xla
 
     xla.set_gpu_flags()  # before JAX initializes a backend
-    cache = xla.default_cache_dir() if _CACHE.value is None else _CACHE.value
+    cache = process_flags.CACHE.value
+    cache = xla.default_cache_dir() if cache is None else cache
     cache = xla.enable_compilation_cache(cache)
     # Imported here so that `--help` and flag errors are fast and JAX-free.
     from attention_jax.common import distributed, log
@@ -165,9 +148,9 @@ def main(argv: list[str]) -> None:
 
     log.setup()
 
-    where = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    where = process_flags.where()
     try:
-        multi = distributed.will_start(*where, mode=_DISTRIBUTED.value)
+        multi = distributed.will_start(*where, mode=process_flags.DISTRIBUTED.value)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -175,7 +158,7 @@ def main(argv: list[str]) -> None:
         distributed.die_with_parent()
     elif multi and _SUPERVISE.value:
         sys.exit(distributed.supervise(sys.argv))
-    distributed.initialize(*where, mode=_DISTRIBUTED.value)
+    distributed.initialize(*where, mode=process_flags.DISTRIBUTED.value)
 
     config = _load_config()
     try:

@@ -1,7 +1,8 @@
 """decode.py's flags: one per `DecodeOptions` field, of the field's name and default, one
 per search setting (derived from search/settings.py `SearchSettings`: its name, type,
-default, choices and help), and the process's (jax.distributed, the compilation
-cache). Importing this module defines them; only decode.py does.
+default, choices and help); the process's (jax.distributed, the compilation cache) are
+common/process_flags.py's, as train.py's. Importing this module defines them; only
+decode.py does.
 
 Kept apart from inference/options.py so that `--help` and flag errors load absl alone,
 not JAX, and so that importing the options (as tests and bench/ do) defines no flags
@@ -81,11 +82,6 @@ flags.DEFINE_integer(
     0,
     "--ct2: CTranslate2's threads; on a CPU each translates its own batch (0 = one per core).",
 )
-flags.DEFINE_string(
-    "compilation_cache", None,
-    "Persistent XLA compilation cache ('off' = none; default: "
-    "$ATTENTION_JAX_COMPILATION_CACHE or ~/.cache/attention-jax/xla).",
-)  # fmt: skip
 flags.DEFINE_integer(
     "read_lines", None,
     "Lines per chunk: read, sorted into batches, translated and written before the next "
@@ -96,18 +92,6 @@ flags.DEFINE_boolean("restart", False, "Discard a partial --output of an earlier
 flags.DEFINE_boolean(
     "dry_run", False, "Read, tokenize, batch and write without the model (lines are copied)."
 )
-flags.DEFINE_string(
-    "coordinator_address", None,
-    "Several processes (hosts) translating one input into one output: HOST:PORT of process 0 "
-    "(jax.distributed), with --num_processes and --process_id; as train.py's.",
-)  # fmt: skip
-flags.DEFINE_integer("num_processes", None, "Several processes: how many.")
-flags.DEFINE_integer("process_id", None, "Several processes: this one's index (0 writes).")
-flags.DEFINE_enum(
-    "distributed", "auto", ["auto", "on", "off"],
-    "jax.distributed.initialize: 'auto' = when the flags above are given or a cluster is "
-    "detected (TPU VM, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS); 'on' = always; 'off' = never.",
-)  # fmt: skip
 flags.DEFINE_string(
     "stats", None,
     "Write where the wall time went (start-up, programs, host work, device busy and idle) "
@@ -128,23 +112,16 @@ for _field in SearchSettings.fields(flag=True):
     else:
         _DEFINE[_field.type](_field.name, _field.default, _help)
 
-# The flags of the process; every other flag is the DecodeOptions field of its name, with
-# the field's default, or a search setting (tests/test_stream_parts.py checks names,
-# defaults and choices).
-_PROCESS = (
-    "compilation_cache",
-    "coordinator_address",
-    "num_processes",
-    "process_id",
-    "distributed",
-)
+# Every flag of this module is the DecodeOptions field of its name, with the field's
+# default, or a search setting (tests/test_stream_parts.py checks names, defaults and
+# choices); the process's are common/process_flags.py's.
 
 
 def job_flags() -> list[str]:
-    """The names of the flags that make DecodeOptions' own fields (not the process's, not
-    the search settings)."""
+    """The names of the flags that make DecodeOptions' own fields (not the search
+    settings)."""
     mine = FLAGS.get_flags_for_module(sys.modules[__name__])
-    return [f.name for f in mine if f.name not in _PROCESS and f.name not in SEARCH_FLAGS]
+    return [f.name for f in mine if f.name not in SEARCH_FLAGS]
 
 
 def options_from_flags() -> DecodeOptions:
