@@ -83,7 +83,7 @@ def table(report: dict[str, Any]) -> str:
             f"{kernels['attention_s'] * 1e3:.0f} ms, memory-bound {kernels['memory_s'] * 1e3:.0f}"
             f" ms; + collectives {train['collectives_s'] * 1e3:.0f} ms: "
             f"{train['padded_target_tokens_per_s']:,.0f} padded target tokens/s (an estimate, "
-            "not a measurement: on an H200, base and big steps took 1.7x and 1.5x it)"
+            "not a measurement: measured steps take longer, docs/aot.md)"
         )
     elif train:
         lines.append(

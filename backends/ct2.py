@@ -22,7 +22,7 @@ so that it decodes as ours does (decoding.json):
 - scores rank by log P / len^alpha, len the tokens with EOS (our
   `--length_penalty=average`); its log P is over the tokens it may emit (the
   suppressed ones taken out before the softmax), ours over all of them: scores
-  differ by ~1e-4 on a trained model; beam search keeps 2K candidates per step and an
+  differ slightly on a trained model; beam search keeps 2K candidates per step and an
   EOS among the first K finishes a hypothesis, as ours. CTranslate2 stops a
   source once K hypotheses have finished: our `--stop=count` (the default `bound`
   goes on while a live beam could still win, so a few results differ).

@@ -78,9 +78,9 @@ def int8_saturates(cpuinfo: str | None = None) -> bool:
     On an x86-64 CPU without VNNI that is not Intel's, CTranslate2 multiplies int8
     with oneDNN's u8s8 kernels, whose 16-bit intermediate sums (vpmaddubsw) saturate:
     on the 2-core AMD EPYC (AVX2) int8 log-probabilities of a small random model
-    strayed up to 1.0 from float32's, and on the Ding test 52% of int8 lines matched
-    the JAX decoder's against 79% with MKL's kernels. Intel CPUs get MKL's;
-    CT2_USE_MKL=1 asks for them elsewhere (there: 480 against 1,086 tokens/s).
+    strayed far from float32's, and on the Ding test far fewer int8 lines matched
+    the JAX decoder's than with MKL's kernels (docs/results.md). Intel CPUs get MKL's;
+    CT2_USE_MKL=1 asks for them elsewhere (there at a much lower int8 speed).
     cpuinfo: /proc/cpuinfo's text (read when None).
     """
     if platform.machine().lower() not in ("x86_64", "amd64"):

@@ -36,7 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dropout_rate = 0.3
     c.model.dtype = "bfloat16"
     # The loss in 2048-token chunks: the [25k tokens, 37k vocab] float32 logits are never
-    # held whole, which saves big's step about a third of its temporaries (docs/aot.md).
+    # held whole, which saves a large part of big's step's temporaries (docs/aot.md).
     c.loss_chunk_tokens = 2048
     # Paper 6.1: the last 20 checkpoints averaged (10-minute intervals, as for base).
     c.checkpoint_every_minutes = 10.0

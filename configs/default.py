@@ -47,8 +47,8 @@ def get_config() -> ml_collections.ConfigDict:
     # 'unigram' or 'bpe'.
     c.tokenizer_type = "unigram"
     # Sentences (both sides together) sampled to train the tokenizer. SentencePiece
-    # holds ~3.4 GB per million (sentences of ~180 bytes), so 250k keeps a first run
-    # under ~1.5 GB; still 3-4x the Flax WMT example's 10M-character sample.
+    # holds the whole sample in memory (docs/data.md), so 250k keeps a first run
+    # small; still several times the Flax WMT example's 10M-character sample.
     c.tokenizer_sample_size = 250_000
     # Maximum tokens per side, EOS included.
     c.max_length = 256
@@ -60,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
     # num_length_buckets widths, those that pad the training corpus least, fitted to
     # its length histogram at start (docs/data.md).
     c.length_buckets = ()
-    c.num_length_buckets = 34  # <= 10% padding on WMT-like corpora at max_length 256
+    c.num_length_buckets = 34  # little padding on WMT-like corpora at max_length 256 (data.md)
     # Pack several pairs into one row (segment ids + positions) instead of padding.
     c.packing = False
     # Shuffle buffer / seed offset for the data order.
@@ -73,9 +73,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data_cache_dir = ""
     # Unmap the cached corpus's pages from the process whenever its mapped files hold more
     # than this many GB of its RSS (0 = never). They are page cache, shared and dropped by
-    # the kernel under memory pressure, but RSS counts them: random batches from the 5.7 GB
-    # cache of 36M pairs reach ~5 GB. At 1, base's pipeline peaks at 1.35 GB and reads
-    # half as many tokens/s: pages unmapped are mapped again when read (docs/data.md).
+    # the kernel under memory pressure, but RSS counts them: random batches from a large
+    # cache come to hold most of it. With a limit, RSS stays near it but the pipeline
+    # reads fewer tokens/s: unmapped pages are mapped again when read (docs/data.md).
     c.mapped_cache_gb = 0.0
 
     # --- Model: model/config.py's TransformerConfig, each field with its default there

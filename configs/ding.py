@@ -9,7 +9,7 @@ low-resource literature (fairseq's transformer_iwslt_de_en; Sennrich and Zhang,
 2019): d_model 512, 4 heads, d_ff 1024, dropout 0.3, a small shared vocabulary
 (8k pieces instead of 37k, so that rare pieces are seen often enough), AdamW
 with weight decay, label smoothing 0.1. Paper-base on the same data overfits
-after ~2,000 steps (configs/base.py).
+early (configs/base.py).
 
 Runs on one GPU in packed 8192-token batches (one compiled step); on a CPU it
 is slow (use configs/tiny.py there). The README's results table has its

@@ -1,4 +1,4 @@
-"""Tiny: trains in about 8 minutes on 2 CPU cores on the embedded 'ding' corpus.
+"""Tiny: trains in minutes on 2 CPU cores on the embedded 'ding' corpus.
 
     make train            # = python train.py --config=configs/tiny.py --workdir=workdir/tiny
 
@@ -7,9 +7,9 @@ checkpoints, beam search, sacreBLEU), not a usable translator: 1400 packed steps
 of 1024 tokens, ~1.5 epochs of Ding; it gets sentence openings, word order and
 some content words. The README's results table has its time and BLEU.
 
-Why these sizes (each compared as dev loss after the same ~7 minutes of training
-on 2 CPU cores; docs/training.md has the numbers): ten CPU minutes are far too
-little data for the model to overfit, so dropout only slows learning; at a
+Why these sizes (each compared as dev loss after the same few minutes of training
+on 2 CPU cores; docs/training.md has the numbers): minutes of CPU training are far
+too little data for the model to overfit, so dropout only slows learning; at a
 fixed time budget d_model 192 beats 128 (too small) and 256 (too slow per
 token); and 1024-token batches beat 2048 and 512.
 """
@@ -24,8 +24,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.vocab_size = 4000  # small softmax: the output layer dominates a CPU step
     c.max_length = 64
     c.batch_tokens = 1024
-    # On Ding's short pairs, packed rows carry ~8% padding instead of ~16.4% with 13
-    # fitted length buckets (bench/input_pipeline.py), so each CPU-second trains on
+    # On Ding's short pairs, packed rows carry much less padding than 13 fitted length
+    # buckets (docs/data.md, bench/input_pipeline.py), so each CPU-second trains on
     # more real tokens.
     c.packing = True
     c.num_length_buckets = 13  # with --config.packing=False

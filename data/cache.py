@@ -61,7 +61,7 @@ CACHE_VERSION = 1
 # Pairs per task: big enough that a task outweighs its messaging, small enough to stream.
 CHUNK_PAIRS = 8192
 # Below this many pairs the shard is tokenized in this process: starting workers
-# (a fresh interpreter each, ~1 s) would cost more than they save.
+# (a fresh interpreter each) would cost more than they save.
 PARALLEL_MIN_PAIRS = 100_000
 # Without a terminal, progress is a log line this often (seconds).
 _LOG_EVERY_S = 30.0

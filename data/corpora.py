@@ -73,7 +73,7 @@ class ParallelCorpus:
         )
 
     def fingerprint(self) -> dict[str, Any]:
-        """A hash of the text itself (in memory, so small: ~50 ms for Ding's 85k pairs)."""
+        """A hash of the text itself (in memory, so small: quick for Ding's 85k pairs)."""
         h = hashlib.sha256()
         for s, t in zip(self.sources, self.targets, strict=True):
             h.update(f"{len(s)}:{s}{len(t)}:{t}".encode())
@@ -138,7 +138,7 @@ def read_pairs(corpus: Any, positions: np.ndarray) -> list[tuple[str, str]]:
     The pages of a TSV's mapped line index that the read mapped into this process
     are unmapped again: a cache build reads the index from end to end and the
     tokenizer's sample all over it, and each process doing so would otherwise end
-    up holding all of it (16 bytes a pair: 0.58 GB of RSS per process at 36M pairs).
+    up holding all of it (16 bytes a pair, in every process's RSS).
     """
     if not hasattr(corpus, "pairs"):
         return [corpus[int(i)] for i in positions]

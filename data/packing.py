@@ -134,7 +134,7 @@ def plan_packed(
     """Packs shuffled examples into rows of `length` tokens per side (in memory).
 
     `src_len`/`tgt_len` include EOS. First fit among the newest open rows keeps
-    it linear in the corpus size while filling rows well (~1.5 µs per pair).
+    it linear in the corpus size while filling rows well.
     """
     n = len(src_len)
     members = np.empty(n, np.int32 if n < 2**31 else np.int64)  # every pair is in one row

@@ -54,7 +54,7 @@ from attention_jax.data.tokenized import (
 from attention_jax.data.tokenizer import Tokenizer
 
 # grain is imported where it is used, and JAX never: the cache's worker processes
-# import this package and need neither (each would cost them ~2 s and ~200 MB).
+# import this package and need neither (each would cost them start-up time and memory).
 
 # Batch counts -> the counts that every shard of one global batch plans (e.g. the
 # max over the job's processes: training/input.py makes it). None: this shard's own.
@@ -62,10 +62,10 @@ AgreeCounts = Callable[[np.ndarray], np.ndarray] | None
 
 _log = logging.getLogger(__name__)
 # With config.mapped_cache_gb, every this many batches the process's mapped-file RSS
-# is read (~40 us), and a cached shard's pages unmapped if it is over
-# (data.tokenized.release_pages). Reads map up to 64 KB around each page they fault
-# in, so a few batches can map a lot: every 64 batches, base's pipeline overshot a
-# 1 GB limit by 0.5 GB; every 8, it stays within ~0.35 GB of its own memory + limit.
+# is read (cheap: one small /proc file), and a cached shard's pages unmapped if it is
+# over (data.tokenized.release_pages). Reads map up to 64 KB around each page they
+# fault in, so a few batches can map a lot: every 64 batches, base's pipeline overshot
+# a 1 GB limit by far more than every 8 does (docs/results.md).
 RELEASE_EVERY = 8
 
 

@@ -6,7 +6,7 @@
 
 An epoch's plan is a pure function of the shard's lengths and the `PlanSpec`
 (seeds, rows per batch, widths, packing), so it is made once (data/plans.py,
-data/packing.py; a packed plan of 36M pairs takes ~30 s of Python) and kept
+data/packing.py; packing tens of millions of pairs is a long Python loop) and kept
 in the shard's cache directory, where every later start of that epoch maps it:
 
     CORPUS-KEYHASH-sIIIIIofNNNNN/plans/FAMILY-eEEEEEE/

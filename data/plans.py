@@ -45,9 +45,9 @@ def length_buckets(max_length: int, buckets: Sequence[int] = ()) -> np.ndarray:
 
     Default: 8, 12, ..., 48 (steps of 4), then 56, ..., 96 (8), 112, ..., 192
     (16), 224, 256, ... (32): from 24 tokens on each width is at most 1/6 above
-    the one before, so the longer side of a pair pads ~5% on average. 13 shapes
-    for max_length 64, 25 for 256; a WMT-like corpus pads 9.9% / 11.9% of its
-    slots (powers of two: 28% / 34%; docs/data.md compares schemes).
+    the one before, so the longer side of a pair pads under 1/7 of its width. 13
+    shapes for max_length 64, 25 for 256; a WMT-like corpus pads far fewer of its
+    slots than with powers of two (docs/data.md compares schemes).
     """
     if buckets:
         b = sorted({int(x) for x in buckets if int(x) < max_length})
@@ -72,7 +72,7 @@ def fit_buckets(histogram: np.ndarray, rows: np.ndarray, count: int) -> np.ndarr
     widest). A width that saves less than its partly filled last batch costs is
     left out, so a small corpus gets few shapes. Integer arithmetic and
     first-minimum ties: every process fitting the same histogram gets the same
-    widths. O(count * L^2) for L candidate widths: ~0.2 s for 34 widths at 256.
+    widths. O(count * L^2) for L candidate widths: a fraction of a second at 256.
     """
     h = np.asarray(histogram, np.int64)
     if not h.any() or count < 1:
@@ -251,11 +251,10 @@ def plan_bucketed(
 # Padded source widths for translation, powers of two: padding a source costs encoder
 # work and a slightly longer cache (a batch's first room is its width + 16), while
 # every width is more programs that every process compiles or loads (on a GPU, tens
-# of seconds each to compile). The Ding test's 1,000 sources, first call in a process
-# (programs in the persistent cache, two search threads): 10.9-11.6 s with these
-# widths against 13.6-14.5 s with widths ~1.5x apart (8, 12, 16, 24, ...); 900 lines
-# of three Ding sentences each: 21.4 against 20.8 s, 17.0 against 18.1 s once
-# compiled. Same tokens; scores differ by up to 6e-6 (more padding).
+# of seconds each to compile). Against widths ~1.5x apart (8, 12, 16, 24, ...), a
+# process's first call on the Ding test is faster (fewer programs to load), and on
+# lines of three Ding sentences the two run about as fast (docs/PERFORMANCE.md).
+# Same tokens; scores differ slightly (more padding).
 INFERENCE_WIDTHS = (8, 16, 32, 64, 128, 256, 512, 1024)
 # The rows of the batches of a small input (at most this many sources in all: a
 # one-line request), which would otherwise run full batches of filler rows; every

@@ -186,8 +186,8 @@ def release_pages(tc: TokenizedCorpus) -> None:
     """Unmap from this process the pages of a cached shard that reading has mapped in.
 
     Batches of random pairs touch pages all over the shard's files, and a process's
-    RSS counts every page it has mapped, until it holds the whole cache (5.7 GB at
-    36M pairs) though none of it is the process's own memory. MADV_DONTNEED on
+    RSS counts every page it has mapped, until it holds the whole cache (gigabytes
+    for a large corpus) though none of it is the process's own memory. MADV_DONTNEED on
     these read-only file maps drops the pages from the process, not from the page
     cache: the next read maps them again from memory, the data unchanged.
     """

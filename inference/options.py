@@ -24,9 +24,9 @@ LONG_LINES = ("truncate", "split")
 OUTPUT_FORMATS = ("text", "jsonl")
 SPLITS = ("train", "dev", "test")
 # Lines per chunk of a streamed job, by default: enough that the batches of a chunk
-# (data/plans.py: a width's last batch is padded with filler rows) cost ~2% more than
-# those of the whole file, measured on Ding sources for --batch_tokens from 1k to 32k
-# (docs/decoding.md, bench/decode_file.py --measure=memory --plans).
+# (data/plans.py: a width's last batch is padded with filler rows) cost little more
+# than those of the whole file, measured on Ding sources for --batch_tokens from 1k to
+# 32k (docs/jobs.md, bench/decode_file.py --measure=memory --plans).
 READ_LINES_PER_BATCH_TOKEN = 2.5
 MIN_READ_LINES = 10_000
 

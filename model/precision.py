@@ -6,7 +6,7 @@ The output projection and the attention scores are accumulated and returned
 in float32 (softmax and the loss need the range). Left to autodiff, their
 float32 cotangent makes both gradient matmuls float32 too: on an H100 the
 backward pass of the [tokens, D] x [D, V] output projection then runs on
-float32 units, about 15x slower than bf16 tensor cores, and on TPUs as
+float32 units, far slower than bf16 tensor cores, and on TPUs as
 several bf16 passes (found by train.py --compile_for, docs/aot.md). Here the
 cotangent is cast to the operands' dtype first, as every other gradient in a
 bf16 model already is; float32 operands take the plain path.

@@ -96,7 +96,7 @@ class _Training:
         for part, seconds in (("input", t1 - t0), ("put", t2 - t1), ("dispatch", t3 - t2)):
             self.window.time(part, seconds)
         self.window.add(step_metrics, batch["src"].shape[1], batch["tgt_out"].shape[1])
-        self.window.wait()  # a bounded queue: a SIGTERM is answered in ~1 s of steps
+        self.window.wait()  # bounded: a SIGTERM waits for at most RUN_AHEAD_SECONDS of steps
 
     def nonfinite_error(self, step: int) -> str | None:
         """The non-finite policy over the window's steps not checked yet: the error to stop

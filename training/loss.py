@@ -7,7 +7,7 @@ the vocabulary in token chunks with no [B, T, V] logits array, forward or back.
     # y [B, T, D] final decoder states, w [V, D] output matrix, targets [B, T]
     # -> the same sums as loss_sums(y @ w^T, targets, label_smoothing)
 
-With a 37k vocabulary the float32 logits of a 25k-token batch take 3.5 GB, and
+With a 37k vocabulary the float32 logits of a 25k-token batch take several GB, and
 autodiff keeps them for the backward pass next to their float32 and bf16
 gradients: for Transformer-big on one H100 these were the largest buffers of
 the train step (train.py --compile_for=gpu:h100, docs/aot.md). Here the

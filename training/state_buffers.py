@@ -6,15 +6,15 @@
 
 A jitted call's host cost grows with the number of arrays it takes and returns:
 base's state is 608 arrays, and on an H200 a call of the train step on them
-returned after ~21 ms, longer than the 8,192-token step computes (~21 ms),
+took the host longer than the 8,192-token step computes (docs/training.md),
 so the device waited for the host. Packed, the step takes and returns one
 buffer per dtype. The leaves that are fully replicated and of a plain dtype
 (the params and Adam moments of a data-parallel run) are raveled and
 concatenated into one 1-D buffer per dtype; the others (sharded leaves, typed
 PRNG keys) are passed as they are. Inside the step, unpacking is a slice and
 reshape per leaf, and packing a concatenation into the donated buffer: about
-two extra passes over the state's bytes per step (~1.5 GB for base at TB/s)
-and one more state-sized temporary.
+two extra passes over the state's bytes per step (little at an accelerator's
+memory bandwidth) and one more state-sized temporary.
 """
 
 from __future__ import annotations

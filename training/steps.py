@@ -128,8 +128,8 @@ def _forward_sums(
     are stored as `logits_dtype`.
     use_shardings: the parameters' shardings where they are used (`mesh.gathered`:
     FSDP shards gathered). Without them XLA's partitioner may move activations
-    instead of weights: a tiny FSDP step on 4 TPU chips had 53 all-to-alls and
-    283 MB of all-gathers; with them, all-gathers of the parameters and
+    instead of weights: a tiny FSDP step on 4 TPU chips had many all-to-alls
+    and large all-gathers; with them, all-gathers of the parameters and
     reduce-scatters of their gradients (train.py --compile_for, docs/aot.md).
     """
     if use_shardings is not None:
