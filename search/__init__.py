@@ -14,10 +14,12 @@ Over any decoder's step function, step_fn(tokens, cache) -> (logits, cache):
 The Transformer's, and many sources batched into static shapes:
     decoding.py    the Transformer's step function under those searches, one compiled
                    program per batch shape (`translate`, `translate_beams`, `search_batch`)
+    segments.py    its beam search in segments, a program each (start, grow, select, advance)
     translate.py   the Backend interface, the live model's (`LiveTranslator`,
                    `translate_ids`) and the batching every backend shares
     hypothesis.py  `Hypothesis` (ids and score), what every translator returns per source
-    stages.py      the JAX backends' batch loop: one program per batch shape, planned ahead
+    stages.py      the JAX backends' batch loop: batches of a few shapes, planned ahead
+    rows.py        a batch's search in segments, its rows shrinking as its sources finish
     programs.py    the compiled programs a job needs: built ahead in threads, kept on disk
     timing.py      where decode.py's time goes (--stats): phases, programs, device busy
     bleu.py        corpus BLEU and chrF

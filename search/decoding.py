@@ -160,7 +160,7 @@ def _large(model: Transformer, rows: Any, room: Any) -> bool:
     return not isinstance(nbytes, int) or nbytes >= LARGE_SEARCH_BYTES
 
 
-def _first_state(
+def first_state(
     model: Transformer,
     src: jax.Array,
     rule: Rule,
@@ -174,7 +174,7 @@ def _first_state(
     return beam.init(model.init_cache(src, room), limits, rule.beam_size, room, controls)
 
 
-def _steps(
+def run_steps(
     model: Transformer, s: beam.BeamState, alpha: jax.Array, rule: Rule, until: Any = 0
 ) -> beam.BeamState:
     """search/beam.py `run` over the model's step: two steps a loop iteration in a large
@@ -196,10 +196,10 @@ def search_state(
 ) -> beam.BeamState:
     """The state of src [B, S]'s beam search once every source is finished, grown through
     `rooms` (pure; `search_batch` runs it as one compiled program)."""
-    s = _first_state(model, src, rule, rooms[0], length, extra, controls)
-    s = _steps(model, s, alpha, rule)
+    s = first_state(model, src, rule, rooms[0], length, extra, controls)
+    s = run_steps(model, s, alpha, rule)
     for room in rooms[1:]:  # a stage's loop ends at once if every source is finished
-        s = _steps(model, beam.grow(s, room), alpha, rule)
+        s = run_steps(model, beam.grow(s, room), alpha, rule)
     return s
 
 
@@ -270,136 +270,6 @@ def search_batch(
     static = dict(rule=rule, rooms=rooms, length=length, extra=extra)
     out = call(_search, graphdef, args, static)
     return out if controls is not None or out is None else out[:2]  # None: only prepared
-
-
-# --- beam search in segments: a batch whose rows shrink as its sources finish ----------
-
-# What a segment's program returns beside the state: left [B] bool (sources not finished),
-# step [] int32, and the results so far (`segment_results`).
-Segment = tuple[beam.BeamState, tuple[jax.Array, ...]]
-
-
-def segment_results(s: beam.BeamState, alpha: jax.Array, rule: Rule) -> tuple[jax.Array, ...]:
-    """(left [B] bool, step [], tokens [B, n, C], scores [B, n], met [B, n, Q], ended [B]):
-    which sources are not finished, and every source's results so far with the steps it
-    took (those of a finished source are final)."""
-    tokens, scores = beam.results(s)  # [B, K, C], [B, K]
-    n = rule.n_best
-    left = ~beam.finished(s, alpha, rule)
-    ended = jnp.where(s.ended < 0, s.step, s.ended)  # finished at the last step: now
-    return left, s.step, tokens[:, :n], scores[:, :n], s.fin_met[:, :n], ended
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "room", "length", "extra"))
-def _start(graphdef, state, src, alpha, until, controls, *, rule, room, length, extra) -> Segment:
-    """src [B, S]'s search from its first step until at most `until` sources are left
-    or `room` tokens are decoded."""
-    model = nnx.merge(graphdef, state)
-    s = _first_state(model, src, rule, room, length, extra, controls)
-    s = _steps(model, s, alpha, rule, until)
-    return s, segment_results(s, alpha, rule)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "room"))
-def _grow(graphdef, s, *, room) -> beam.BeamState:
-    """The search `s` with room for `room` tokens (a program of its own, as `_select`:
-    copies compile in no time, and the step loops stay one per rows and room)."""
-    return beam.grow(s, room)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _select(graphdef, s, keep) -> beam.BeamState:
-    """The search `s` of the sources `keep` [B'] alone."""
-    return beam.select(s, keep)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "rule"))
-def _advance(graphdef, state, s, alpha, until, *, rule) -> Segment:
-    """The search `s` until at most `until` sources are left or its room is full."""
-    s = _steps(nnx.merge(graphdef, state), s, alpha, rule, until)
-    return s, segment_results(s, alpha, rule)
-
-
-def start_segment(
-    model: Transformer,
-    src: jax.Array,
-    *,
-    alpha: float,
-    rule: Rule,
-    room: int,
-    until: int,
-    controls: Controls | None = None,
-    call: Call = jit_call,
-) -> Segment | None:
-    """The first segment of src [B, S]'s beam search (`_start`); a `ShapeDtypeStruct` src
-    only prepares its program (None). Sources may produce min(n + 50, max_len) tokens."""
-    length, extra = decode_shape(model, src, None)
-    graphdef, state = nnx.split(model)
-    if not isinstance(src, jax.ShapeDtypeStruct):
-        src = jnp.asarray(src, jnp.int32)
-    args = state, src, jnp.float32(alpha), jnp.int32(until), controls
-    static = dict(rule=rule, room=min(room, length), length=length, extra=extra)
-    return call(_start, graphdef, args, static)
-
-
-def grow_segment(s: beam.BeamState, room: int, call: Call = jit_call) -> beam.BeamState:
-    """The search `s` (a state or its shapes) with room for `room` tokens (`_grow`)."""
-    return call(_grow, None, (s,), dict(room=room))
-
-
-def select_segment(s: beam.BeamState, keep: jax.Array, call: Call = jit_call) -> beam.BeamState:
-    """The search `s` of the sources `keep` [B'] int32 alone (`_select`)."""
-    return call(_select, None, (s, keep), {})
-
-
-def advance_segment(
-    model: Transformer,
-    s: beam.BeamState,
-    *,
-    alpha: float,
-    rule: Rule,
-    until: int,
-    call: Call = jit_call,
-) -> Segment:
-    """The search `s` on until at most `until` sources are left or its room is full."""
-    graphdef, state = nnx.split(model)
-    args = state, s, jnp.float32(alpha), jnp.int32(until)
-    return call(_advance, graphdef, args, dict(rule=rule))
-
-
-def prepare_segments(
-    model: Transformer,
-    src: jax.ShapeDtypeStruct,
-    *,
-    alpha: float,
-    rule: Rule,
-    rooms: Sequence[int],
-    ladder: Sequence[int],
-    controls: Any = None,
-    call: Call,
-) -> None:
-    """Prepare (`call`: search/programs.py `prepare`) every program a batch of src's shape
-    [B, S] can run in segments down `ladder` (search/rows.py `Segments`): its start at
-    rooms[0], its growth to rooms[-1], and per rung its steps and the selection of the
-    next rung's rows. Their states' shapes are traced, not computed."""
-    length, extra = decode_shape(model, src, None)
-    first, last = min(rooms[0], length), rooms[-1]
-    start_segment(model, src, alpha=alpha, rule=rule, room=first, until=0, controls=controls,
-                  call=call)  # fmt: skip
-    graphdef, state = nnx.split(model)
-    shape = lambda src, controls: _first_state(
-        nnx.merge(graphdef, state), src, rule, first, length, extra, controls
-    )
-    s = jax.eval_shape(shape, src, controls)
-    if first < last:
-        grow_segment(s, last, call)
-        s = jax.eval_shape(functools.partial(beam.grow, capacity=last), s)
-    for fewer in [*ladder[1:], None]:
-        advance_segment(model, s, alpha=alpha, rule=rule, until=0, call=call)
-        if fewer is not None:
-            keep = jax.ShapeDtypeStruct((fewer,), jnp.int32)
-            select_segment(s, keep, call)
-            s = jax.eval_shape(beam.select, s, keep)
 
 
 def translate_beams(

@@ -1,7 +1,7 @@
 """Compiled search programs kept on disk, so a new process skips tracing and lowering.
 
     programs.enable("~/.cache/attention-jax/xla/programs")  # decode.py does this
-    out = programs.call(decoding._start, graphdef, args, static)  # _start(graphdef, *args, **kw)
+    out = programs.call(segments._start, graphdef, args, static)  # _start(graphdef, *args, **kw)
 
 JAX's persistent compilation cache skips XLA's compilation, but every process
 still traces and lowers each program to find its cache entry, which for a beam

@@ -51,7 +51,7 @@ class SegmentedSearch(Protocol):
     until): the search on. A segment (start, advance) runs until at most `until` sources
     are unfinished or its room is full, and returns (state, report). report: (left [B]
     bool, step [], tokens [B, n, C], scores [B, n], met [B, n, Q], ended [B] int32)
-    (search/decoding.py `segment_results`).
+    (search/segments.py `segment_results`).
     """
 
     settings: SearchSettings

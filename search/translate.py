@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from attention_jax import Transformer
-from attention_jax.search import decoding, programs
+from attention_jax.search import decoding, programs, segments
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
@@ -123,24 +123,24 @@ class LiveSearch:
 
     def start(
         self, src: jax.Array, room: int, controls: Controls | None, until: int
-    ) -> decoding.Segment | None:
+    ) -> segments.Segment | None:
         """The first segment of src [B, S]'s search (search/rows.py `SegmentedSearch`)."""
-        return decoding.start_segment(
+        return segments.start_segment(
             self.model, src, alpha=self.settings.alpha, rule=self.rule, room=room,
             until=until, controls=controls, call=self.call,
         )  # fmt: skip
 
     def grow(self, state: Any, room: int) -> Any:
         """The search `state` with room for `room` tokens (search/rows.py)."""
-        return decoding.grow_segment(state, room, self.call)
+        return segments.grow_segment(state, room, self.call)
 
     def select(self, state: Any, keep: jax.Array) -> Any:
         """The search `state` of the sources `keep` alone (search/rows.py)."""
-        return decoding.select_segment(state, keep, self.call)
+        return segments.select_segment(state, keep, self.call)
 
-    def advance(self, state: Any, until: int) -> decoding.Segment:
+    def advance(self, state: Any, until: int) -> segments.Segment:
         """The search `state`'s next segment (search/rows.py)."""
-        return decoding.advance_segment(
+        return segments.advance_segment(
             self.model, state, alpha=self.settings.alpha, rule=self.rule, until=until,
             call=self.call,
         )  # fmt: skip
@@ -158,7 +158,7 @@ class LiveSearch:
         if not shrinks(self, rows):
             ahead.whole(src, rooms, controls)
             return
-        decoding.prepare_segments(
+        segments.prepare_segments(
             self.model, src, alpha=self.settings.alpha, rule=self.rule, rooms=rooms,
             ladder=row_ladder(rows), controls=controls, call=programs.prepare,
         )  # fmt: skip
