@@ -150,14 +150,14 @@ class _Evaluation:
         self.best_bleu = max(self.best_bleu or 0.0, ev["eval_bleu"])
         return ev
 
-    def run_average(self, training: _Training, manager: ckpt.Checkpoints, step: int, n: int):
+    def run_average(self, training: _Training, checkpoints: ckpt.Checkpoints, step: int, n: int):
         """Evaluate the mean parameters of the last n checkpoints (paper 6.1); None if < 2."""
-        manager.wait()
-        chosen = manager.all_steps()[-n:]
+        checkpoints.wait()
+        chosen = checkpoints.all_steps()[-n:]
         if len(chosen) < 2:
             _log.info(f"config.average_last={n}: only {len(chosen)} checkpoint, nothing to average")
             return None
-        params = manager.mean_params(chosen, self.setup.abstract.params)
+        params = checkpoints.mean_params(chosen, self.setup.abstract.params)
         state = training.state.replace(params=params)
         return self.run(state, step, self.setup.config.final_eval_max_examples, chosen)
 
@@ -166,8 +166,8 @@ class _Saving:
     """Checkpoints: when one is due, and writing it with every shard's data position and
     the run totals; and the stop request (SIGTERM/SIGINT), honoured at one step by all."""
 
-    def __init__(self, config, manager: ckpt.Checkpoints, inputs: ShardedInput, step: int):
-        self.config, self.manager, self.inputs = config, manager, inputs
+    def __init__(self, config, checkpoints: ckpt.Checkpoints, inputs: ShardedInput, step: int):
+        self.config, self.checkpoints, self.inputs = config, checkpoints, inputs
         self.last_saved, self.saved_at = step, time.time()  # the newest checkpoint's step
         self.stop = distributed.StopRequest()
 
@@ -191,7 +191,7 @@ class _Saving:
         if training.nonfinite.policy == "stop" and (error := training.nonfinite_error(step)):
             raise UserError(error)
         position = {"iterators": self.inputs.global_state()}
-        self.manager.save(training.state, {**position, **dataclasses.asdict(training.totals)})
+        self.checkpoints.save(training.state, {**position, **dataclasses.asdict(training.totals)})
         self.last_saved, self.saved_at = step, time.time()
 
 
@@ -218,7 +218,7 @@ class _Parts:
 
     mesh: jax.sharding.Mesh
     inputs: ShardedInput
-    manager: ckpt.Checkpoints
+    checkpoints: ckpt.Checkpoints
     training: _Training
     evaluation: _Evaluation
     saving: _Saving
@@ -250,8 +250,8 @@ def _start(config: ml_collections.ConfigDict, workdir: str) -> _Parts:
     keep = config.max_checkpoints_to_keep and max(
         config.max_checkpoints_to_keep, config.average_last
     )
-    manager = ckpt.Checkpoints(workdir, max_to_keep=keep or None)
-    state, totals = restore_or_init(config, workdir, setup, manager, inputs, previous)
+    checkpoints = ckpt.Checkpoints(workdir, max_to_keep=keep or None)
+    state, totals = restore_or_init(config, workdir, setup, checkpoints, inputs, previous)
     if is_main:
         config_lib.save_config(config, workdir)
 
@@ -259,10 +259,10 @@ def _start(config: ml_collections.ConfigDict, workdir: str) -> _Parts:
     step = int(jax.device_get(state.step))
     writer = metrics.MetricWriter(workdir, enabled=is_main)
     progress = metrics.Progress(config.num_train_steps, step, enabled=is_main)
-    training = _Training(setup, state, totals, writer, progress, manager.latest_step)
+    training = _Training(setup, state, totals, writer, progress, checkpoints.latest_step)
     evaluation = _Evaluation(setup, eval_step, tokenizer, dev, writer, progress)
-    saving = _Saving(config, manager, inputs, step)
-    return _Parts(mesh, inputs, manager, training, evaluation, saving)
+    saving = _Saving(config, checkpoints, inputs, step)
+    return _Parts(mesh, inputs, checkpoints, training, evaluation, saving)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -279,7 +279,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     step, preempted = start, False
 
     # --- Loop --------------------------------------------------------------------------
-    with saving.stop, distributed.PeerWatchdog(config.peer_timeout_seconds), run.manager:
+    with saving.stop, distributed.PeerWatchdog(config.peer_timeout_seconds), run.checkpoints:
         if config.eval_at_start and start == 0:  # the starting model's scores, as step 0
             evaluation.run(training.state, 0, config.eval_max_examples)
         batches = iter(run.inputs)
@@ -305,7 +305,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             summary.update(evaluation.run(training.state, step, config.final_eval_max_examples))
             if config.average_last > 1:
                 summary["average"] = evaluation.run_average(
-                    training, run.manager, step, config.average_last
+                    training, run.checkpoints, step, config.average_last
                 )
     evaluation.progress.close()
     evaluation.writer.close()

@@ -2,7 +2,7 @@
 a fresh state.
 
     previous = previous_run(config, workdir)     # before the data: a changed model stops here
-    state, totals = restore_or_init(config, workdir, setup, manager, inputs, previous)
+    state, totals = restore_or_init(config, workdir, setup, checkpoints, inputs, previous)
 
 A checkpoint whose model or optimizer structure differs from the config's stops
 the run with the fields named (`--config.reset_optimizer=True` keeps the
@@ -114,7 +114,7 @@ def restore_or_init(
     config: ml_collections.ConfigDict,
     workdir: str,
     setup: steps.TrainSetup,
-    manager: ckpt.Checkpoints,
+    checkpoints: ckpt.Checkpoints,
     train_iter: ShardedInput,
     previous: dict | None,
 ) -> tuple[steps.TrainState, RunTotals]:
@@ -124,11 +124,11 @@ def restore_or_init(
     """
     changes = previous or {}
     try:
-        restored = manager.restore_latest(setup.abstract)
+        restored = checkpoints.restore_latest(setup.abstract)
     except ckpt.StructureMismatch as e:
         if set(e.items) != {"train"} or not config.reset_optimizer:
             raise UserError(_mismatch_message(e, changes, workdir)) from e
-        state, data_state = manager.restore_without_optimizer(e.step, setup.abstract)
+        state, data_state = checkpoints.restore_without_optimizer(e.step, setup.abstract)
         restored = e.step, _fresh_optimizer(setup, state), data_state
         _log.warning(
             f"config.reset_optimizer: kept the parameters of step {e.step} and started a fresh "
@@ -160,5 +160,5 @@ def restore_or_init(
             f"(set --config.data_shards={len(saved)} to resume it exactly)"
         )
     _trim_metrics(workdir, latest)
-    _log.info(f"resumed from step {latest} ({manager.directory})")
+    _log.info(f"resumed from step {latest} ({checkpoints.directory})")
     return state, RunTotals.from_checkpoint(data_state)

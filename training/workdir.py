@@ -71,9 +71,9 @@ def restore_model(
     directory = os.path.join(workdir, CHECKPOINT_DIR)
     if not os.path.isdir(directory):
         raise UserError(f"no complete checkpoint in {directory}; train the model first")
-    with Checkpoints(workdir, create=False) as manager:
-        step, chosen = _choose(manager.all_steps(), step, average_last, directory)
-        params = manager.mean_params(chosen, abstract_params)
+    with Checkpoints(workdir, create=False) as checkpoints:
+        step, chosen = _choose(checkpoints.all_steps(), step, average_last, directory)
+        params = checkpoints.mean_params(chosen, abstract_params)
     # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
     rngs = jax.jit(
         lambda: nnx.split(build_model(config, model_cfg), nnx.Param, ...)[2], out_shardings=device
