@@ -76,14 +76,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 def _compile_for() -> int:
     """--compile_for: the ahead-of-time report (aot/fit.py); no training."""
-    from attention_jax.aot import targets
+    from attention_jax.aot import hardware
 
     try:
-        target = targets.parse_target(_COMPILE_FOR.value)
+        target = hardware.parse_target(_COMPILE_FOR.value)
     except ValueError as e:  # UserError
         print(f"error: {e}", file=sys.stderr)
         return 1
-    targets.prepare_environment(target)  # before JAX starts a backend
+    hardware.prepare_environment(target)  # before JAX starts a backend
     from attention_jax.aot import fit
     from attention_jax.aot import report as aot_report
     from attention_jax.common import log, xla

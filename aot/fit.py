@@ -16,7 +16,7 @@ collectives by kind with their sizes (aot/hlo.py), matmul element types,
 compile time, and a step-time *estimate*: on GPUs a roofline per kernel, summed
 (aot/roofline.py), on TPUs max(FLOPs / peak, bytes / HBM bandwidth); plus
 the collectives' ring traffic over the chip's interconnect, not overlapped.
-Chip facts: aot/targets.py.
+Chip facts: aot/hardware.py.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from attention_jax.aot import hlo
+from attention_jax.aot.hardware import Target, abstract_devices, parse_target
 from attention_jax.aot.roofline import kernel_roofline
-from attention_jax.aot.targets import Target, abstract_devices, parse_target
 from attention_jax.common.errors import UserError
 from attention_jax.data.plans import length_buckets, rows_per_batch
 from attention_jax.search.decoding import translate_beams

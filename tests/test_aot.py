@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from attention_jax.aot import fit, hlo, targets
+from attention_jax.aot import fit, hardware, hlo
 from attention_jax.common.errors import UserError
 from attention_jax.data.plans import rows_per_batch
 
@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ],
 )
 def test_targets_name_slices_as_cloud_tpu_and_gpu_boxes_do(name, devices, per_host, topology):
-    t = targets.parse_target(name)
+    t = hardware.parse_target(name)
     assert (t.num_devices, t.devices_per_host, t.topology) == (devices, per_host, topology)
     assert t.num_hosts == max(1, devices // per_host)
 
@@ -61,14 +61,14 @@ def test_targets_name_slices_as_cloud_tpu_and_gpu_boxes_do(name, devices, per_ho
 )
 def test_unknown_targets_say_what_is_valid(name, hint):
     with pytest.raises(UserError, match=hint):
-        targets.parse_target(name)
+        hardware.parse_target(name)
 
 
 def test_torus_shapes_double_the_last_of_the_smallest_dimensions():
-    assert [targets.torus_shape(2**k, 3) for k in range(2, 10)] == [
+    assert [hardware.torus_shape(2**k, 3) for k in range(2, 10)] == [
         (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8),
     ]  # fmt: skip
-    assert [targets.torus_shape(2**k, 2) for k in (4, 5, 6, 7, 8)] == [
+    assert [hardware.torus_shape(2**k, 2) for k in (4, 5, 6, 7, 8)] == [
         (4, 4), (4, 8), (8, 8), (8, 16), (16, 16),
     ]  # fmt: skip
 
@@ -77,32 +77,32 @@ def test_hbm_table_and_usable_memory(monkeypatch):
     """Datasheet HBM per chip; XLA takes 75% of a GPU's memory unless told otherwise."""
     gib, gb = 2**30, 10**9
     names = ("tpu:v4-8", "tpu:v5e-8", "tpu:v5p-8", "tpu:v6e-8", "gpu:h100", "gpu:h200", "gpu:a100")
-    hbm = {n: targets.parse_target(n).chip.hbm_bytes for n in names}
+    hbm = {n: hardware.parse_target(n).chip.hbm_bytes for n in names}
     assert hbm == {
         "tpu:v4-8": 32 * gib, "tpu:v5e-8": 16 * gib, "tpu:v5p-8": 95 * gib,
         "tpu:v6e-8": 32 * gib, "gpu:h100": 80 * gb, "gpu:h200": 141 * gb, "gpu:a100": 80 * gb,
     }  # fmt: skip
-    assert targets.parse_target("tpu:v5e-8").usable_bytes == 16 * gib
+    assert hardware.parse_target("tpu:v5e-8").usable_bytes == 16 * gib
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
-    assert targets.parse_target("gpu:h100").usable_bytes == int(0.75 * 80 * gb)
+    assert hardware.parse_target("gpu:h100").usable_bytes == int(0.75 * 80 * gb)
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    assert targets.parse_target("gpu:h100").usable_bytes == int(0.9 * 80 * gb)
+    assert hardware.parse_target("gpu:h100").usable_bytes == int(0.9 * 80 * gb)
 
 
 def test_every_gpu_target_has_its_description_file():
-    for name in targets.GPUS:
-        path = targets.parse_target(f"gpu:{name}").spec_file
+    for name in hardware.GPUS:
+        path = hardware.parse_target(f"gpu:{name}").spec_file
         with open(path) as f:
             text = f.read()
         assert "cuda_compute_capability" in text and "device_memory_size" in text, path
 
 
 def test_a_missing_compiler_is_one_message_with_the_pip_command(monkeypatch):
-    monkeypatch.setattr(targets.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(hardware.importlib.util, "find_spec", lambda name: None)
     for name, extra in (("tpu:v5e-8", "tpu"), ("gpu:h100", "cuda13")):
         pip = rf'pip install "jax\[{extra}\]=={jax.__version__}"'
         with pytest.raises(UserError, match=pip):
-            targets.check_compiler(targets.parse_target(name))
+            hardware.check_compiler(hardware.parse_target(name))
 
 
 # --- Batch shapes ------------------------------------------------------------------------
