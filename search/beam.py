@@ -247,7 +247,7 @@ def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     return done(s, alpha, rule) | (s.step >= s.limits)
 
 
-def run(
+def step_until(
     step_fn: StepFn,
     s: BeamState,
     alpha: jax.Array,
@@ -371,6 +371,6 @@ def beam_search(
     if prefixes is not None or constraints is not None:
         controls = Controls.fitted(prefixes or [], constraints or [], rows=limits.shape[0])
     s = init(cache, limits, rule.beam_size, length, controls)
-    s = run(step_fn, s, jnp.float32(search.alpha), rule)
+    s = step_until(step_fn, s, jnp.float32(search.alpha), rule)
     tokens, scores = results(s)
     return tokens[:, : rule.n_best], scores[:, : rule.n_best]

@@ -174,14 +174,14 @@ def first_state(
     return beam.init(model.init_cache(src, room), limits, rule.beam_size, room, controls)
 
 
-def run_steps(
+def step_until(
     model: Transformer, s: beam.BeamState, alpha: jax.Array, rule: Rule, until: Any = 0
 ) -> beam.BeamState:
-    """search/beam.py `run` over the model's step: two steps a loop iteration in a large
+    """search/beam.py `step_until` over the model's step: two steps a loop iteration in a large
     search, until at most `until` sources are left or the room is full."""
     rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
     unroll = 2 if _large(model, rows, room) else 1
-    return beam.run(model.decode_step, s, alpha, rule, unroll, until)
+    return beam.step_until(model.decode_step, s, alpha, rule, unroll, until)
 
 
 def search_state(
@@ -197,9 +197,9 @@ def search_state(
     """The state of src [B, S]'s beam search once every source is finished, grown through
     `rooms` (pure; `search_batch` runs it as one compiled program)."""
     s = first_state(model, src, rule, rooms[0], length, extra, controls)
-    s = run_steps(model, s, alpha, rule)
+    s = step_until(model, s, alpha, rule)
     for room in rooms[1:]:  # a stage's loop ends at once if every source is finished
-        s = run_steps(model, beam.grow(s, room), alpha, rule)
+        s = step_until(model, beam.grow(s, room), alpha, rule)
     return s
 
 

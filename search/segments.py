@@ -49,7 +49,7 @@ def _start(graphdef, state, src, alpha, until, controls, *, rule, room, length, 
     or `room` tokens are decoded."""
     model = nnx.merge(graphdef, state)
     s = decoding.first_state(model, src, rule, room, length, extra, controls)
-    s = decoding.run_steps(model, s, alpha, rule, until)
+    s = decoding.step_until(model, s, alpha, rule, until)
     return s, segment_results(s, alpha, rule)
 
 
@@ -69,7 +69,7 @@ def _select(graphdef, s, keep) -> beam.BeamState:
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule"))
 def _advance(graphdef, state, s, alpha, until, *, rule) -> Segment:
     """The search `s` until at most `until` sources are left or its room is full."""
-    s = decoding.run_steps(nnx.merge(graphdef, state), s, alpha, rule, until)
+    s = decoding.step_until(nnx.merge(graphdef, state), s, alpha, rule, until)
     return s, segment_results(s, alpha, rule)
 
 

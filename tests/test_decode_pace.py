@@ -52,7 +52,7 @@ def _batch(n: int, width: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize(("size", "room"), [(4, 13), (1, 13), (4, 24)])
 def test_two_steps_a_loop_iteration_give_the_same_tokens_and_scores(model, monkeypatch, size, room):
-    """A large search takes two steps per loop iteration (search/beam.py `run`), then
+    """A large search takes two steps per loop iteration (search/beam.py `step_until`), then
     single steps for what is left of the room (odd rooms leave one): the same tokens and
     scores as one step an iteration, for beam search and greedy search."""
     from attention_jax.search.decoding import translate_beams
