@@ -1,4 +1,6 @@
-"""Shared test setup: CPU only, no network; small corpora and configs for training tests."""
+"""Shared test setup: CPU only, no network; small corpora and configs for training tests;
+the fixtures several test modules share (the trained digit workdir, the fault tests'
+finished run)."""
 
 import json
 import os
@@ -228,3 +230,49 @@ def search_rule(beam_size: int, n_best: int | None = None, **settings):
 
     n_best = beam_size if n_best is None else n_best
     return SearchSettings(beam_size=beam_size, n_best=n_best, **settings).rule()
+
+
+# --- Fixtures shared by several test modules --------------------------------------------
+# (Their helpers: tests/digits.py, tests/fault_runs.py.)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """The trained digit workdir (tests/digits.py), a copy of its own for each test module:
+    trained once per test session (~1 min on 2 cores), by the first xdist worker that
+    needs it, and used by the tests of decode.py (test_decode_cli, test_decode_stream,
+    test_decode_pace, test_targets), test_ct2_decode, test_library and test_bench_*."""
+    import shutil
+
+    from attention_jax.training import config as config_lib
+    from tests.digits import build_digit_workdir
+
+    shared = session_dir(tmp_path_factory, "digit-workdir")
+    build_digit_workdir(shared)  # or wait for the worker that builds it
+    wd = str(tmp_path_factory.mktemp("workdir") / "w")
+    shutil.copytree(shared, wd)
+    config = config_lib.load_config(wd)
+    config.dataset = f"tsv:{os.path.join(wd, 'digits.tsv')}"  # this copy's (--split=test)
+    config_lib.save_config(config, wd)
+    return wd
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Reversal pairs for the fault tests' runs (test_faults, test_restore_faults), as a
+    config.dataset."""
+    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
+    return "tsv:" + write_reversal_tsv(path, num_pairs=600, max_words=4, seed=7)
+
+
+@pytest.fixture(scope="module")
+def base(corpus, tmp_path_factory):
+    """A finished 20-step run with checkpoints at steps 10 and 20 (tests/fault_runs.py
+    `cfg`), one per test module: test_faults and test_restore_faults damage and resume
+    copies of it."""
+    from attention_jax.training import train_and_evaluate
+    from tests.fault_runs import cfg
+
+    workdir = tmp_path_factory.mktemp("base")
+    train_and_evaluate(cfg(corpus), str(workdir))
+    return workdir

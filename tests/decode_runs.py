@@ -8,7 +8,7 @@ and stderr swapped for buffers, and exits are caught: the same code as the comma
 without ~2.5 s of imports per run. What a run leaves behind is reset (the flags,
 decode.py's --stats timing); compiled programs stay loaded, as a second job of a
 long-lived process would find them. Kills, several processes and other device
-counts run in children (tests/test_decode_stream.py `run_killed`, test_decode_pace).
+counts run in children (`run_killed` below, test_decode_pace).
 """
 
 from __future__ import annotations
@@ -93,3 +93,37 @@ def _reset_timing(timing) -> None:
         listening = timing._state.listening
         timing._state = timing._State()
         timing._state.listening = listening
+
+
+# Runs decode.py in a child that SIGKILLs itself in the append that would record `lines`
+# lines: before writing (0), after half the chunk's bytes (1), or after all of them but
+# before their record (2).
+KILLER = """
+import os, runpy, signal, sys
+from attention_jax.inference import output
+lines, where = int(sys.argv[1]), int(sys.argv[2])
+append = output.PartialOutput.append
+def killing_append(self, data, done):
+    if done["lines"] >= lines:
+        if where >= 1:
+            self._file.write(data if where == 2 else data[: len(data) // 2])
+            self._file.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    append(self, data, done)
+output.PartialOutput.append = killing_append
+sys.argv = ["decode.py", *sys.argv[3:]]
+runpy.run_path("decode.py", run_name="__main__")
+"""
+
+
+def run_killed(lines, where, *args) -> subprocess.CompletedProcess:
+    """decode.py with `args` in a child that SIGKILLs itself in the append that would
+    record `lines` lines, at `where` (KILLER)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    return subprocess.run(
+        [sys.executable, "-c", KILLER, str(lines), str(where), *args],
+        capture_output=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )

@@ -149,7 +149,7 @@ def opus_mt_directory(tmp_path, eos: float = 2.0):
     import sentencepiece as spm
 
     from attention_jax.data.tokenizer import train_tokenizer
-    from tests.test_decode_cli import digit_pairs
+    from tests.digits import digit_pairs
 
     pairs = digit_pairs(np.random.default_rng(3), 300)
     protos = [train_tokenizer([p[k] for p in pairs], 300) for k in (0, 1)]

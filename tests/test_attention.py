@@ -16,6 +16,7 @@ from attention_jax.attention import (
     segment_mask,
 )
 from tests.conftest import model_fields
+from tests.masks import dense_from_lengths, length_mask
 
 
 def reference_attention(q, k, v, mask):
@@ -188,23 +189,6 @@ def xla_by_lengths(q, k, v, mask: Mask) -> jax.Array:
         key_value_seq_lengths=jnp.asarray(mask.kv_lengths, jnp.int32),
         implementation="xla",
     )
-
-
-def dense_from_lengths(q_len, kv_len, t: int, s: int, causal: bool) -> np.ndarray:
-    """[B, 1, T, S] bool: query t < q_len, key s < kv_len, and s <= t if causal."""
-    q_len, kv_len = np.asarray(q_len), np.asarray(kv_len)
-    m = (np.arange(t)[None, :, None] < q_len[:, None, None]) & (
-        np.arange(s)[None, None, :] < kv_len[:, None, None]
-    )
-    if causal:
-        m &= np.tril(np.ones((t, s), bool))[None]
-    return m[:, None]
-
-
-def length_mask(q_len, kv_len, t: int, s: int, causal: bool) -> Mask:
-    """A Mask in the form the Transformer builds (dense + lengths), from lengths."""
-    dense = jnp.asarray(dense_from_lengths(q_len, kv_len, t, s, causal))
-    return Mask(dense, jnp.asarray(q_len, jnp.int32), jnp.asarray(kv_len, jnp.int32), causal)
 
 
 def nan_kernel(q, k, v, mask: Mask):

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from bench import constraints
-from tests.test_decode_cli import workdir  # noqa: F401 (a fixture)
 
 
 def test_wanted_phrases_are_the_longest_words_one_or_two_a_line():
@@ -17,7 +16,7 @@ def test_wanted_phrases_are_the_longest_words_one_or_two_a_line():
 
 
 @pytest.mark.slow  # ~30 s: six decode.py runs; the search itself is test_constraints's
-def test_every_constraint_and_prefix_is_honoured(workdir, tmp_path, capsys):  # noqa: F811
+def test_every_constraint_and_prefix_is_honoured(workdir, tmp_path, capsys):
     constraints.main([f"--workdir={workdir}", f"--scratch={tmp_path}"])
     out = capsys.readouterr().out
     (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

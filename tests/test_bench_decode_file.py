@@ -7,14 +7,13 @@ import json
 import pytest
 
 from bench import decode_file
-from tests.test_decode_cli import workdir  # noqa: F401 (a fixture)
 
 
 def _json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-def test_pace_reports_where_the_time_went_cold_and_warm(workdir, tmp_path, capsys):  # noqa: F811
+def test_pace_reports_where_the_time_went_cold_and_warm(workdir, tmp_path, capsys):
     jsonl = tmp_path / "runs.jsonl"
     decode_file.main(
         [f"--workdir={workdir}", "--split=test", "--lines=300", f"--scratch={tmp_path}",
@@ -35,7 +34,7 @@ def test_pace_reports_where_the_time_went_cold_and_warm(workdir, tmp_path, capsy
 
 
 @pytest.mark.slow  # ~8 s: the resume itself is test_decode_stream's (make test)
-def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_path, capsys):  # noqa: F811
+def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_path, capsys):
     at = 0.5
     decode_file.main(
         ["--measure=resume", f"--workdir={workdir}", "--split=test", "--lines=800",
@@ -49,7 +48,7 @@ def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_p
 
 
 @pytest.mark.slow  # ~10 s: the property itself is test_stages' in make test
-def test_later_jobs_in_other_chunks_add_no_program(workdir, tmp_path, capsys):  # noqa: F811
+def test_later_jobs_in_other_chunks_add_no_program(workdir, tmp_path, capsys):
     decode_file.main(
         ["--measure=programs", f"--workdir={workdir}", "--lines=150", "--read_lines=20",
          f"--scratch={tmp_path}", "--", "--beam_size=2"]

@@ -10,7 +10,7 @@ from attention_jax import EOS_ID
 from attention_jax.search import constraints, decoding
 from attention_jax.search.constraints import Controls
 from tests.conftest import search_rule
-from tests.test_decoding import as_list, make, ragged_src
+from tests.models import PENALTIES, as_list, full_logp, make, ragged_src
 
 
 def contains(seq, phrase) -> bool:
@@ -94,8 +94,6 @@ def test_a_prefix_starts_every_output_and_the_search_ranks_what_follows(model):
 
 def reference_after_prefix(model, src_row, prefix, k, limit, alpha=0.6):
     """reference_beam's search, whose hypotheses start with `prefix` at log P 0."""
-    from tests.test_decoding import PENALTIES, full_logp
-
     lp = lambda n: PENALTIES["gnmt"](n, alpha)
     live, finished = [(tuple(prefix), 0.0)], []
     for t in range(len(prefix), limit):

@@ -21,9 +21,9 @@ from attention_jax.backends.ct2 import CT2Translator, groups
 from attention_jax.backends.ct2_export import int8_saturates
 from attention_jax.inference.output import PARTIAL
 from attention_jax.tokens import EOS_ID
+from tests.decode_runs import ROOT, run_decode, run_killed
+from tests.digits import digit_pairs, hostile_input
 from tests.parity import NearTies, source_ids
-from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
-from tests.test_decode_stream import hostile_input, run_killed
 
 pytest.importorskip("ctranslate2")
 
@@ -31,7 +31,7 @@ WHOLE = "--read_lines=1000000"  # one chunk
 
 
 @pytest.fixture(scope="module")
-def ct2_dirs(workdir, tmp_path_factory):  # noqa: F811
+def ct2_dirs(workdir, tmp_path_factory):
     """The trained model exported as float32 and as int8 CTranslate2 directories."""
     d = tmp_path_factory.mktemp("ct2")
     dirs = {}
@@ -80,7 +80,7 @@ def hypotheses(r) -> list[list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def near_ties(workdir):  # noqa: F811
+def near_ties(workdir):
     """Our model's scores of two outputs, and each input line's source ids as decode.py
     encodes them."""
     from attention_jax.training.workdir import load_workdir
@@ -96,7 +96,7 @@ AS_CT2 = ("--length_penalty=average", "--stop=count")
 
 @pytest.mark.parametrize("min_length", [1, 0])
 def test_greedy_agrees_with_ours_on_every_line_but_near_ties(
-    workdir,  # noqa: F811
+    workdir,
     ct2_dirs,
     near_ties,
     tmp_path,
@@ -132,7 +132,7 @@ def test_greedy_agrees_with_ours_on_every_line_but_near_ties(
 
 
 def test_beam_agrees_with_ours_on_every_line_but_near_ties(
-    workdir,  # noqa: F811
+    workdir,
     ct2_dirs,
     near_ties,
     tmp_path,
@@ -153,7 +153,7 @@ def test_beam_agrees_with_ours_on_every_line_but_near_ties(
 
 @pytest.mark.parametrize("beam", [1, 4])
 def test_prefixes_agree_with_ours_on_every_line_but_near_ties(
-    workdir,  # noqa: F811
+    workdir,
     ct2_dirs,
     near_ties,
     tmp_path,
@@ -232,7 +232,7 @@ def test_int8_gives_finite_sensible_translations(ct2_dirs, tmp_path):
 
 
 @pytest.mark.slow  # ~15 s
-def test_n_best_reference_and_long_lines_as_ours(workdir, ct2_dirs, near_ties, tmp_path):  # noqa: F811
+def test_n_best_reference_and_long_lines_as_ours(workdir, ct2_dirs, near_ties, tmp_path):
     pairs = digit_pairs(np.random.default_rng(6), 12)
     lines = [s for s, _ in pairs] + ["", " ".join(["eins zwei drei"] * 6)]
     refs = [t for _, t in pairs] + ["", " ".join(["one two three"] * 6)]
@@ -310,7 +310,7 @@ def test_ct2_job_resumes_after_sigkill_and_refuses_a_changed_model(ct2_dirs, tmp
         (["--workdir={workdir}", "--export_ct2=/tmp/x", "--quantization=int4"], "int4"),
     ],
 )
-def test_ct2_user_errors_give_one_clear_line(workdir, ct2_dirs, args, message):  # noqa: F811
+def test_ct2_user_errors_give_one_clear_line(workdir, ct2_dirs, args, message):
     args = [a.format(ct2=ct2_dirs["float32"], workdir=workdir) for a in args]
     r = run_decode(*args, stdin=b"eins\n")
     err = r.stderr.decode()
@@ -328,7 +328,7 @@ def test_a_directory_missing_its_model_is_refused(ct2_dirs, tmp_path):
     assert r.returncode == 1 and "model.bin is missing" in err and "Traceback" not in err
 
 
-def test_without_ctranslate2_the_flags_say_how_to_install_it(workdir, ct2_dirs, tmp_path):  # noqa: F811
+def test_without_ctranslate2_the_flags_say_how_to_install_it(workdir, ct2_dirs, tmp_path):
     stub = tmp_path / "stub" / "ctranslate2"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("raise ImportError('No module named ctranslate2')\n")

@@ -10,7 +10,7 @@ import pytest
 from attention_jax import BOS_ID, EOS_ID
 from attention_jax.data import TrainIterator
 from attention_jax.data.corpora import ParallelCorpus
-from tests.test_data_pipeline import TOK, config
+from tests.batching import TOK, config
 
 
 def test_default_buckets_are_fine_and_few():

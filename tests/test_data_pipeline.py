@@ -9,27 +9,10 @@ import numpy as np
 import pytest
 
 from attention_jax import BOS_ID, EOS_ID
-from attention_jax.configs import default
 from attention_jax.data import TrainIterator, eval_batches
 from attention_jax.data.corpora import ParallelCorpus
 from attention_jax.training.mesh import shard_batch
-
-
-class WordTokenizer:
-    """Deterministic stand-in for SentencePiece: one id per word (>= 4)."""
-
-    vocab_size = 1000
-
-    def encode(self, text):
-        return [4 + int(w) for w in text.split()]
-
-    def encode_batch(self, texts):
-        return [self.encode(t) for t in texts]
-
-    encode_target_batch = encode_batch  # one model for both sides
-
-
-TOK = WordTokenizer()
+from tests.batching import TOK, config
 
 
 def make_corpus(n=300, seed=0, max_words=40):
@@ -41,13 +24,6 @@ def make_corpus(n=300, seed=0, max_words=40):
         src.append(" ".join([str(i)] + [str(rng.integers(0, 900)) for _ in range(ls - 1)]))
         tgt.append(" ".join([str(i)] + [str(rng.integers(0, 900)) for _ in range(lt - 1)]))
     return ParallelCorpus(src, tgt)
-
-
-def config(**kw):
-    c = default.get_config()
-    c.update(dict(max_length=32, long_pairs="drop", batch_tokens=512, packing=False))
-    c.update(kw)
-    return c
 
 
 def pair_ids(batch, r, seg=None):
@@ -284,6 +260,7 @@ def test_shard_batch_single_device():
 _EIGHT_DEVICES = """
 import numpy as np, jax
 from attention_jax.training.mesh import shard_batch
+from tests.batching import TOK, config
 mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "tensor"))
 batch = {"src": np.arange(16 * 8, dtype=np.int32).reshape(16, 8)}
 out = shard_batch(batch, mesh)["src"]

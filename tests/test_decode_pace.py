@@ -22,12 +22,8 @@ from attention_jax import EOS_ID, Transformer, TransformerConfig
 from attention_jax.search import decoding
 from attention_jax.search.settings import SearchSettings
 from tests.conftest import model_fields
-from tests.test_decode_cli import (
-    ROOT,
-    digit_pairs,
-    run_decode,
-    workdir,  # noqa: F401 (a fixture)
-)
+from tests.decode_runs import ROOT, run_decode
+from tests.digits import digit_pairs
 
 
 def _sources(n: int, seed: int = 0) -> list[list[int]]:
@@ -120,7 +116,7 @@ def lines(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(workdir, lines, tmp_path_factory):  # noqa: F811
+def plain(workdir, lines, tmp_path_factory):
     out = tmp_path_factory.mktemp("plain") / "out.en"
     r = run_decode(f"--workdir={workdir}", f"--input={lines}", f"--output={out}", *SMALL)
     assert r.returncode == 0, r.stderr.decode()
@@ -133,7 +129,7 @@ SMALL = ("--batch_tokens=64", "--n_best=2", "--output_format=jsonl")
 
 
 @pytest.fixture(scope="module")
-def same_translations(workdir, lines):  # noqa: F811
+def same_translations(workdir, lines):
     """check(got, want): the same hypotheses line for line, but at near-ties
     (tests/parity.py: another device count computes in other shapes, which round
     otherwise); scores to float32 rounding where the tokens are the same."""
@@ -162,7 +158,7 @@ def same_translations(workdir, lines):  # noqa: F811
 
 
 def test_eight_devices_write_the_single_devices_output_and_report_where_time_went(
-    workdir,  # noqa: F811
+    workdir,
     lines,
     plain,
     same_translations,
@@ -219,7 +215,7 @@ def _processes(n: int, args_of) -> list[subprocess.CompletedProcess]:
 
 @pytest.mark.slow  # ~6 s: test_two_processes_killed_mid_chunk_... writes it in make test
 def test_two_processes_write_one_output_identical_to_one_process(
-    workdir,  # noqa: F811
+    workdir,
     lines,
     plain,
     same_translations,
@@ -234,7 +230,7 @@ def test_two_processes_write_one_output_identical_to_one_process(
 
 
 def test_processes_that_disagree_on_the_input_stop_with_one_line(
-    workdir,  # noqa: F811
+    workdir,
     lines,
     tmp_path,
 ):
@@ -272,7 +268,7 @@ runpy.run_path("decode.py", run_name="__main__")
 
 
 def test_a_job_killed_mid_chunk_goes_on_from_its_finished_batches(
-    workdir,  # noqa: F811
+    workdir,
     lines,
     plain,
     tmp_path,
@@ -295,7 +291,7 @@ def test_a_job_killed_mid_chunk_goes_on_from_its_finished_batches(
     assert sorted(os.listdir(tmp_path)) == ["out.en"]
 
 
-def test_bad_pace_settings_are_one_line_errors(workdir, tmp_path):  # noqa: F811
+def test_bad_pace_settings_are_one_line_errors(workdir, tmp_path):
     for flags, message in ((["--batch_tokens=0"], "--batch_tokens must be >= 1"),):
         workdir_flag = [] if any(f.startswith("--ct2") for f in flags) else [f"--workdir={workdir}"]
         r = run_decode(*workdir_flag, *flags, stdin=b"eins\n")
@@ -305,7 +301,7 @@ def test_bad_pace_settings_are_one_line_errors(workdir, tmp_path):  # noqa: F811
 
 @pytest.mark.slow  # ~18 s; several processes in make test: test_processes_that_disagree_...
 def test_two_processes_killed_mid_chunk_go_on_and_write_one_output(
-    workdir,  # noqa: F811
+    workdir,
     lines,
     plain,
     same_translations,

@@ -3,8 +3,8 @@
 The reference for every streamed output is the same command with one chunk for the
 whole file (what decode.py did before it streamed: read everything, translate it in
 one set of length-sorted batches, write once). Kills are real SIGKILLs: at chosen
-points of the output's write (a wrapper patches `PartialOutput.append` in the child),
-and once at a moment chosen by the clock.
+points of the output's write (a wrapper patches `PartialOutput.append` in the child:
+tests/decode_runs.py `run_killed`), and once at a moment chosen by the clock.
 """
 
 import json
@@ -20,31 +20,13 @@ import numpy as np
 import pytest
 
 from attention_jax.inference.output import PARTIAL, RECORD
-from tests.test_decode_cli import ROOT, digit_pairs, run_decode, workdir  # noqa: F401
+from tests.decode_runs import ROOT, run_decode, run_killed
+from tests.digits import digit_pairs, hostile_input
 
 WHOLE = "--read_lines=1000000"  # one chunk: the reference
 
 
-def hostile_input(seed=5, n=30):
-    """(input bytes, expected English or None per line): n >= 20 lines of digits, with empty,
-    long, bad-UTF-8 and CRLF lines in between, and no newline at the end."""
-    pairs = digit_pairs(np.random.default_rng(seed), n)
-    lines, expected = [s.encode() for s, _ in pairs], [t for _, t in pairs]
-    bad = {
-        2: (b"", ""),
-        3: (b"  ", ""),
-        7: (b"eins \xff zwei", None),
-        8: (b"drei\r", "three"),
-        13: (b" ".join([b"sieben"] * 100), None),
-        21: (b"", ""),
-    }
-    for i, (line, want) in sorted(bad.items()):
-        lines.insert(i, line)
-        expected.insert(i, want)
-    return b"\n".join(lines), expected
-
-
-def test_tiny_chunks_keep_order_and_every_line(workdir, tmp_path):  # noqa: F811
+def test_tiny_chunks_keep_order_and_every_line(workdir, tmp_path):
     data, expected = hostile_input()
     src = tmp_path / "in.de"
     src.write_bytes(data)
@@ -69,7 +51,7 @@ def test_tiny_chunks_keep_order_and_every_line(workdir, tmp_path):  # noqa: F811
 
 
 @pytest.mark.slow  # ~30 s; test_decode_cli checks n-best, alignments and scores
-def test_n_best_alignments_and_scores_across_chunks(workdir, tmp_path):  # noqa: F811
+def test_n_best_alignments_and_scores_across_chunks(workdir, tmp_path):
     data, expected = hostile_input(seed=6, n=20)
     ref = tmp_path / "ref.en"
     ref.write_text("".join(f"{t or 'one'}\n" for t in expected))
@@ -95,7 +77,7 @@ def test_n_best_alignments_and_scores_across_chunks(workdir, tmp_path):  # noqa:
 
 
 @pytest.mark.slow  # ~9 s
-def test_split_streams_and_scores_the_whole_split(workdir, tmp_path):  # noqa: F811
+def test_split_streams_and_scores_the_whole_split(workdir, tmp_path):
     outs = []
     for chunk in ("--read_lines=3", WHOLE):
         out = tmp_path / f"test{len(outs)}.hyp"
@@ -107,7 +89,7 @@ def test_split_streams_and_scores_the_whole_split(workdir, tmp_path):  # noqa: F
 
 
 @pytest.mark.slow  # ~13 s; test_tiny_chunks_keep_order_and_every_line covers chunking
-def test_attention_plots_continue_across_chunks(workdir, tmp_path):  # noqa: F811
+def test_attention_plots_continue_across_chunks(workdir, tmp_path):
     plots = tmp_path / "plots"
     stdin = b"eins\n\nzwei drei\nvier\nfuenf\n"
     r = run_decode(
@@ -121,40 +103,9 @@ def test_attention_plots_continue_across_chunks(workdir, tmp_path):  # noqa: F81
 
 # --- Kills ---------------------------------------------------------------------------------
 
-# Runs decode.py in a child that SIGKILLs itself in the append that would record `lines`
-# lines: before writing (0), after half the chunk's bytes (1), or after all of them but
-# before their record (2).
-KILLER = """
-import os, runpy, signal, sys
-from attention_jax.inference import output
-lines, where = int(sys.argv[1]), int(sys.argv[2])
-append = output.PartialOutput.append
-def killing_append(self, data, done):
-    if done["lines"] >= lines:
-        if where >= 1:
-            self._file.write(data if where == 2 else data[: len(data) // 2])
-            self._file.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    append(self, data, done)
-output.PartialOutput.append = killing_append
-sys.argv = ["decode.py", *sys.argv[3:]]
-runpy.run_path("decode.py", run_name="__main__")
-"""
-
-
-def run_killed(lines, where, *args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    return subprocess.run(
-        [sys.executable, "-c", KILLER, str(lines), str(where), *args],
-        capture_output=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
-
 
 @pytest.fixture(scope="module")
-def job(workdir, tmp_path_factory):  # noqa: F811
+def job(workdir, tmp_path_factory):
     """A 40-line input, references, and its uninterrupted output (jsonl, 5 chunks)."""
     d = tmp_path_factory.mktemp("job")
     pairs = digit_pairs(np.random.default_rng(9), 40)
@@ -247,7 +198,7 @@ def test_a_changed_job_is_refused_and_restart_starts_over(job, tmp_path):
 
 
 @pytest.mark.slow  # an export (~45 s); the live model's resume is tested in make test
-def test_exported_translator_resumes_too(workdir, tmp_path):  # noqa: F811
+def test_exported_translator_resumes_too(workdir, tmp_path):
     export_dir = tmp_path / "translator"
     r = run_decode(f"--workdir={workdir}", f"--export={export_dir}", "--beam_size=2")
     assert r.returncode == 0, r.stderr.decode()
@@ -265,7 +216,7 @@ def test_exported_translator_resumes_too(workdir, tmp_path):  # noqa: F811
 # --- stdout, stdin, dry runs ----------------------------------------------------------------
 
 
-def test_stdin_to_stdout_streams_a_chunk_at_a_time(workdir):  # noqa: F811
+def test_stdin_to_stdout_streams_a_chunk_at_a_time(workdir):
     """With --read_lines=1 each translation is out before the next line is typed in."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     cmd = [sys.executable, os.path.join(ROOT, "decode.py"), f"--workdir={workdir}"]
@@ -290,7 +241,7 @@ def test_stdin_to_stdout_streams_a_chunk_at_a_time(workdir):  # noqa: F811
         timer.cancel()
 
 
-def test_dry_run_writes_the_tokenized_input_without_the_model(workdir, tmp_path):  # noqa: F811
+def test_dry_run_writes_the_tokenized_input_without_the_model(workdir, tmp_path):
     data, _ = hostile_input(seed=8, n=20)
     src = tmp_path / "in.de"
     src.write_bytes(data)
@@ -311,7 +262,7 @@ def test_dry_run_writes_the_tokenized_input_without_the_model(workdir, tmp_path)
     assert r.returncode == 1 and "--dry_run runs no model" in r.stderr.decode()
 
 
-def test_progress_lines_when_stderr_is_not_a_terminal(workdir, tmp_path):  # noqa: F811
+def test_progress_lines_when_stderr_is_not_a_terminal(workdir, tmp_path):
     src = tmp_path / "in.de"
     src.write_text("eins\n" * 6)
     r = run_decode(f"--workdir={workdir}", f"--input={src}", "--read_lines=2")

@@ -14,28 +14,11 @@ from attention_jax import (
     EOS_ID,
     PAD_ID,
     Transformer,
-    TransformerConfig,
 )
 from attention_jax.search import beam, decoding, scoring
-from tests.conftest import model_fields, search_rule
+from tests.conftest import search_rule
+from tests.models import PENALTIES, as_list, full_logp, make, ragged_src
 from tests.parity import TIE
-
-TINY = model_fields(vocab_size=12, num_decoder_layers=2)
-
-
-def make(seed=0, **overrides) -> Transformer:
-    return Transformer(TransformerConfig(**{**TINY, **overrides}), rngs=nnx.Rngs(seed))
-
-
-def ragged_src(seed, lengths, width=None, vocab=12):
-    """[B, S] sources of the given lengths (ids 4..V-1, EOS-terminated as in training)."""
-    rng = np.random.default_rng(seed)
-    width = width or max(lengths)
-    src = np.zeros((len(lengths), width), np.int32)
-    for i, n in enumerate(lengths):
-        src[i, : n - 1] = rng.integers(4, vocab, size=n - 1)
-        src[i, n - 1] = EOS_ID
-    return jnp.asarray(src)
 
 
 def never_eos_model(**overrides) -> Transformer:
@@ -52,23 +35,6 @@ def model():
     return make()
 
 
-_forward = jax.jit(lambda graphdef, state, src, tgt_in: nnx.merge(graphdef, state)(src, tgt_in))
-
-
-def full_logp(model, src_row, prefix, width=32):
-    """log P(next | prefix) from a full forward pass: src [S], prefix list -> [V] float64.
-
-    The decoder input is padded to a fixed width so that one compiled program
-    serves every prefix; causality keeps the padding from mattering.
-    """
-    tgt_in = np.zeros((1, width), np.int32)
-    tgt_in[0, : len(prefix) + 1] = [BOS_ID, *prefix]
-    logits = _forward(*nnx.split(model), src_row[None], jnp.asarray(tgt_in))[0, len(prefix)]
-    logp = np.asarray(jax.nn.log_softmax(logits), np.float64)
-    logp[[PAD_ID, BOS_ID]] = -np.inf  # searches never emit these
-    return logp
-
-
 def reference_greedy(model, src_row, limit, min_length=1):
     """Argmax over full forward passes; EOS banned at positions below min_length, forced
     at the limit."""
@@ -82,13 +48,6 @@ def reference_greedy(model, src_row, limit, min_length=1):
         if tok == EOS_ID:
             break
     return out
-
-
-# lp(n) of a hypothesis of n tokens, EOS included: the paper's and CTranslate2's.
-PENALTIES = {
-    "gnmt": lambda n, alpha: ((5 + n) / 6) ** alpha,
-    "average": lambda n, alpha: n**alpha,
-}
 
 
 def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt", stop="bound", min_length=1):
@@ -118,11 +77,6 @@ def reference_beam(model, src_row, k, alpha, limit, penalty="gnmt", stop="bound"
         if len(finished) == k and finished[-1][1] >= best_live:
             break
     return finished
-
-
-def as_list(row):
-    row = [int(t) for t in np.asarray(row)]
-    return row[: row.index(EOS_ID) + 1] if EOS_ID in row else row
 
 
 def test_greedy_cached_equals_full_forward(model):

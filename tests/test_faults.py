@@ -19,35 +19,11 @@ from attention_jax.common.errors import UserError
 from attention_jax.training import checkpoints, steps, train_and_evaluate
 from attention_jax.training.mesh import make_mesh, shard_batch
 from attention_jax.training.workdir import restore_model
-from tests.conftest import small_train_config, train_losses, write_reversal_tsv
-from tests.test_train_steps import reverse_batch
+from tests.conftest import small_train_config, train_losses
+from tests.fault_runs import cfg, copy, run_train_py
+from tests.training import reverse_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
-    return "tsv:" + write_reversal_tsv(path, num_pairs=600, max_words=4, seed=7)
-
-
-def cfg(corpus, **overrides):
-    base = dict(dataset=corpus, num_train_steps=20, final_eval_max_examples=2)
-    return small_train_config(**{**base, **overrides})
-
-
-@pytest.fixture(scope="module")
-def base(corpus, tmp_path_factory):
-    """A finished 20-step run with checkpoints at steps 10 and 20."""
-    workdir = tmp_path_factory.mktemp("base")
-    train_and_evaluate(cfg(corpus), str(workdir))
-    return workdir
-
-
-def copy(base, tmp_path, name="w"):
-    dest = tmp_path / name
-    shutil.copytree(base, dest)
-    return dest
 
 
 def step_files(workdir, step, pattern):
@@ -165,19 +141,6 @@ def test_a_model_structure_change_names_the_fields(base, corpus, tmp_path):
 
 
 # --- Vocabulary sizes --------------------------------------------------------------------
-
-
-def run_train_py(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
-    """`train.py ARGS` on the CPU (or `python -c CODE ARGS`, CODE running train.py)."""
-    program = ["-c", code] if code else ["train.py"]
-    return subprocess.run(
-        [sys.executable, *program, *args],
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_a_vocabulary_too_small_for_the_corpus_is_one_line_naming_the_minimum(corpus, tmp_path):

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.decode_runs import run_decode
+from tests.digits import digit_pairs
 from tests.marian_files import opus_mt_directory
-from tests.test_decode_cli import digit_pairs, run_decode
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 

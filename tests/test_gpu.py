@@ -32,7 +32,7 @@ from attention_jax import (
 from attention_jax.attention import dot_product_attention, resolve_impl
 from attention_jax.search import decoding
 from tests.conftest import model_fields
-from tests.test_attention import length_mask
+from tests.masks import length_mask
 
 ON_GPU = jax.default_backend() == "gpu"
 DRY_RUN = os.environ.get("GPU_SUITE_ON_CPU") == "1"

@@ -13,8 +13,9 @@ import attention_jax
 from attention_jax import Translator
 from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import output_text
+from tests.decode_runs import run_decode
+from tests.digits import digit_pairs
 from tests.marian_files import opus_mt_directory
-from tests.test_decode_cli import digit_pairs, run_decode, workdir  # noqa: F401
 
 
 def _lines(seed: int, n: int) -> list[str]:
@@ -42,7 +43,7 @@ def _as_jsonl(results) -> list[dict]:
     ]  # fmt: skip
 
 
-def test_a_workdir_translates_from_python_as_decode_py_does(workdir, tmp_path):  # noqa: F811
+def test_a_workdir_translates_from_python_as_decode_py_does(workdir, tmp_path):
     lines = _lines(5, 30)
     translator = Translator(workdir, batch_tokens=64)
     assert translator.kind == "workdir" and translator.settings.beam_size == 4
@@ -59,7 +60,7 @@ def test_a_workdir_translates_from_python_as_decode_py_does(workdir, tmp_path): 
     assert translator.settings.beam_size == 4  # a call's settings are that call's
 
 
-def test_prefixes_and_constraints_from_python_are_decode_py_s(workdir, tmp_path):  # noqa: F811
+def test_prefixes_and_constraints_from_python_are_decode_py_s(workdir, tmp_path):
     lines = [s for s, _ in digit_pairs(np.random.default_rng(8), 12)]
     prefixes = ["one" if i % 3 == 0 else "" for i in range(len(lines))]
     constraints = [["seven"] if i % 2 else [] for i in range(len(lines))]
@@ -82,7 +83,7 @@ def test_prefixes_and_constraints_from_python_are_decode_py_s(workdir, tmp_path)
     )
 
 
-def test_an_export_translates_from_python_and_keeps_its_settings(workdir, tmp_path):  # noqa: F811
+def test_an_export_translates_from_python_and_keeps_its_settings(workdir, tmp_path):
     export_dir = tmp_path / "translator"
     r = run_decode(f"--workdir={workdir}", f"--export={export_dir}")
     assert r.returncode == 0, r.stderr.decode()
@@ -105,7 +106,7 @@ def test_an_opus_mt_directory_translates_from_python_as_decode_py_does(tmp_path)
     assert output_text(translator.translate(lines[:40])).encode() == want
 
 
-def test_mistakes_are_one_value_error_that_says_what_to_do(workdir, tmp_path):  # noqa: F811
+def test_mistakes_are_one_value_error_that_says_what_to_do(workdir, tmp_path):
     with pytest.raises(UserError, match="is not a directory"):
         Translator(str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()

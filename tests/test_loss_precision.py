@@ -14,7 +14,7 @@ from attention_jax.training import loss, steps
 from attention_jax.training.loss import chunked_loss_sums
 from attention_jax.training.mesh import shard_batch
 from tests.conftest import small_train_config
-from tests.test_train_steps import _numpy_smoothed_ce, _setup, reverse_batch
+from tests.training import numpy_smoothed_ce, reverse_batch, setup_train_step
 
 
 def _problem(seed=0, b=3, t=7, d=16, v=50):
@@ -33,7 +33,7 @@ def test_chunked_loss_equals_numpy_and_whole_autodiff(chunk):
     sums = chunked_loss_sums(jnp.asarray(y), jnp.asarray(w), jnp.asarray(targets), 0.1,
                              chunk_tokens=chunk)  # fmt: skip
     logits = np.einsum("btd,vd->btv", y.astype(np.float64), w.astype(np.float64))
-    want_loss, want_ppl = _numpy_smoothed_ce(logits, targets, 0.1)
+    want_loss, want_ppl = numpy_smoothed_ce(logits, targets, 0.1)
     out = steps.summarize(sums)
     assert float(out["loss"]) == pytest.approx(want_loss, rel=1e-5)
     assert float(out["perplexity"]) == pytest.approx(want_ppl, rel=1e-5)
@@ -62,7 +62,7 @@ def test_bf16_logits_stay_within_bf16_rounding_of_float64():
     y16, w16 = jnp.asarray(y, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
     yr, wr = np.asarray(y16, np.float64), np.asarray(w16, np.float64)  # what bf16 holds
     logits = np.einsum("btd,vd->btv", yr, wr)
-    want_loss, _ = _numpy_smoothed_ce(logits, targets, 0.1)
+    want_loss, _ = numpy_smoothed_ce(logits, targets, 0.1)
     # d(summed smoothed loss)/d(logits) = p - q at real tokens, by hand
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -195,7 +195,7 @@ def test_train_step_with_a_chunked_loss_equals_the_whole():
     for chunk in (0, 24):
         cfg = small_train_config(loss_chunk_tokens=chunk)
         cfg.model.dropout_rate = 0.0
-        mesh, train_step, state = _setup(cfg)
+        mesh, train_step, state = setup_train_step(cfg)
         losses = []
         for b in batches:
             state, m = train_step(state, shard_batch(b, mesh))
@@ -215,7 +215,7 @@ def test_train_step_reads_loss_logits_dtype():
     for dtype in ("float32", "bfloat16"):
         cfg = small_train_config(loss_chunk_tokens=24, loss_logits_dtype=dtype)
         cfg.model.dropout_rate = 0.0
-        mesh, train_step, state = _setup(cfg)
+        mesh, train_step, state = setup_train_step(cfg)
         _, m = train_step(state, shard_batch(batch, mesh))
         losses[dtype] = float(m["loss"])
     assert losses["bfloat16"] != losses["float32"]  # rounded logits...

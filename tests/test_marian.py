@@ -168,8 +168,8 @@ def test_decode_py_translates_an_opus_mt_directory_as_ctranslate2_does(tmp_path,
     every line the same but at near-ties (tests/parity.py). The model favours </s> so
     that translations end, as a trained model's do; at --min_length=0 it ends some at
     once, where 1 forbids it."""
+    from tests.decode_runs import run_decode
     from tests.parity import NearTies
-    from tests.test_decode_cli import run_decode
 
     # With a stronger pull to </s>, some lines would end at once.
     directory, lines, procs = opus_mt_directory(tmp_path, eos=2.0 if min_length else 5.0)
@@ -211,7 +211,7 @@ def test_an_imported_model_exports_to_ctranslate2_and_stablehlo_and_translates_t
 ):
     """--marian with --export_ct2 and with --export: the exports (their tokenizer is
     Marian's two SentencePiece models and the vocabulary) translate as --marian does."""
-    from tests.test_decode_cli import run_decode
+    from tests.decode_runs import run_decode
 
     directory, lines, _ = opus_mt_directory(tmp_path)
     src = tmp_path / "in.de"

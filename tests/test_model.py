@@ -11,7 +11,7 @@ from flax import nnx
 from attention_jax import BOS_ID, KVCache, Transformer, TransformerConfig, shift_right
 from attention_jax.sharding import partition_specs
 from tests.conftest import model_fields, perturbed_model
-from tests.test_model_options import MARIAN
+from tests.models import MARIAN
 
 SMALL = model_fields(num_heads=4, num_encoder_layers=2, num_decoder_layers=2, max_len=64)
 

@@ -12,14 +12,7 @@ from flax import nnx
 from attention_jax import BOS_ID, Transformer, TransformerConfig, shift_right
 from attention_jax.positional import sinusoidal_positions
 from tests.conftest import model_fields, perturbed_model
-
-MARIAN = dict(
-    activation="swish",
-    attention_bias=True,
-    logits_bias=True,
-    positions="sinusoid_halves",
-    zero_start=True,
-)
+from tests.models import MARIAN
 
 
 def tokens(seed: int, shape) -> jax.Array:

@@ -9,8 +9,6 @@ the 2 processes must restore in (and resume exactly on) a single process.
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import textwrap
 
@@ -18,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import train_losses, write_reversal_tsv
+from tests.cpu_jobs import start_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,32 +38,6 @@ WORKER = textwrap.dedent(
     print("SUMMARY " + json.dumps({k: summary.get(k) for k in keys}), flush=True)
     """
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_job(nproc: int, argv) -> list[subprocess.Popen]:
-    """`argv(i, port)` on processes i = 0..nproc-1 of one CPU job (4 // nproc devices
-    each, gloo over 127.0.0.1:port), not waited for."""
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    devices = f"--xla_force_host_platform_device_count={4 // nproc}"
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {devices}"
-    port = str(_free_port())
-    return [
-        subprocess.Popen(
-            argv(i, port),
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(nproc)
-    ]
 
 
 def run_processes(

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import train_rows, write_reversal_tsv
-from tests.test_multihost import start_job
+from tests.cpu_jobs import start_job
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import pytest
 
 from attention_jax import EOS_ID
 from attention_jax.search import decoding
+from tests.models import make, ragged_src
 from tests.parity import NearTies
-from tests.test_decoding import make, ragged_src
 
 TWIN = 7  # its (tied) embedding row is made equal to token 6's: the two always tie
 

@@ -20,8 +20,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from attention_jax.search import programs
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import translate_ids
-from tests.test_decoding import make
-from tests.test_stages import sources_of
+from tests.models import make, sources_of
+from tests.program_search import SOURCES, search
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,14 +48,6 @@ def kept(tmp_path, monkeypatch):
     jax.config.update("jax_compilation_cache_dir", before)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
     compilation_cache.reset_cache()
-
-
-SOURCES = sources_of([3, 5, 8, 2, 7, 6, 4, 8], seed=4)  # width 8: one program
-
-
-def search(model):
-    hyps = translate_ids(model, SOURCES, SearchSettings(beam_size=3, n_best=2, batch_tokens=64))
-    return [[(h.tokens, h.score) for h in hs] for hs in hyps]
 
 
 def kept_files(directory):
@@ -163,8 +155,8 @@ def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path):
         xla.enable_compilation_cache(sys.argv[2])
         jax.jit(lambda x: x * 2 + 1)(1.0)  # as decode.py compiles before its searches
         from attention_jax.search import programs
-        from tests.test_programs import search
-        from tests.test_decoding import make
+        from tests.program_search import search
+        from tests.models import make
         model = make(seed=3, vocab_size=40, max_len=96)
         programs.enable(sys.argv[1])
         compiled = []  # programs compiled to be kept: fresh or not

@@ -16,11 +16,10 @@ import pytest
 from attention_jax.common.errors import UserError
 from attention_jax.training import checkpoint_errors, train_and_evaluate
 from attention_jax.training.workdir import restore_model
-from tests import test_faults
+from tests.fault_runs import cfg, copy, run_train_py
 
-# tests/test_faults.py's finished 20-step run (checkpoints at 10 and 20), and its helpers.
-corpus, base, cfg, copy = test_faults.corpus, test_faults.base, test_faults.cfg, test_faults.copy
-run_train_py = test_faults.run_train_py
+# The fixtures `corpus` and `base` (tests/conftest.py): the fault tests' finished 20-step
+# run (checkpoints at 10 and 20), one of this module's own.
 
 OUT_OF_MEMORY = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB."
 

@@ -19,7 +19,7 @@ from attention_jax.search import beam, decoding, rows, scoring, stages
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import LiveSearch, translate_ids
 from tests.conftest import search_rule
-from tests.test_decoding import make, ragged_src
+from tests.models import make, ragged_src, sources_of
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +27,6 @@ def model():
     # Wider vocabulary and a longer reach than test_decoding's, so that sources need
     # several rooms and some stop early.
     return make(seed=3, vocab_size=40, max_len=96)
-
-
-def sources_of(lengths, seed=0, vocab=40):
-    rng = np.random.default_rng(seed)
-    return [[*rng.integers(4, vocab, size=n - 1).tolist(), EOS_ID] for n in lengths]
 
 
 def test_two_level_top_k_equals_lax_top_k_with_ties():

@@ -10,8 +10,8 @@ import signal
 import numpy as np
 import pytest
 
-from tests.test_decode_cli import EN, digit_pairs, run_decode, workdir  # noqa: F401
-from tests.test_decode_stream import run_killed
+from tests.decode_runs import run_decode, run_killed
+from tests.digits import EN, digit_pairs
 
 FILES = 40
 
@@ -39,7 +39,7 @@ def jsonl(r):
     return [json.loads(x)["hypotheses"] for x in r.stdout.decode().split("\n")[:-1]]
 
 
-def test_every_output_starts_with_its_prefix_and_holds_its_phrases(workdir, files):  # noqa: F811
+def test_every_output_starts_with_its_prefix_and_holds_its_phrases(workdir, files):
     d, prefixes, constraints = files
     r = run_decode(
         f"--workdir={workdir}", f"--input={d / 'in.de'}", f"--prefix={d / 'prefix.en'}",
@@ -69,7 +69,7 @@ def job_args(wd, d):
             "--read_lines=8"]  # fmt: skip
 
 
-def test_a_killed_job_writes_the_uninterrupted_output(workdir, files, tmp_path):  # noqa: F811
+def test_a_killed_job_writes_the_uninterrupted_output(workdir, files, tmp_path):
     d, _, _ = files
     args = job_args(workdir, d)
     whole = run_decode(*args)
@@ -83,7 +83,7 @@ def test_a_killed_job_writes_the_uninterrupted_output(workdir, files, tmp_path):
 
 
 @pytest.mark.slow  # ~8 s: 8 devices without constraints are test_decode_pace's in make test
-def test_eight_devices_write_the_single_devices_output(workdir, files):  # noqa: F811
+def test_eight_devices_write_the_single_devices_output(workdir, files):
     from attention_jax.training.workdir import load_workdir
     from tests.parity import NearTies, source_ids
 
@@ -121,7 +121,7 @@ def test_eight_devices_write_the_single_devices_output(workdir, files):  # noqa:
     ],
 )  # fmt: skip
 def test_bad_files_and_settings_are_one_line_before_anything_is_written(
-    workdir,  # noqa: F811
+    workdir,
     tmp_path,
     write,
     flags,
@@ -140,7 +140,7 @@ def test_bad_files_and_settings_are_one_line_before_anything_is_written(
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if "partial" in p]
 
 
-def test_backends_that_cannot_honour_them_refuse(workdir, tmp_path):  # noqa: F811
+def test_backends_that_cannot_honour_them_refuse(workdir, tmp_path):
     (tmp_path / "t.tsv").write_text("one\n")
     for backend, message in (
         ("--ct2={d}", "CTranslate2 (--ct2) has no terminology constraints"),

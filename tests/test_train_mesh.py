@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import jax, numpy as np
     from tests.conftest import small_train_config
-    from tests.test_train_steps import reverse_batch
+    from tests.training import reverse_batch
     from attention_jax.training import checkpoints, steps
     from attention_jax.training.mesh import make_mesh, shard_batch
 

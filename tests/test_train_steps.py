@@ -15,9 +15,10 @@ from attention_jax import Transformer
 from attention_jax.common.errors import UserError
 from attention_jax.training import metrics, optim, steps, validate
 from attention_jax.training.config import model_config
-from attention_jax.training.mesh import make_mesh, mesh_shape, shard_batch
+from attention_jax.training.mesh import mesh_shape, shard_batch
 from attention_jax.training.state_buffers import Packing
 from tests.conftest import small_train_config
+from tests.training import numpy_smoothed_ce, reverse_batch, setup_train_step
 
 # --- Schedules --------------------------------------------------------------------
 
@@ -54,20 +55,6 @@ def test_linear_rsqrt_and_cosine_schedules():
 # --- Loss -------------------------------------------------------------------------
 
 
-def _numpy_smoothed_ce(logits, targets, eps):
-    logits = logits.astype(np.float64)
-    v = logits.shape[-1]
-    logp = logits - logits.max(-1, keepdims=True)
-    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-    q = np.full(logits.shape, eps / (v - 1))
-    np.put_along_axis(q, targets[..., None], 1.0 - eps, axis=-1)
-    ce = -(q * logp).sum(-1)
-    w = targets != 0
-    return (ce * w).sum() / w.sum(), np.exp(
-        (-np.take_along_axis(logp, targets[..., None], -1)[..., 0] * w).sum() / w.sum()
-    )
-
-
 def test_loss_matches_numpy_label_smoothing():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 5, 11)).astype(np.float32) * 3
@@ -76,7 +63,7 @@ def test_loss_matches_numpy_label_smoothing():
     targets[2, 1:] = 0
     sums = steps.loss_sums(jnp.asarray(logits), jnp.asarray(targets), 0.1)
     out = steps.summarize(sums)
-    want_loss, want_ppl = _numpy_smoothed_ce(logits, targets, 0.1)
+    want_loss, want_ppl = numpy_smoothed_ce(logits, targets, 0.1)
     assert float(out["loss"]) == pytest.approx(want_loss, rel=1e-5)
     assert float(out["perplexity"]) == pytest.approx(want_ppl, rel=1e-5)
     assert float(sums["tokens"]) == (targets != 0).sum()
@@ -96,7 +83,7 @@ def test_nan_or_inf_logits_at_padded_positions_change_nothing(bad):
     targets[1, 1:] = 0
     targets[2, :] = 0  # an all-padding filler row
     poisoned = np.where((targets == 0)[..., None], np.float32(bad), logits)
-    want_loss, want_ppl = _numpy_smoothed_ce(logits, targets, 0.1)
+    want_loss, want_ppl = numpy_smoothed_ce(logits, targets, 0.1)
 
     def total(x):
         return steps.loss_sums(x, jnp.asarray(targets), 0.1)["loss"]
@@ -199,26 +186,6 @@ def test_mesh_shape():
 # --- Steps ------------------------------------------------------------------------
 
 
-def _setup(cfg):
-    mesh = make_mesh(cfg)
-    setup = steps.train_setup(cfg, mesh)
-    return mesh, steps.make_train_step(setup), steps.init_train_state(setup)
-
-
-def reverse_batch(rng, rows, length, vocab):
-    """Source: random ids in [4, vocab) then EOS; target: the same ids reversed, then EOS."""
-    lens = rng.integers(length // 2, length, size=rows)
-    src = np.zeros((rows, length), np.int32)
-    tgt_out = np.zeros((rows, length), np.int32)
-    for i, n in enumerate(lens):
-        ids = rng.integers(4, vocab, size=n - 1)
-        src[i, :n] = [*ids, 1]
-        tgt_out[i, :n] = [*ids[::-1], 1]
-    tgt_in = np.concatenate([np.full((rows, 1), 2), tgt_out[:, :-1]], axis=1).astype(np.int32)
-    tgt_in[tgt_out == 0] = 0
-    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
-
-
 @pytest.mark.slow  # ~40 s: two train steps compiled
 def test_grad_accumulation_equals_one_big_batch():
     rng = np.random.default_rng(1)
@@ -227,7 +194,7 @@ def test_grad_accumulation_equals_one_big_batch():
     for k in (1, 4):
         cfg = small_train_config(grad_accum_steps=k, grad_clip_norm=0.5)
         cfg.model.dropout_rate = 0.0  # dropout masks differ by micro-batch split
-        mesh, train_step, state = _setup(cfg)
+        mesh, train_step, state = setup_train_step(cfg)
         losses = []
         for b in batches:
             state, m = train_step(state, shard_batch(b, mesh))
@@ -247,7 +214,7 @@ def test_the_packed_step_is_the_step_on_the_state():
     rng = np.random.default_rng(2)
     batches = [reverse_batch(rng, 8, 10, 40) for _ in range(3)]
     cfg = small_train_config()
-    mesh, train_step, start = _setup(cfg)
+    mesh, train_step, start = setup_train_step(cfg)
     setup = steps.train_setup(cfg, mesh)
     wants, state = [], start
     for b in batches:
@@ -294,7 +261,7 @@ def test_tiny_model_learns_to_reverse_sequences():
     cfg.model.num_encoder_layers = 2
     cfg.model.num_decoder_layers = 2
     cfg.model.dropout_rate = 0.0
-    mesh, train_step, state = _setup(cfg)
+    mesh, train_step, state = setup_train_step(cfg)
     rng = np.random.default_rng(0)
     for _ in range(cfg.num_train_steps):
         state, _ = train_step(state, shard_batch(reverse_batch(rng, 64, 10, 16), mesh))

@@ -17,7 +17,7 @@ from attention_jax.data.plans import plan_translation
 from attention_jax.search import decoding
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import translate_ids
-from tests.test_decoding import as_list, full_logp, make
+from tests.models import as_list, full_logp, make
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,7 +162,7 @@ _MESH = """
 import json, sys
 import jax, numpy as np
 from attention_jax import EOS_ID
-from tests.test_decoding import make
+from tests.models import make
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.translate import translate_ids
 from attention_jax.training.mesh import batch_sharding
