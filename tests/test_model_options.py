@@ -94,7 +94,7 @@ def test_the_papers_model_has_none_of_them():
 def test_the_chunked_training_loss_counts_the_logits_bias():
     """training/steps.py's loss over vocabulary chunks (no [B, T, V] logits) against the
     whole logits of a model with a logits bias: the same sums and gradients."""
-    from attention_jax.training.steps import _forward_sums
+    from attention_jax.training.steps import LossOptions, _forward_sums
 
     m = perturbed_model(10, **MARIAN)
     graphdef, params, rngs = nnx.split(m, nnx.Param, ...)
@@ -102,7 +102,8 @@ def test_the_chunked_training_loss_counts_the_logits_bias():
     batch = {"src": tokens(12, (2, 5)), "tgt_in": shift_right(tgt), "tgt_out": tgt}
 
     def loss(params, chunk):
-        return _forward_sums(graphdef, params, rngs, batch, 0.1, True, chunk_tokens=chunk)
+        options = LossOptions(label_smoothing=0.1, dropout=False, chunk_tokens=chunk)
+        return _forward_sums(graphdef, params, rngs, batch, options)
 
     both = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
     (whole, (sums, _)), g_whole = both(params, 0)

@@ -110,34 +110,54 @@ def init_train_state(setup: TrainSetup) -> TrainState:
 # --- Loss ---------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """How `_forward_sums` computes a batch's loss.
+
+    chunk_tokens > 0: over the vocabulary in chunks of that many tokens (training/loss.py),
+      never holding the [B, T, V] logits; each chunk's logits stored as `logits_dtype`.
+    use_shardings: the parameters' shardings where they are used (`mesh.gathered`: FSDP
+      shards gathered). Without them XLA's partitioner may move activations instead of
+      weights: a tiny FSDP step on 4 TPU chips had many all-to-alls and large
+      all-gathers; with them, all-gathers of the parameters and reduce-scatters of their
+      gradients (train.py --compile_for, docs/aot.md).
+    """
+
+    label_smoothing: float
+    dropout: bool  # on in training, off in evaluation
+    chunk_tokens: int = 0
+    logits_dtype: str = "float32"
+    use_shardings: Any = None
+
+    @classmethod
+    def of(cls, setup: TrainSetup, *, training: bool) -> LossOptions:
+        """The config's: training's with dropout and its logits dtype, evaluation's
+        without dropout and with float32 logits."""
+        config = setup.config
+        return cls(
+            label_smoothing=float(config.label_smoothing),
+            dropout=training,
+            chunk_tokens=int(config.loss_chunk_tokens),
+            logits_dtype=str(config.loss_logits_dtype) if training else "float32",
+            use_shardings=setup.use_shardings,
+        )
+
+
 def _forward_sums(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     rngs: nnx.State,
     batch: Mapping[str, jax.Array],
-    label_smoothing: float,
-    deterministic: bool,
-    chunk_tokens: int = 0,
-    use_shardings: Any = None,
-    logits_dtype: str = "float32",
+    options: LossOptions,
 ) -> tuple[jax.Array, tuple[dict[str, jax.Array], nnx.State]]:
-    """(summed smoothed loss, (all sums, advanced RNG state)) of one (micro-)batch.
-
-    chunk_tokens > 0: the loss is computed over the vocabulary in chunks of that many
-    tokens (training/loss.py), never holding the [B, T, V] logits; each chunk's logits
-    are stored as `logits_dtype`.
-    use_shardings: the parameters' shardings where they are used (`mesh.gathered`:
-    FSDP shards gathered). Without them XLA's partitioner may move activations
-    instead of weights: a tiny FSDP step on 4 TPU chips had many all-to-alls
-    and large all-gathers; with them, all-gathers of the parameters and
-    reduce-scatters of their gradients (train.py --compile_for, docs/aot.md).
-    """
-    if use_shardings is not None:
-        params = jax.lax.with_sharding_constraint(params, use_shardings)
+    """(summed smoothed loss, (all sums, advanced RNG state)) of one (micro-)batch."""
+    if options.use_shardings is not None:
+        params = jax.lax.with_sharding_constraint(params, options.use_shardings)
     model = nnx.merge(graphdef, params, rngs, copy=True)
     packing = {k: batch[k] for k in PACKING_KEYS if k in batch}
     args = (batch["src"], batch["tgt_in"])
-    if chunk_tokens:
+    deterministic, label_smoothing = not options.dropout, options.label_smoothing
+    if options.chunk_tokens:
         y = model.hidden(*args, deterministic=deterministic, **packing)  # [B, T, D]
         w, b = model.output_matrix(), model.output_bias()  # [V, D], [V] or None
         if b is not None:  # logits = [y, 1] [w, b]^T: b's gradient comes with w's
@@ -148,8 +168,8 @@ def _forward_sums(
             w,
             batch["tgt_out"],
             label_smoothing,
-            chunk_tokens=chunk_tokens,
-            logits_dtype=logits_dtype,
+            chunk_tokens=options.chunk_tokens,
+            logits_dtype=options.logits_dtype,
         )
     else:
         logits = model(*args, deterministic=deterministic, **packing)  # [B, T, V]
@@ -250,29 +270,20 @@ def _train_step_fn(setup: TrainSetup):
     """
     graphdef, tx, mesh = setup.graphdef, setup.tx, setup.mesh
     k = int(setup.config.grad_accum_steps)
-    # _forward_sums's arguments after the batch; evaluation keeps float32 logits.
-    loss_args = (
-        float(setup.config.label_smoothing),
-        False,  # dropout on
-        int(setup.config.loss_chunk_tokens),
-        setup.use_shardings,
-        str(setup.config.loss_logits_dtype),
-    )
+    loss = LossOptions.of(setup, training=True)
     schedule = make_schedule(setup.config)
     grad_fn = jax.value_and_grad(_forward_sums, argnums=1, has_aux=True)
 
     def accumulate(state: TrainState, batch: dict[str, jax.Array]):
         """(summed gradients, sums, advanced RNG state) over k micro-batches."""
         if k == 1:
-            (_, (sums, rngs)), grads = grad_fn(
-                graphdef, state.params, state.rngs, batch, *loss_args
-            )
+            (_, (sums, rngs)), grads = grad_fn(graphdef, state.params, state.rngs, batch, loss)
             return grads, sums, rngs
         micro = {name: split_micro(x, k, mesh) for name, x in batch.items()}
 
         def body(carry, mb):
             grads, sums, rngs = carry
-            (_, (s, rngs)), g = grad_fn(graphdef, state.params, rngs, mb, *loss_args)
+            (_, (s, rngs)), g = grad_fn(graphdef, state.params, rngs, mb, loss)
             return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s), rngs), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -312,12 +323,10 @@ def make_eval_step(
 
     Add the sums of all batches up, then `summarize` them.
     """
-    graphdef, label_smoothing = setup.graphdef, float(setup.config.label_smoothing)
-    chunk, use = int(setup.config.loss_chunk_tokens), setup.use_shardings
+    graphdef, loss = setup.graphdef, LossOptions.of(setup, training=False)
 
     def eval_step(params, rngs, batch):
-        args = (graphdef, params, rngs, batch, label_smoothing, True, chunk, use)
-        _, (sums, _) = _forward_sums(*args)
+        _, (sums, _) = _forward_sums(graphdef, params, rngs, batch, loss)
         return sums
 
     return jax.jit(eval_step, out_shardings=NamedSharding(setup.mesh, PartitionSpec()))
