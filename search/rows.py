@@ -1,11 +1,11 @@
 """A batch's beam search in segments, its rows shrinking as its sources finish.
 
-    row_ladder(64)                                        # [64, 32, 16, 8, 4]
+    row_ladder(256)                                       # [256, 64, 16, 4]
     tokens, scores, met, counts = shrinking(search, src, rooms, beam_size=4, ...)
 
 A batch of B sources runs until all of them are finished, but most finish long
 before the slowest (on Ding, most within 16 steps past the width). So the
-search runs in segments, down a fixed ladder of row counts (`row_ladder`: B, B/2,
+search runs in segments, down a fixed ladder of row counts (`row_ladder`: B, B/4,
 ..., 4). The first segment has room for rooms[0] tokens; it ends when the
 unfinished sources fit the next rung, or when its room is full, and the search is
 then grown to its last room, the length every source ends by. Each later segment
@@ -70,6 +70,10 @@ class SegmentedSearch(Protocol):
 # The fewest rows a batch shrinks to. Each row count is a program to compile, and below
 # a few sources a step costs about what it does with a few (its fixed cost dominates).
 FEWEST_ROWS = 4
+# Each rung of the ladder has this many times fewer rows than the one above: quarters
+# run about as fast as halves (at most four times the rows needed, but for fewer steps)
+# with half the rungs, each a step loop to compile (docs/decoding.md).
+RUNG_RATIO = 4
 # A batch of fewer rows (a request of a few lines) runs its whole search in one program
 # (search/stages.py): it has too few rows to gain back what more programs cost to compile.
 SHRINK_FROM = 16
@@ -82,11 +86,11 @@ def shrinks(search: Any, rows: int, devices: int = 1) -> bool:
 
 
 def row_ladder(rows: int) -> list[int]:
-    """The row counts a batch of `rows` sources shrinks through: halving (rounded up), down
-    to `FEWEST_ROWS`."""
+    """The row counts a batch of `rows` sources shrinks through: each `RUNG_RATIO` times
+    fewer (rounded up), down to `FEWEST_ROWS`."""
     ladder = [rows]
     while ladder[-1] > FEWEST_ROWS:
-        ladder.append(max(-(-ladder[-1] // 2), FEWEST_ROWS))
+        ladder.append(max(-(-ladder[-1] // RUNG_RATIO), FEWEST_ROWS))
     return ladder
 
 

@@ -129,10 +129,10 @@ class _Recording(LiveSearch):
 def test_a_jobs_programs_do_not_depend_on_how_its_sources_are_cut(model):
     settings = SearchSettings(beam_size=2, batch_tokens=128)  # full rows: 16 at width 8
     sources = sources_of(np.random.default_rng(4).integers(2, 16, 40), seed=4)
-    # width 8: rooms 24, 48, 58 (max_len 96); 16 rows shrink by halves down to 4 in the
-    # last room; small batches of 8 rows (widths 8 and 16) are searched whole.
-    shrinking = {("start", 16, 24), ("grow", 16, 24), ("select", 16, 58), ("select", 8, 58)}
-    shrinking |= {("advance", r, 58) for r in (16, 8, 4)}
+    # width 8: rooms 24, 48, 58 (max_len 96); 16 rows shrink to 4 in the last room; small
+    # batches of 8 rows (widths 8 and 16) are searched whole.
+    shrinking = {("start", 16, 24), ("grow", 16, 24), ("select", 16, 58)}
+    shrinking |= {("advance", r, 58) for r in (16, 4)}
     assert set(rows.Segments(16, (24, 48, 58)).programs()) == shrinking  # what is prepared
     starts = {("start", 16, 24), ("whole", 8, 8), ("whole", 8, 16)}
     allowed = shrinking | starts
@@ -219,15 +219,16 @@ def test_an_exported_translator_translates_as_the_live_model(model, tmp_path):
 @pytest.mark.parametrize(
     ("count", "want"),
     [
-        (64, [64, 32, 16, 8, 4]),
+        (4096, [4096, 1024, 256, 64, 16, 4]),
+        (64, [64, 16, 4]),
         (8, [8, 4]),
         (4, [4]),
         (3, [3]),  # never more rows than the batch has
-        (24, [24, 12, 6, 4]),
-        (17, [17, 9, 5, 4]),  # halves rounded up
+        (24, [24, 6, 4]),
+        (17, [17, 5, 4]),  # quarters rounded up
     ],
 )
-def test_the_ladder_halves_down_to_a_few_rows(count, want):
+def test_the_ladder_quarters_down_to_a_few_rows(count, want):
     assert rows.row_ladder(count) == want
 
 
