@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common
+from bench import harness
 
 
 def _time_impl(q, k, v, g, mask, impl):
@@ -35,7 +35,7 @@ def _time_impl(q, k, v, g, mask, impl):
     fwd = jax.jit(attend)
     bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     try:
-        return common.time_fn(lambda: fwd(q, k, v)), common.time_fn(lambda: bwd(q, k, v)), None
+        return harness.time_fn(lambda: fwd(q, k, v)), harness.time_fn(lambda: bwd(q, k, v)), None
     except Exception as e:  # a backend may reject a shape; record why
         return None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--impls", default="")
     args = p.parse_args(argv)
-    common.set_gpu_flags()
+    harness.set_gpu_flags()
 
     import jax
     import jax.numpy as jnp
@@ -90,7 +90,7 @@ def main(argv=None) -> None:
                         "error": err,
                     }
                 )
-    meta = {"device": common.device_info(), "dtype": str(dtype), "tokens": args.tokens}
+    meta = {"device": harness.device_info(), "dtype": str(dtype), "tokens": args.tokens}
     cols = [
         "length",
         "batch",
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
         "fwd_bwd_tflops",
         "error",
     ]
-    common.report("attention", meta, rows, cols)
+    harness.report("attention", meta, rows, cols)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import common  # noqa: E402
+from bench import harness  # noqa: E402
 
 WORD = re.compile(r"[^\W\d_]+(?:['’-][^\W\d_]+)*")
 
@@ -46,8 +46,8 @@ def run(backend: str, source: str, reference: str, *flags: str) -> dict:
     run that fills the cache: its figures and per line its best hypothesis."""
     args = [backend, f"--input={source}", f"--reference={reference}", "--output_format=jsonl"]
     args += list(flags)
-    common.run_decode(args)  # programs compiled and kept
-    out = common.run_decode(args)
+    harness.run_decode(args)  # programs compiled and kept
+    out = harness.run_decode(args)
     lines = [json.loads(x)["hypotheses"] for x in out["stdout"].split("\n")[:-1]]
     scores = dict(re.findall(r"(BLEU|chrF) = ([\d.]+)", out["stderr"]))
     return {
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(row), flush=True)
     cols = ["lines", "phrases", "met_share", "in_text_share", "bleu_plain", "bleu_constrained"]
     cols += ["bleu_prefixed", "cost_constrained", "prefix_share"]
-    common.table([row], cols + (["prefix_equal_to_ct2"] if args.ct2 else []))
+    harness.table([row], cols + (["prefix_equal_to_ct2"] if args.ct2 else []))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 
 from attention_jax.data.files import atomic_write
-from bench import common
+from bench import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_MODEL = {
@@ -158,10 +158,10 @@ def _phases(log_path: str) -> dict[str, float | None]:
 
 
 def _run(name: str, row: dict, cmd: list[str], logs: str) -> dict:
-    """cmd sampled (see common.run_sampled), its phases and the load before it, into row."""
+    """cmd sampled (see harness.run_sampled), its phases and the load before it, into row."""
     row[f"{name}_load_before"] = _load()
     log = os.path.join(logs, f"{name}.log")
-    r = common.run_sampled(cmd, log, env=_env(), cwd=ROOT)
+    r = harness.run_sampled(cmd, log, env=_env(), cwd=ROOT)
     row[f"{name}_s"] = r["wall_s"]
     row[f"{name}_cpu_s"] = r["cpu_s"]
     row[f"{name}_peak_rss_gb"] = r["peak_rss_gb"]
@@ -320,7 +320,7 @@ def main() -> None:
         "plan_mapped_s",
         "pipeline_peak_rss_gb",
     ]
-    common.report("data_scale", meta, rows, cols)
+    harness.report("data_scale", meta, rows, cols)
 
 
 if __name__ == "__main__":

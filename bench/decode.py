@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common
+from bench import harness
 
 
 def _bench_one(model, src, beam_size: int, iters: int) -> dict:
@@ -33,7 +33,7 @@ def _bench_one(model, src, beam_size: int, iters: int) -> dict:
     t0 = time.perf_counter()
     tokens = np.asarray(jax.block_until_ready(run()))
     compile_s = time.perf_counter() - t0
-    seconds = common.time_fn(run, warmup=0, iters=iters)
+    seconds = harness.time_fn(run, warmup=0, iters=iters)
     has_eos = (tokens == EOS_ID).any(axis=1)
     lengths = np.where(has_eos, (tokens == EOS_ID).argmax(axis=1) + 1, tokens.shape[1])
     b = src.shape[0]
@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--vocab_size", type=int, default=0, help="0 = the config's")
     args = p.parse_args(argv)
-    common.set_gpu_flags()
+    harness.set_gpu_flags()
 
     import importlib
 
@@ -93,14 +93,14 @@ def main(argv=None) -> None:
                 note = f"# {name} beam={k} batch={b}: {r['tokens_per_s']:.0f} tok/s"
                 print(note, file=sys.stderr)
     meta = {
-        **common.device_info(),
+        **harness.device_info(),
         "src_len": args.src_len,
         "max_decode_len": f"source length + 50 (<= {args.src_len + 50})",
         "configs": meta_configs,
     }
     columns = ["config", "beam", "batch", "sentences_per_s", "tokens_per_s"]
     columns += ["mean_out_len"]
-    common.report("decode", meta, rows, [*columns, "ms_per_step", "seconds", "first_call_s"])
+    harness.report("decode", meta, rows, [*columns, "ms_per_step", "seconds", "first_call_s"])
 
 
 if __name__ == "__main__":

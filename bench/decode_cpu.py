@@ -36,7 +36,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common
+from bench import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE_PY = os.path.join(ROOT, "decode.py")
@@ -51,7 +51,7 @@ def load() -> float:
 def decode(args: list[str]) -> dict:
     """One decode.py process: its rates, wall seconds, scores."""
     load_before = load()
-    row = common.run_decode(args)
+    row = harness.run_decode(args)
     scores = {k.lower(): float(v) for k, v in SCORE.findall(row["stdout"])}
     keys = ("wall_s", "translate_s", "sentences_per_s", "tokens_per_s")
     return {**{k: row[k] for k in keys}, "load": (load_before + load()) / 2, **scores}
@@ -183,7 +183,7 @@ def main(argv=None) -> None:
     }
     columns = ["backend", "tokens_per_s", "sentences_per_s", "translate_s", "wall_s", "cpu_s",
                "tokens_per_cpu_s", "bleu", "chrf", "same_lines_pct", "load"]  # fmt: skip
-    common.report("decode_cpu", meta, rows, columns)
+    harness.report("decode_cpu", meta, rows, columns)
 
 
 if __name__ == "__main__":

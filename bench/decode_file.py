@@ -78,7 +78,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import common  # noqa: E402
+from bench import harness  # noqa: E402
 
 MEASURES = ("pace", "memory", "resume", "programs")
 
@@ -141,7 +141,7 @@ def stats_run(args, input_path: str, cache: str, scratch: str, name: str, extra:
     output = os.path.join(scratch, f"{name}.out")
     flags = [f"--workdir={args.workdir}", f"--input={input_path}", f"--output={output}"]
     flags += [f"--stats={stats}", f"--compilation_cache={cache}", "--restart", *extra]
-    process_s = common.run_decode(flags)["wall_s"]
+    process_s = harness.run_decode(flags)["wall_s"]
     with open(stats) as f:
         row = json.load(f)
     row["output_bytes"] = os.path.getsize(output)
@@ -185,7 +185,7 @@ def pace(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
     for row in rows:
         row["compiled"] = row["programs"]["compiled"]
     cols = ["run", "process_s", "startup_s", "compiled", "programs_critical_s", "device_busy_s"]
-    common.table(rows, [*cols, "host_bound_s", "target_tokens_per_s", "host_share"])
+    harness.table(rows, [*cols, "host_bound_s", "target_tokens_per_s", "host_share"])
 
 
 # --- memory: peak RSS and throughput per input size; the batches chunks make ---------------
@@ -199,7 +199,7 @@ def memory_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read_lines", default="", help="chunk sizes; 0 = one chunk; '' = default")
     p.add_argument("--beam_size", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--decode_py", default=common.DECODE_PY)
+    p.add_argument("--decode_py", default=harness.DECODE_PY)
     p.add_argument("--scratch", default=None, help="where inputs and outputs go (default: tmp)")
     p.add_argument("--plans", action="store_true", help="count the batches of each chunk size")
     p.add_argument("--batch_tokens", type=int, default=4096)
@@ -209,7 +209,7 @@ def repeated_run(decode_py: str, flags: list[str], repeats: int) -> dict:
     """decode.py run `repeats` times: the median of each figure, the largest peak RSS."""
     runs = []
     for _ in range(repeats):
-        row = common.run_decode(flags, decode_py=decode_py)
+        row = harness.run_decode(flags, decode_py=decode_py)
         runs.append({k: v for k, v in row.items() if k not in ("stdout", "stderr")})
     out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "peak_rss_mb"}
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
@@ -261,7 +261,7 @@ def memory(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
         rows = plan_costs(args.workdir, sources, chunks, args.batch_tokens)
         columns = ["read_lines", "batches", "rows", "filler_rows_pct", "rows_vs_one_chunk_pct"]
         meta = {"input_lines": len(sources), "batch_tokens": args.batch_tokens}
-        return common.report("decode_stream_plans", meta, rows, [*columns, "padded_tokens"])
+        return harness.report("decode_stream_plans", meta, rows, [*columns, "padded_tokens"])
 
     scratch = args.scratch or tempfile.mkdtemp(prefix="decode-memory-")
     os.makedirs(scratch, exist_ok=True)
@@ -297,7 +297,7 @@ def memory(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
         "cpus": os.cpu_count(),
     }
     columns = ["input_lines", "read_lines", "peak_rss_mb", "wall_s", "cpu_s", "translate_s"]
-    common.report("decode_stream", meta, rows, [*columns, "sentences_per_s", "tokens_per_s"])
+    harness.report("decode_stream", meta, rows, [*columns, "sentences_per_s", "tokens_per_s"])
 
 
 # --- resume: killed at 60% and run again ------------------------------------------------------
@@ -332,7 +332,7 @@ def lines_done(output: str) -> int:
 def killed_run(flags: list[str], kill_at: int, output: str) -> float:
     """decode.py with `flags`, SIGKILLed once `kill_at` lines of `output` are done; seconds."""
     t0 = time.perf_counter()
-    cmd = [sys.executable, common.DECODE_PY, *flags]
+    cmd = [sys.executable, harness.DECODE_PY, *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None and lines_done(output) < kill_at:
         time.sleep(0.05)
@@ -355,14 +355,14 @@ def resume(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
         cache = os.path.join(args.scratch, "cache")
         flags = [f"--workdir={args.workdir}", f"--input={source}", f"--output={out}"]
         flags += [f"--compilation_cache={cache}", *extra]
-        common.run_decode([*flags, "--restart"])  # fills the compilation cache
-        whole_s = common.run_decode([*flags, "--restart"])["wall_s"]
+        harness.run_decode([*flags, "--restart"])  # fills the compilation cache
+        whole_s = harness.run_decode([*flags, "--restart"])["wall_s"]
         with open(out, "rb") as f:
             whole = f.read()
         os.remove(out)
         killed_s = killed_run(flags, int(args.at * n), out)
         at = lines_done(out)
-        rerun_s = common.run_decode(flags)["wall_s"]
+        rerun_s = harness.run_decode(flags)["wall_s"]
         with open(out, "rb") as f:
             same = f.read() == whole
         row = {
@@ -379,7 +379,7 @@ def resume(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = ["lines", "killed_at_lines", "whole_s", "killed_after_s", "rerun_s", "rerun_share"]
-    common.table(rows, [*cols, "identical_output"])
+    harness.table(rows, [*cols, "identical_output"])
 
 
 # --- programs: what each job adds to the compilation cache -----------------------------------
@@ -411,7 +411,7 @@ def programs(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
         flags = [f"--workdir={args.workdir}", f"--input={source}", f"--stats={stats}"]
         flags += [f"--output={os.path.join(scratch, 'out.txt')}", f"--compilation_cache={cache}"]
         flags += ["--restart", *([f"--read_lines={read_lines}"] if read_lines else []), *extra]
-        process_s = common.run_decode(flags)["wall_s"]
+        process_s = harness.run_decode(flags)["wall_s"]
         with open(stats) as f:
             b = json.load(f)
         row = {
@@ -431,7 +431,7 @@ def programs(p: argparse.ArgumentParser, args, extra: list[str]) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     cols = ["job", "first_line", "read_lines", "cache_files", "added_files", "compiled"]
-    common.table(rows, [*cols, "loaded", "process_s", "target_tokens_per_s"])
+    harness.table(rows, [*cols, "loaded", "process_s", "target_tokens_per_s"])
 
 
 # --- the command line -------------------------------------------------------------------------

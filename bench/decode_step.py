@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common
+from bench import harness
 
 
 def _model(name: str):
@@ -87,7 +87,7 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
     out = {}
     for name, (body, carry) in cases.items():
         fn = loop(body)
-        out[name] = common.time_fn(lambda fn=fn, carry=carry: fn(carry), warmup=1, iters=7) / steps
+        out[name] = harness.time_fn(lambda fn=fn, carry=carry: fn(carry), warmup=1, iters=7) / steps
     out["rest"] = out["step"] - out["decoder"] - out["top_k"] - out["reorder"]
     return out
 
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
         "config": args.config,
         "beam_size": k,
         "room": args.room,
-        **common.device_info(),
+        **harness.device_info(),
         "rows": rows,
         "fit": fit,
     }

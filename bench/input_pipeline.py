@@ -27,7 +27,7 @@ import numpy as np
 
 from attention_jax import data
 from attention_jax.data.plans import length_buckets
-from bench import common
+from bench import harness
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Target tokens/s of the tiny train step on the 2-core CPU box (docs/PERFORMANCE.md).
@@ -137,7 +137,7 @@ def ding_main(args) -> None:
         tc = synthetic_corpus(2_000_000, c.vocab_size, max_length)
         meta["padding_by_scheme"][name] = padding_by_scheme(c, tc)
     cols = ["pipeline", "setup_s", "tokens_per_s", "slots_per_s", "batches_per_s"]
-    common.report("input_pipeline", meta, rows, [*cols, "padding_fraction", "shapes"])
+    harness.report("input_pipeline", meta, rows, [*cols, "padding_fraction", "shapes"])
     for corpus_name, schemes in meta["padding_by_scheme"].items():
         print(f"\npadding of one epoch, {corpus_name}:")
         for r in schemes:

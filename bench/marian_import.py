@@ -19,7 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import common  # noqa: E402
+from bench import harness  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         "write_s": round(write_s, 1),
         "cpus": os.cpu_count(),
     }
-    common.report("marian_import", meta, rows, ["run", "load_s"])
+    harness.report("marian_import", meta, rows, ["run", "load_s"])
 
 
 if __name__ == "__main__":

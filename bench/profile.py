@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common
+from bench import harness
 
 # Defaults of the two modes: the pieces of a tiny step; the host's time at base's shape.
 DEFAULTS = {
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag, value in DEFAULTS[args.host].items():
         if getattr(args, flag) is None:
             setattr(args, flag, value)
-    common.set_gpu_flags()
+    harness.set_gpu_flags()
     (host if args.host else pieces)(args)
 
 
@@ -85,7 +85,7 @@ def pieces(args: argparse.Namespace) -> None:
     config.model.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     config.mesh_data, config.mesh_fsdp, config.mesh_tensor = -1, 1, 1
     cfg = config_lib.model_config(config)
-    mesh, setup, state, train_step = common.build_train_step(config)
+    mesh, setup, state, train_step = harness.build_train_step(config)
 
     b, batch = _random_batch(mesh, cfg.vocab_size, config.batch_tokens, args.length)
     model = nnx.merge(setup.graphdef, state.params, state.rngs)
@@ -111,7 +111,7 @@ def pieces(args: argparse.Namespace) -> None:
     times = {}
     for name, fn in ({} if args.step_only else pieces).items():
         args_ = (model, y, batch) if name.startswith("head") else (model, batch)
-        times[name] = common.time_fn(lambda fn=fn, a=args_: fn(*a), warmup=2, iters=5)
+        times[name] = harness.time_fn(lambda fn=fn, a=args_: fn(*a), warmup=2, iters=5)
 
     box = {"state": state}
 
@@ -119,10 +119,10 @@ def pieces(args: argparse.Namespace) -> None:
         box["state"], m = train_step(box["state"], batch)
         return m
 
-    times["train_step"] = common.time_fn(full_step, warmup=2, iters=5)
+    times["train_step"] = harness.time_fn(full_step, warmup=2, iters=5)
     if args.trace_dir:
         with jax.profiler.trace(args.trace_dir):
-            common.block(full_step())
+            harness.block(full_step())
 
     xla_flops = _xla_flops(train_step, box["state"], batch)
     model_flops = metrics.train_flops(
@@ -133,7 +133,7 @@ def pieces(args: argparse.Namespace) -> None:
     if not args.step_only:
         rows += _differences(times)
     meta = {
-        "device": common.device_info(),
+        "device": harness.device_info(),
         "config": args.config,
         "batch": [b, args.length],
         "dtype": config.model.dtype,
@@ -142,7 +142,7 @@ def pieces(args: argparse.Namespace) -> None:
         "xla_flops_per_step": xla_flops,
         "model_tflops_per_s": model_flops / step / 1e12,
     }
-    common.report("profile", meta, rows, ["piece", "ms", "share_of_step"])
+    harness.report("profile", meta, rows, ["piece", "ms", "share_of_step"])
     if args.trace_dir and jax.default_backend() != "cpu":
         from tools import trace_summary
 
@@ -220,7 +220,7 @@ def host(args: argparse.Namespace) -> None:
     config.batch_tokens = args.batch_tokens or config.batch_tokens
     if args.dtype or jax.default_backend() == "cpu":
         config.model.dtype = args.dtype or "float32"
-    mesh, setup, state, tree_step = common.build_train_step(config)
+    mesh, setup, state, tree_step = harness.build_train_step(config)
     per, div = config.batch_tokens // args.length, mesh_lib.batch_divisor(mesh)
     rows = max(div, per - per % div)
     rng = np.random.default_rng(0)
@@ -252,20 +252,20 @@ def host(args: argparse.Namespace) -> None:
 
     copy = lambda: mesh_lib.shard_batch(on_host, mesh)
     rows_out = [
-        {"part": "batch to device (shard_batch)", "ms": _host_ms(copy, common.block, args.iters)},
-        {"part": "step call, TrainState", "ms": _host_ms(on_tree, common.block, args.iters)},
+        {"part": "batch to device (shard_batch)", "ms": _host_ms(copy, harness.block, args.iters)},
+        {"part": "step call, TrainState", "ms": _host_ms(on_tree, harness.block, args.iters)},
     ]
     for name, (call, buffers) in calls.items():
         part = f"step call, {name} ({buffers} arrays)"
-        rows_out.append({"part": part, "ms": _host_ms(call, common.block, args.iters)})
+        rows_out.append({"part": part, "ms": _host_ms(call, harness.block, args.iters)})
     meta = {
-        "device": common.device_info(),
+        "device": harness.device_info(),
         "config": args.config,
         "batch": [rows, args.length],
         "state_arrays": len(jax.tree.leaves(state)),
         "iters": args.iters,
     }
-    common.report("host_step", meta, rows_out, ["part", "ms"])
+    harness.report("host_step", meta, rows_out, ["part", "ms"])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common
+from bench import harness
 
 PASSES = 3  # timed passes over the batches; the median is reported
 
@@ -106,7 +106,7 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
     from attention_jax.training import metrics
 
     config = _config(name, args)
-    mesh, _, state, train_step = common.build_train_step(config)
+    mesh, _, state, train_step = harness.build_train_step(config)
 
     corpus = synthetic_corpus(args.corpus_pairs, config.vocab_size, config.max_length)
     it = TrainIterator(
@@ -134,7 +134,7 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
         if shape not in seen:
             seen.add(shape)
             state, m = train_step(state, b)
-    common.block(m)
+    harness.block(m)
     compile_s = time.perf_counter() - t0
 
     passes = []  # the same batches timed PASSES times: their spread is the noise
@@ -142,7 +142,7 @@ def bench_config(name: str, args, matmul_peak: float) -> dict:
         t0 = time.perf_counter()
         for b in batches:
             state, m = train_step(state, b)
-        common.block((state.step, m))
+        harness.block((state.step, m))
         passes.append(time.perf_counter() - t0)
     seconds = sorted(passes)[len(passes) // 2]
 
@@ -203,20 +203,20 @@ def main(argv=None) -> None:
     )
     p.add_argument("--loss_logits_dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
-    common.set_gpu_flags()
+    harness.set_gpu_flags()
     if args.prng_impl:
         import jax
 
         jax.config.update("jax_default_prng_impl", args.prng_impl)
 
-    matmul_peak = common.measure_matmul_peak()
+    matmul_peak = harness.measure_matmul_peak()
     rows = []
     layouts = ["bucketed", "packed"] if args.packing == "both" else [args.packing]
     for name in args.configs.split(","):
         for layout in layouts:
             args.packing = layout
             rows.append(bench_config(name, args, matmul_peak))
-    meta = {"device": common.device_info(), "matmul_peak_tflops": matmul_peak / 1e12}
+    meta = {"device": harness.device_info(), "matmul_peak_tflops": matmul_peak / 1e12}
     cols = [
         "config",
         "layout",
@@ -231,7 +231,7 @@ def main(argv=None) -> None:
         "compile_s",
         "peak_mem_gb",
     ]
-    common.report("train", meta, rows, cols)
+    harness.report("train", meta, rows, cols)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common
+from bench import harness
 
 
 def source_lines(args: argparse.Namespace) -> list[str]:
@@ -57,7 +57,7 @@ def main() -> None:
     ((kind, path),) = model.items()
     out = os.path.join(scratch, "decode_py.txt")
     flags = [f"--{kind}={path}", f"--input={src}", f"--output={out}"]
-    ran = common.run_decode([*flags, f"--beam_size={args.beam_size}"])
+    ran = harness.run_decode([*flags, f"--beam_size={args.beam_size}"])
     with open(out, encoding="utf-8") as f:
         want = f.read().split("\n")[:-1]
 
@@ -90,7 +90,7 @@ def main() -> None:
     }
     columns = ["model", "lines", "identical_lines", "decode_py_wall_s", "decode_py_tokens_per_s"]
     columns += ["library_open_s", "library_first_s", "library_second_s"]
-    common.report("translate_python", {"command": " ".join(sys.argv)}, [row], columns)
+    harness.report("translate_python", {"command": " ".join(sys.argv)}, [row], columns)
     if identical != len(lines):
         raise SystemExit(f"{len(lines) - identical} line(s) differ from decode.py's: see {scratch}")
 

@@ -212,7 +212,7 @@ TRAIN_RTOL = 0.01
 
 def _train_losses(dtype: str, batches) -> list[float]:
     from attention_jax.training import mesh as mesh_lib
-    from bench import common
+    from bench import harness
     from tests.conftest import small_train_config
 
     config = small_train_config()
@@ -220,7 +220,7 @@ def _train_losses(dtype: str, batches) -> list[float]:
     config.model.dropout_rate = 0.0  # the same function in both runs, up to rounding
     config.model.attention_impl = "auto"
     config.mesh_data, config.mesh_fsdp, config.mesh_tensor = -1, 1, 1
-    mesh, _, state, train_step = common.build_train_step(config)
+    mesh, _, state, train_step = harness.build_train_step(config)
     losses = []
     for batch in batches:
         state, metrics = train_step(state, mesh_lib.shard_batch(batch, mesh))

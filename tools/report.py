@@ -1,5 +1,5 @@
 """One JSON object for machines, then an aligned table for people: how every benchmark and
-tool of this project prints its result (bench/common.py hands it on to bench/).
+tool of this project prints its result (bench/harness.py hands it on to bench/).
 
     report("trace_summary", {"plane": plane}, rows, ["kind", "ms", "share", "count"])
 """

@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmarks: timing, device facts, JSON + table output."""
+"""What every benchmark measures with: timing, device facts, memory of a process tree,
+decode.py runs, and the JSON + table it prints."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tools.package_links import link_package, package_dirs
-from tools.report import report, table  # noqa: F401  (the benchmarks print through bench.common)
+from tools.report import report, table  # noqa: F401  (the benchmarks print through bench.harness)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE_PY = os.path.join(ROOT, "decode.py")
