@@ -21,7 +21,7 @@ to the device, and calling the compiled step until it returns (dispatch). Each c
 waits for the step before the next one, so the device is idle while the host works and
 the two are measured apart. The step is called three ways: on the `TrainState` pytree
 (`steps.make_train_step`), on its leaves in a list, and on the state packed into a few
-buffers (`steps.make_packed_steps`, what train.py's loop calls; training/state_buffers.py).
+buffers (`steps.make_buffered_steps`, what train.py's loop calls; training/state_buffers.py).
 When the host's time per step (this, plus the input pipeline's next batch) exceeds the
 device's, the device waits: small batches on a GPU. The call's time does not grow with
 the batch: on a CPU, where a base step of 8,192 tokens computes for ~30 s, use
@@ -214,7 +214,7 @@ def host(args: argparse.Namespace) -> None:
 
     from attention_jax.training import mesh as mesh_lib
     from attention_jax.training import steps
-    from attention_jax.training.state_buffers import Packing
+    from attention_jax.training.state_buffers import BufferLayout
 
     config = importlib.import_module(f"attention_jax.configs.{args.config}").get_config()
     config.batch_tokens = args.batch_tokens or config.batch_tokens
@@ -238,8 +238,8 @@ def host(args: argparse.Namespace) -> None:
     for name, pack in (("leaves", False), ("packed", True)):
         start = steps.init_train_state(setup)
         leaves, treedef = jax.tree.flatten(start)
-        packing = Packing.of(leaves, pack=pack)
-        packed = steps.make_packed_steps(setup, treedef, packing)
+        layout = BufferLayout.of(leaves, pack=pack)
+        packed = steps.make_buffered_steps(setup, treedef, layout)
         box[name] = packed.pack(start)
         del start, leaves
         step_fn = packed.step
@@ -248,7 +248,7 @@ def host(args: argparse.Namespace) -> None:
             box[name], m = step_fn(box[name], batch)
             return m
 
-        calls[name] = call, packing.num_buffers
+        calls[name] = call, layout.num_buffers
 
     copy = lambda: mesh_lib.shard_batch(on_host, mesh)
     rows_out = [

@@ -16,7 +16,11 @@ from attention_jax.search.settings import config_block
 # Fields renamed, old -> new: a workdir's config.json written before keeps loading
 # (training/config.py), and a config file or --config flag that still sets the old name
 # is told the new one.
-RENAMED = {"eval_beam_size": "search.beam_size", "eval_alpha": "search.alpha"}
+RENAMED = {
+    "eval_beam_size": "search.beam_size",
+    "eval_alpha": "search.alpha",
+    "pack_state": "state_buffers",
+}
 
 
 def model_fields() -> dict:
@@ -112,7 +116,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Pass the train state to each step packed into one buffer per dtype instead of its
     # hundreds of arrays (training/state_buffers.py): the step's call returns in a fraction of
     # the host time, at the cost of one more state-sized temporary on the devices.
-    c.pack_state = True
+    c.state_buffers = True
 
     # --- Loop ---------------------------------------------------------------
     c.num_train_steps = 100_000

@@ -107,10 +107,16 @@ def test_a_renamed_field_names_its_new_home(tmp_path):
         validate(c)
     # A workdir's config.json written under the old names loads under the new ones.
     saved = json.loads(load("tiny").to_json_best_effort())
-    del saved["search"]
-    saved.update(eval_beam_size=3, eval_alpha=1.0)
+    del saved["search"], saved["state_buffers"]
+    saved.update(eval_beam_size=3, eval_alpha=1.0, pack_state=False)
     (tmp_path / "config.json").write_text(json.dumps(saved))
     loaded = load_config(str(tmp_path))
     assert (loaded.search.beam_size, loaded.search.alpha) == (3, 1.0)
     assert "eval_beam_size" not in loaded and loaded.search.stop == "bound"
+    assert loaded.state_buffers is False and "pack_state" not in loaded
     validate(loaded)
+    with c.unlocked():
+        del c.eval_beam_size
+        c.pack_state = True
+    with pytest.raises(UserError, match=r"config\.pack_state is now config\.state_buffers"):
+        validate(c)

@@ -347,7 +347,7 @@ def no_compile(monkeypatch):
         raise AssertionError("a config mistake must be reported before compiling")
 
     monkeypatch.setattr(steps, "make_train_step", fail)
-    monkeypatch.setattr(steps, "make_packed_steps", fail)  # the one the loop calls
+    monkeypatch.setattr(steps, "make_buffered_steps", fail)  # the one the loop calls
     monkeypatch.setattr(steps, "init_train_state", fail)
 
 

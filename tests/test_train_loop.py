@@ -34,7 +34,7 @@ CHILD = textwrap.dedent(
 
     overrides, workdir, sig = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     at = int(sys.argv[4])
-    make = steps.make_packed_steps  # the steps the loop calls
+    make = steps.make_buffered_steps  # the steps the loop calls
 
     def make_killing(setup, treedef, packing):
         packed = make(setup, treedef, packing)
@@ -55,7 +55,7 @@ CHILD = textwrap.dedent(
         return dataclasses.replace(packed, step=step)
 
     if at > 0:
-        steps.make_packed_steps = make_killing
+        steps.make_buffered_steps = make_killing
     summary = loop.train_and_evaluate(small_train_config(**overrides), workdir)
     print("SUMMARY " + json.dumps({"step": summary["step"], "preempted": summary["preempted"]}))
     """

@@ -16,7 +16,7 @@ from attention_jax.common.errors import UserError
 from attention_jax.training import metrics, optim, steps, validate
 from attention_jax.training.config import model_config
 from attention_jax.training.mesh import mesh_shape, shard_batch
-from attention_jax.training.state_buffers import Packing
+from attention_jax.training.state_buffers import BufferLayout
 from tests.conftest import small_train_config
 from tests.training import numpy_smoothed_ce, reverse_batch, setup_train_step
 
@@ -226,10 +226,10 @@ def test_the_packed_step_is_the_step_on_the_state():
             same = functools.partial(np.testing.assert_allclose, rtol=2e-6, atol=1e-7)
         fresh = steps.init_train_state(setup)
         leaves, treedef = jax.tree.flatten(fresh)
-        packing = Packing.of(leaves, pack=pack)
+        layout = BufferLayout.of(leaves, pack=pack)
         # params and both Adam moments in one float32 buffer; typed PRNG keys stay apart
-        assert (packing.num_buffers < 10) == pack
-        packed = steps.make_packed_steps(setup, treedef, packing)
+        assert (layout.num_buffers < 10) == pack
+        packed = steps.make_buffered_steps(setup, treedef, layout)
         buffers, packed_step = packed.pack(fresh), packed.step
         for b, want in zip(batches, wants, strict=True):
             buffers, got = packed_step(buffers, shard_batch(b, mesh))
@@ -237,7 +237,7 @@ def test_the_packed_step_is_the_step_on_the_state():
             for k in want:
                 tolerance = dict(rtol=1e-4) if pack and k == "perplexity" else {}  # exp(loss)
                 same(np.asarray(got[k]), np.asarray(want[k]), **tolerance)
-        assert len(buffers) == packing.num_buffers
+        assert len(buffers) == layout.num_buffers
         unpacked = packed.unpack(buffers)
         for a, b in zip(jax.tree.leaves(unpacked), jax.tree.leaves(state), strict=True):
             if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):

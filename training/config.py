@@ -126,9 +126,11 @@ def _renamed(saved: dict[str, Any]) -> dict[str, Any]:
     """config.json's fields under their current names (configs/default.py `RENAMED`)."""
     saved = dict(saved)
     for old, new in RENAMED.items():
-        if old in saved:
+        if old in saved and "." in new:
             group, name = new.split(".")
             saved[group] = {**saved.get(group, {}), name: saved.pop(old)}
+        elif old in saved:
+            saved[new] = saved.pop(old)
     return saved
 
 

@@ -44,7 +44,7 @@ from attention_jax.training import evaluate, init_from, metrics, steps
 from attention_jax.training.input import ShardedInput
 from attention_jax.training.mesh import batch_divisor, make_mesh, shard_batch
 from attention_jax.training.resume import RunTotals, previous_run, restore_or_init
-from attention_jax.training.state_buffers import Packing
+from attention_jax.training.state_buffers import BufferLayout
 
 _log = logging.getLogger(__name__)
 
@@ -66,11 +66,11 @@ class _Training:
         # The state lives packed in a few buffers: a step's call costs a fraction of the
         # host time it costs on the state's hundreds of arrays (training/state_buffers.py).
         leaves, treedef = jax.tree.flatten(state)
-        packing = Packing.of(leaves, pack=config.pack_state)
-        packed = steps.make_packed_steps(setup, treedef, packing)
-        self.buffers = packed.pack(state) if packing.groups else leaves  # none packed: no copy
+        layout = BufferLayout.of(leaves, pack=config.state_buffers)
+        buffered = steps.make_buffered_steps(setup, treedef, layout)
+        self.buffers = buffered.pack(state) if layout.groups else leaves  # none packed: no copy
         del state, leaves  # the buffers hold the state from here on
-        self.train_step, self.unpack, self.totals = packed.step, packed.unpack, totals
+        self.train_step, self.unpack, self.totals = buffered.step, buffered.unpack, totals
         self.writer, self.progress, self.newest_checkpoint = writer, progress, newest_checkpoint
         peak = metrics.peak_flops_per_device(config)
         self.window = metrics.TrainWindow(setup.model_config, peak, jax.device_count())

@@ -1,8 +1,8 @@
 """The train state as a few buffers: what the loop passes to, and gets back from, each step.
 
-    packing = Packing.of(jax.tree.leaves(setup.abstract))   # from shapes and shardings
-    buffers = packing.pack(leaves)      # inside or outside jit: a few arrays
-    leaves = packing.unpack(buffers)    # the same arrays back, bit for bit
+    layout = BufferLayout.of(jax.tree.leaves(setup.abstract))   # from shapes and shardings
+    buffers = layout.pack(leaves)       # inside or outside jit: a few arrays
+    leaves = layout.unpack(buffers)     # the same arrays back, bit for bit
 
 A jitted call's host cost grows with the number of arrays it takes and returns:
 base's state is 608 arrays, and on an H200 a call of the train step on them
@@ -36,7 +36,7 @@ def _packable(leaf: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Packing:
+class BufferLayout:
     """Where each of n leaves lives: group g's buffer at an offset, or alone.
 
     groups: per buffer, its dtype and the leaves in it (indices, in order).
@@ -48,8 +48,8 @@ class Packing:
     loose: tuple[int, ...]
 
     @classmethod
-    def of(cls, leaves: Sequence[Any], pack: bool = True) -> Packing:
-        """The packing of arrays or ShapeDtypeStructs (with their shardings, if any); with
+    def of(cls, leaves: Sequence[Any], pack: bool = True) -> BufferLayout:
+        """The layout of arrays or ShapeDtypeStructs (with their shardings, if any); with
         pack=False every leaf is loose (the buffers are the leaves)."""
         by_dtype: dict[str, list[int]] = {}
         loose = []

@@ -4,7 +4,7 @@
     state = init_train_state(setup)            # born sharded, no host copy
     train_step = make_train_step(setup)
     state, metrics = train_step(state, batch)  # donates `state`
-    packed = make_packed_steps(setup, treedef, packing)   # train.py's: the state in buffers
+    buffered = make_buffered_steps(setup, treedef, layout)  # train.py's: the state in buffers
     sums = make_eval_step(setup)(state.params, state.rngs, batch)
 
 The model lives as `nnx.split` pieces: a static GraphDef plus two pytrees,
@@ -33,7 +33,7 @@ from attention_jax.training.config import build_model, model_config
 from attention_jax.training.loss import chunked_loss_sums, loss_sums
 from attention_jax.training.mesh import axis_rules, gathered, split_micro, state_shardings
 from attention_jax.training.optim import make_optimizer, make_schedule
-from attention_jax.training.state_buffers import Packing
+from attention_jax.training.state_buffers import BufferLayout
 
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
@@ -213,7 +213,7 @@ def make_train_step(
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedSteps:
+class BufferedSteps:
     """`make_train_step`'s step on the state packed into a few buffers
     (training/state_buffers.py), with the compiled ways in and out (copies):
 
@@ -227,29 +227,29 @@ class PackedSteps:
     unpack: Callable[[list[jax.Array]], TrainState]
 
 
-def make_packed_steps(setup: TrainSetup, treedef: Any, packing: Packing) -> PackedSteps:
+def make_buffered_steps(setup: TrainSetup, treedef: Any, layout: BufferLayout) -> BufferedSteps:
     """The train step on packed buffers, `treedef` the state's structure.
 
     The same computation as `make_train_step`'s, called with a few arrays: a jitted
     call's host cost grows with the arrays it takes and returns (base's TrainState has
     608), and on a GPU the host's time per step bounds small-batch training
-    (docs/PERFORMANCE.md). XLA fuses the optimizer's update with the packing, so
+    (docs/PERFORMANCE.md). XLA fuses the optimizer's update with the copy into the buffers, so
     results agree with `make_train_step`'s to rounding (bit for bit when nothing is
     packed); a run and its resumption take the same path, so resuming stays exact.
     """
     fn = _train_step_fn(setup)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
     leaf_shardings = treedef.flatten_up_to(setup.shardings)
-    shardings = packing.shardings(leaf_shardings, replicated)
+    shardings = layout.shardings(leaf_shardings, replicated)
 
     def step(buffers, batch):
-        state = jax.tree.unflatten(treedef, packing.unpack(buffers))
+        state = jax.tree.unflatten(treedef, layout.unpack(buffers))
         state, metrics = fn(state, batch)
-        return packing.pack(jax.tree.leaves(state)), metrics
+        return layout.pack(jax.tree.leaves(state)), metrics
 
-    pack = jax.jit(packing.pack, out_shardings=shardings)
-    unpack = jax.jit(packing.unpack, out_shardings=leaf_shardings)
-    return PackedSteps(
+    pack = jax.jit(layout.pack, out_shardings=shardings)
+    unpack = jax.jit(layout.unpack, out_shardings=leaf_shardings)
+    return BufferedSteps(
         pack=lambda state: pack(jax.tree.leaves(state)),
         step=jax.jit(step, donate_argnums=0, out_shardings=(shardings, replicated)),
         unpack=lambda buffers: jax.tree.unflatten(treedef, unpack(buffers)),
