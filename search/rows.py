@@ -15,12 +15,12 @@ then filler), and the next segment goes on with them. A source's results do not
 depend on the others in its batch, so the results are the batch's as one program
 would give them, while the beam-row steps run stay close to those the sources need.
 
-The programs of a batch shape are fixed (`Segments`): its start, the growth, and a
-step loop and a selection per rung, whichever of them a batch happens to reach, so
-`prepare` compiles them all and a warm job compiles nothing. A batch of fewer than
-`SHRINK_FROM` rows (a request of a few lines), and one whose rows are split over
-several devices (all of them must run the same programs in the same order), runs
-whole, in one program.
+The programs of a batch shape are fixed: its start, the growth, and a step loop and a
+selection per rung, whichever of them a batch happens to reach, so `prepare` compiles
+them all (search/segments.py `prepare_segments`) and a warm job compiles nothing. A
+batch of fewer than `SHRINK_FROM` rows (a request of a few lines), and one whose rows
+are split over several devices (all of them must run the same programs in the same
+order), runs whole, in one program.
 
 Each segment's end is read by the host (which sources are left: a few bytes), so a
 batch's search holds its thread; search/stages.py runs batches on several threads,
@@ -92,29 +92,6 @@ def row_ladder(rows: int) -> list[int]:
     while ladder[-1] > FEWEST_ROWS:
         ladder.append(max(-(-ladder[-1] // RUNG_RATIO), FEWEST_ROWS))
     return ladder
-
-
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """Every program a batch of `rows` sources runs in segments, by the rows and room of
-    the search it takes: ("start", rows, rooms[0]), ("grow", rows, rooms[0]) (to
-    rooms[-1]; none with one room), and per rung r of the ladder ("advance", r,
-    rooms[-1]) and, above the last, ("select", r, rooms[-1]) (to the next rung)."""
-
-    rows: int
-    rooms: tuple[int, ...]
-
-    def programs(self) -> list[tuple[str, int, int]]:
-        first, last = self.rooms[0], self.rooms[-1]
-        out = [("start", self.rows, first)]
-        if len(self.rooms) > 1:
-            out.append(("grow", self.rows, first))
-        ladder = row_ladder(self.rows)
-        for rung in ladder:
-            out.append(("advance", rung, last))
-            if rung != ladder[-1]:
-                out.append(("select", rung, last))
-        return out
 
 
 @dataclasses.dataclass

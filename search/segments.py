@@ -136,7 +136,7 @@ def prepare_segments(
     call: decoding.Call,
 ) -> None:
     """Prepare (`call`: search/programs.py `prepare`) every program a batch of src's shape
-    [B, S] can run in segments down `ladder` (search/rows.py `Segments`): its start at
+    [B, S] can run in segments down `ladder` (search/rows.py `shrinking`): its start at
     rooms[0], its growth to rooms[-1], and per rung its steps and the selection of the
     next rung's rows. Their states' shapes are traced, not computed."""
     length, extra = decoding.decode_shape(model, src, None)

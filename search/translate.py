@@ -150,7 +150,8 @@ class LiveSearch:
     ) -> None:
         """Start compiling or loading, in the background, the programs of a batch of `rows`
         sources of width `width` (controls: as shapes): every program of its segments
-        (search/rows.py `Segments`), or its whole search for a batch too small to shrink."""
+        (search/segments.py `prepare_segments`), or its whole search for a batch too small
+        to shrink."""
         if not programs.enabled():
             return
         ahead = dataclasses.replace(self, call=programs.prepare)
