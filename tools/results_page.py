@@ -81,8 +81,6 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
     ("decode.py killed at 60% and re-run, 12,000 lines", "cpu-zen5-20261127-1c29c1a-pace",
      {"benchmark": "decode_resume", "lines": 12000}, None,
      "the re-run takes {rerun_share} of the whole job's time"),
-    ("beam search, base, beam 4, 128 sentences", "nvidia-h200-20261127-190dd07-pace",
-     {"benchmark": "decode"}, 0, "{tokens_per_s} target tokens/s"),
     ("decode.py on 100,000 Ding lines, base, beam 4, programs compiled",
      "nvidia-h100-20261127-47f1ade-pace", {"benchmark": "decode.py", "run": "warm"}, None,
      "{target_tokens_per_s} target tokens/s, {process_s} s (goal: 30,000 target tokens/s)"),
