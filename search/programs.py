@@ -8,10 +8,10 @@ still traces and lowers each program to find its cache entry, which for a beam
 search costs several times what loading it does (docs/jobs.md), and a job runs
 several per source width. Here a program compiled once is serialized whole
 (`jax.experimental.serialize_executable`) under a key made of everything it was
-built from -- the code of model/, the versions of jax, jaxlib, flax and Python, the
-backend and device, $XLA_FLAGS, the model's structure and config, the static
-arguments and the shapes, dtypes and structure of the others -- and later
-processes load it whole.
+built from -- the code of model/ and search/ (not their comments or docstrings), the
+versions of jax, jaxlib, flax and Python, the backend and device, $XLA_FLAGS, the
+model's structure and config, the static arguments and the shapes, dtypes and
+structure of the others -- and later processes load it whole.
 
 Only single-device calls are kept (a sharded evaluation goes through `jax.jit` as
 before), and only programs XLA can serialize: for one it cannot (XLA:CPU's small
@@ -40,6 +40,7 @@ compile, this is most of a first run's start.
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import contextlib
 import functools
@@ -105,20 +106,13 @@ def _environment() -> str:
     import attention_jax
     from attention_jax import search
 
-    # A program is the network's code and the search's, traced: a change to either
-    # makes every stored program stale.
-    digest = hashlib.sha256()
-    for package in (attention_jax, search):
-        folder = os.path.dirname(os.path.abspath(package.__file__))
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as f:
-                    digest.update(name.encode() + b"\0" + f.read() + b"\0")
+    # A program is the network's code and the search's, traced.
+    folders = [os.path.dirname(os.path.abspath(p.__file__)) for p in (attention_jax, search)]
     device = jax.devices()[0]
     return repr(
         (
             FORMAT,
-            digest.hexdigest(),
+            code_digest(folders),
             jax.__version__,
             jaxlib.__version__,
             flax.__version__,
@@ -128,6 +122,32 @@ def _environment() -> str:
             device.client.platform_version,
             os.environ.get("XLA_FLAGS", ""),
         )
+    )
+
+
+def code_digest(folders: list[str]) -> str:
+    """A digest of the Python code in `folders`: a change to the code makes every kept
+    program stale, but not one to comments or docstrings (the programs are the same, and
+    XLA's cache would hand them back: then they could not be kept again)."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+                for node in ast.walk(tree):
+                    body = getattr(node, "body", None)
+                    if isinstance(body, list) and body and _is_docstring(body[0]):
+                        node.body = body[1:] or [ast.Pass()]
+                digest.update(f"{name}\0{ast.dump(tree)}\0".encode())
+    return digest.hexdigest()
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(getattr(node, "value", None), ast.Constant)
+        and isinstance(node.value.value, str)
     )
 
 

@@ -103,6 +103,19 @@ def test_every_program_a_shrinking_batch_may_run_is_prepared(model, kept, monkey
     assert compiled == []
 
 
+def test_the_code_digest_ignores_comments_and_docstrings(tmp_path):
+    source = tmp_path / "a.py"
+    source.write_text('"""Doc."""\nimport os\n\n\ndef f(x):\n    """Say."""\n    return x + 1\n')
+    before = programs.code_digest([str(tmp_path)])
+    source.write_text(
+        '"""Other words,\non two lines."""\nimport os\n\n\ndef f(x):\n    # why\n'
+        "    return x + 1  # and how\n"
+    )
+    assert programs.code_digest([str(tmp_path)]) == before
+    source.write_text('"""Doc."""\nimport os\n\n\ndef f(x):\n    """Say."""\n    return x + 2\n')
+    assert programs.code_digest([str(tmp_path)]) != before
+
+
 def test_a_program_from_xlas_cache_is_used_but_not_kept(model, kept, monkeypatch, tmp_path):
     want = search(model)
     # As in a new process whose XLA cache holds the programs but whose store does not
