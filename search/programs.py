@@ -40,7 +40,6 @@ compile, this is most of a first run's start.
 
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import contextlib
 import functools
@@ -50,6 +49,7 @@ import pickle
 import re
 import sys
 import threading
+import tokenize
 from typing import Any
 
 import jax
@@ -82,6 +82,8 @@ def enable(directory: str | None) -> str | None:
             os.makedirs(directory, exist_ok=True)
         except OSError:
             directory = None
+        else:  # parsing the code takes a moment: not on the first program's path
+            threading.Thread(target=_code, name="programs-code", daemon=True).start()
     _directory = directory
     return directory
 
@@ -103,16 +105,11 @@ def _environment() -> str:
     import flax
     import jaxlib
 
-    import attention_jax
-    from attention_jax import search
-
-    # A program is the network's code and the search's, traced.
-    folders = [os.path.dirname(os.path.abspath(p.__file__)) for p in (attention_jax, search)]
     device = jax.devices()[0]
     return repr(
         (
             FORMAT,
-            code_digest(folders),
+            _code(),
             jax.__version__,
             jaxlib.__version__,
             flax.__version__,
@@ -125,30 +122,48 @@ def _environment() -> str:
     )
 
 
+@functools.cache
+def _code() -> str:
+    """The digest of the network's code and the search's: a program is both, traced."""
+    import attention_jax
+    from attention_jax import search
+
+    return code_digest(
+        [os.path.dirname(os.path.abspath(p.__file__)) for p in (attention_jax, search)]
+    )
+
+
 def code_digest(folders: list[str]) -> str:
     """A digest of the Python code in `folders`: a change to the code makes every kept
-    program stale, but not one to comments or docstrings (the programs are the same, and
-    XLA's cache would hand them back: then they could not be kept again)."""
+    program stale, but not one to comments, docstrings or layout (the programs are the
+    same, and XLA's cache would hand them back: then they could not be kept again)."""
     digest = hashlib.sha256()
     for folder in folders:
         for name in sorted(os.listdir(folder)):
             if name.endswith(".py"):
                 with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
-                for node in ast.walk(tree):
-                    body = getattr(node, "body", None)
-                    if isinstance(body, list) and body and _is_docstring(body[0]):
-                        node.body = body[1:] or [ast.Pass()]
-                digest.update(f"{name}\0{ast.dump(tree)}\0".encode())
+                    tokens = tokenize.generate_tokens(f.readline)
+                    code = [f"{t.type} {t.string}" for t in _code_tokens(tokens)]
+                digest.update(name.encode() + b"\0" + "\0".join(code).encode() + b"\0")
     return digest.hexdigest()
 
 
-def _is_docstring(node: ast.stmt) -> bool:
-    return (
-        isinstance(node, ast.Expr)
-        and isinstance(getattr(node, "value", None), ast.Constant)
-        and isinstance(node.value.value, str)
-    )
+def _code_tokens(tokens: Any) -> Any:
+    """The tokens of a file's code: no comments, blank lines or statements that are a
+    string alone (docstrings). tokenize, not ast: CPython 3.11's ast.parse fails when
+    two threads run it at once, and the digest is made on a thread of its own."""
+    line: list[tokenize.TokenInfo] = []
+    for t in tokens:
+        if t.type in (tokenize.COMMENT, tokenize.NL):
+            continue
+        line.append(t)
+        if t.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            body = [x for x in line if x.type not in (tokenize.INDENT, tokenize.DEDENT)]
+            if all(x.type == tokenize.STRING for x in body[:-1]) and len(body) > 1:
+                line = [x for x in line if x.type in (tokenize.INDENT, tokenize.DEDENT)]
+            yield from line
+            line = []
+    yield from line
 
 
 @functools.lru_cache(maxsize=8)
