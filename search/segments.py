@@ -24,6 +24,7 @@ from flax import nnx
 
 from attention_jax.search import beam, decoding
 from attention_jax.search.constraints import Controls
+from attention_jax.search.rows import row_ladder
 from attention_jax.search.settings import Rule
 from attention_jax.transformer import Transformer
 
@@ -131,12 +132,11 @@ def prepare_segments(
     alpha: float,
     rule: Rule,
     rooms: Sequence[int],
-    ladder: Sequence[int],
     controls: Any = None,
     call: decoding.Call,
 ) -> None:
     """Prepare (`call`: search/programs.py `prepare`) every program a batch of src's shape
-    [B, S] can run in segments down `ladder` (search/rows.py `shrinking`): its start at
+    [B, S] can run in segments down its ladder (search/rows.py `shrinking`): its start at
     rooms[0], its growth to rooms[-1], and per rung its steps and the selection of the
     next rung's rows. Their states' shapes are traced, not computed."""
     length, extra = decoding.decode_shape(model, src, None)
@@ -151,7 +151,7 @@ def prepare_segments(
     if first < last:
         grow_segment(s, last, call)
         s = jax.eval_shape(functools.partial(beam.grow, capacity=last), s)
-    for fewer in [*ladder[1:], None]:
+    for fewer in [*row_ladder(src.shape[0])[1:], None]:
         advance_segment(model, s, alpha=alpha, rule=rule, until=0, call=call)
         if fewer is not None:
             keep = jax.ShapeDtypeStruct((fewer,), jnp.int32)

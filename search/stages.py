@@ -10,9 +10,8 @@ resume, and a warm job compiles nothing. A batch's search grows its room for tok
 in stages (`stage_rooms`), so attention reads caches about as long as what was
 decoded, and its rows shrink as its sources finish (search/rows.py); a batch of a
 few rows, one split over devices, or an exported search, runs whole in one program
-(`Search.whole`). A
-source's results do not depend on the batch it is in (search/beam.py); filler rows
-(`batch_of`) are finished before the first step.
+(`Search.whole`). A source's results do not depend on the batch it is in
+(search/beam.py); filler rows (`batch_of`) are finished before the first step.
 
 The programs of a plan's shapes are prepared (compiled or loaded, side by side)
 before its first batch runs, and batches search on several threads

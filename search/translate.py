@@ -37,7 +37,7 @@ from attention_jax.search import decoding, programs, segments
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
-from attention_jax.search.rows import row_ladder, shrinks
+from attention_jax.search.rows import shrinks
 from attention_jax.search.settings import Rule, SearchSettings
 from attention_jax.search.stages import (
     Progress,
@@ -154,14 +154,13 @@ class LiveSearch:
         to shrink."""
         if not programs.enabled():
             return
-        ahead = dataclasses.replace(self, call=programs.prepare)
         src = jax.ShapeDtypeStruct((rows, width), np.int32)
         if not shrinks(self, rows):
-            ahead.whole(src, rooms, controls)
+            dataclasses.replace(self, call=programs.prepare).whole(src, rooms, controls)
             return
         segments.prepare_segments(
             self.model, src, alpha=self.settings.alpha, rule=self.rule, rooms=rooms,
-            ladder=row_ladder(rows), controls=controls, call=programs.prepare,
+            controls=controls, call=programs.prepare,
         )  # fmt: skip
 
 
