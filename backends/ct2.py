@@ -176,6 +176,52 @@ class CT2Translator:
                 progress(rows, found)
         return results
 
+    def score(
+        self,
+        sources: Sequence[Sequence[int]],
+        given: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
+    ) -> list[list[Hypothesis]]:
+        """Given translations (EOS-terminated ids) scored by CTranslate2's `score_batch`:
+        per pair [Hypothesis(tokens, log P(tokens + EOS | source), token_log_probs)], []
+        for an empty source or one of `skip`. Pairs go in groups of about
+        `batch_tokens` tokens, up to 2 x `workers` of them queued at once."""
+        check_lengths(sources, self.max_len)
+        check_lengths(given, self.max_len)
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        skip = set(skip)
+        todo = [i for i, s in enumerate(sources) if len(s) and i not in skip]
+        todo.sort(key=lambda i: -max(len(sources[i]), len(given[i])))  # similar lengths
+        queued: collections.deque = collections.deque()
+
+        def collect() -> None:
+            rows, pending = queued.popleft()
+            found = []
+            for i, result in zip(rows, pending, strict=True):
+                each = tuple(float(x) for x in result.result().log_probs)  # EOS's last
+                tokens = list(given[i][:-1])
+                results[i] = [Hypothesis(tokens, float(np.sum(each, dtype=np.float64)), None, each)]
+                found.append(results[i])
+            if progress is not None:
+                progress(rows, found)
+
+        for rows in _token_groups(todo, given, self.settings.tokens_per_batch):
+            pending = self._ct2.score_batch(
+                [self._pieces(sources[i]) for i in rows],
+                [self._pieces(given[i]) for i in rows],
+                max_batch_size=self.settings.tokens_per_batch,
+                batch_type="tokens",
+                max_input_length=0,  # both sides were cut to max_len already
+                asynchronous=True,
+            )
+            queued.append((rows, pending))
+            if len(queued) >= 2 * self.workers:
+                collect()
+        while queued:
+            collect()
+        return results
+
     def _translate_groups(
         self, sources: Sequence[Sequence[int]], prefixes: Sequence[Sequence[int]] | None
     ) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
@@ -276,6 +322,22 @@ class CT2Translator:
             logp = float(np.sum(result.log_probs[len(starts[r]) if starts else 0 :]))
             hyps[r][h] = Hypothesis(hyps[r][h].tokens, logp / length**self.settings.alpha)
         return [sorted(found, key=lambda x: -x.score) for found in hyps]
+
+
+def _token_groups(
+    rows: Sequence[int], given: Sequence[Sequence[int]], tokens: int
+) -> Iterator[list[int]]:
+    """`rows` in order, cut into groups of about `tokens` target tokens (at least one row)."""
+    group: list[int] = []
+    count = 0
+    for i in rows:
+        if group and count + len(given[i]) > tokens:
+            yield group
+            group, count = [], 0
+        group.append(i)
+        count += len(given[i])
+    if group:
+        yield group
 
 
 def read_settings(directory: str) -> dict[str, Any]:

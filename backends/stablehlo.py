@@ -14,6 +14,8 @@ The directory holds
                          (search/stages.py), its stages of growing room included:
                          (params, src) -> (tokens, scores); usable from plain JAX
                          (docs/decoding.md)
+    score_S{W}.jax       the log-probability of each token of given translations padded
+                         to width W (search/likelihood.py): (params, src, tgt) -> [b, W]
     metadata.json        config, beam, alpha, n_best, length penalty, widths and each
                          width's rooms, vocab_limit, shapes, jax version and the
                          platforms the programs were lowered for
@@ -44,6 +46,7 @@ from attention_jax import Transformer
 from attention_jax.data.files import atomic_write, atomic_write_bytes, read_versioned_json
 from attention_jax.data.plans import inference_widths
 from attention_jax.search.hypothesis import Hypothesis
+from attention_jax.search.likelihood import score_pairs, token_log_probs
 from attention_jax.search.scoring import output_limit
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.stages import Targets, run_stages, stage_rooms
@@ -61,6 +64,10 @@ _log = logging.getLogger(__name__)
 
 def _whole_name(width: int) -> str:
     return f"search_S{width}.jax"
+
+
+def _score_name(width: int) -> str:
+    return f"score_S{width}.jax"
 
 
 def _serialize(fn, args, platforms) -> tuple[bytes, object]:
@@ -120,6 +127,8 @@ def export_translator(
         "program_bytes": sizes,
         "inputs": "flat params (params.npz p0000..), src int32 [b, W] (0 pad, EOS-terminated)",
         "outputs": "tokens int32 [b, n_best, L] (EOS-terminated, 0 after), scores f32 [b, n_best]",
+        "score_programs": "score_S{W}.jax: flat params, src and tgt int32 [b, W] (0 pad, "
+        "EOS-terminated) -> each tgt token's log-probability f32 [b, W] (0 at padding)",
         "output_length": {str(w): output_limit(w, max_len) for w in widths},
         "num_params": len(leaves),
         "param_paths": paths,
@@ -149,6 +158,9 @@ def _write_programs(
     def whole(flat, src):  # [P arrays], [B, W] -> [B, n, L], [B, n]
         return search_fn(live(flat), settings, vocab_limit)(src)
 
+    def score(flat, src, tgt):  # [P arrays], [B, W], [B, W] -> [B, W]
+        return token_log_probs(live(flat), src, tgt)
+
     (b,) = jax.export.symbolic_shape("b")
     flat = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     sizes, rooms = {}, {}
@@ -156,9 +168,11 @@ def _write_programs(
     for width in inference_widths(max_len):
         src = jax.ShapeDtypeStruct((b, width), jnp.int32)
         rooms[width] = stage_rooms(width, max_len)
-        name, (blob, _) = _whole_name(width), _serialize(whole, (flat, src), platforms)
-        atomic_write_bytes(os.path.join(directory, name), blob)
-        sizes[name] = len(blob)
+        for name, fn, args in ((_whole_name(width), whole, (flat, src)),
+                               (_score_name(width), score, (flat, src, src))):  # fmt: skip
+            blob, _ = _serialize(fn, args, platforms)
+            atomic_write_bytes(os.path.join(directory, name), blob)
+            sizes[name] = len(blob)
         _log.info(f"exported the width-{width} program ({time.time() - t0:.1f}s so far)")
     return sizes, rooms
 
@@ -208,11 +222,38 @@ class ExportedTranslator:
     ) -> tuple[jax.Array, jax.Array]:
         """search.stages.Search: the exported search of sources of src's width (its rooms
         are the export's: `load` checked they are `stage_rooms`; no prefixes or phrases)."""
-        name = _whole_name(src.shape[1])
+        return self._program(_whole_name(src.shape[1])).call(self.params, src)
+
+    @property
+    def scores(self) -> bool:
+        """Whether the export has the programs `score` runs."""
+        return "score_programs" in self.metadata
+
+    def _program(self, name: str) -> jax.export.Exported:
+        """The program `name` of the directory, read once."""
         if name not in self._programs:
             with open(os.path.join(self.directory, name), "rb") as f:
                 self._programs[name] = jax.export.deserialize(bytearray(f.read()))
-        return self._programs[name].call(self.params, src)
+        return self._programs[name]
+
+    def score(
+        self,
+        sources: Sequence[Sequence[int]],
+        given: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
+    ) -> list[list[Hypothesis]]:
+        """As `search.translate.LiveTranslator.score`, with the exported score programs
+        (ValueError for an export written before they were)."""
+        if not self.scores:
+            raise ValueError(
+                f"{self.directory} was exported without scoring programs: export it again"
+            )
+        call = lambda src, tgt: self._program(_score_name(src.shape[1])).call(self.params, src, tgt)
+        return score_pairs(
+            call, sources, given, max_len=self.max_len,
+            batch_tokens=self.settings.tokens_per_batch, progress=progress, skip=skip,
+        )  # fmt: skip
 
     def translate(
         self,

@@ -5,6 +5,8 @@ StableHLO, CTranslate2 and OPUS-MT, are backends/).
     lines.py       lines of text <-> segments of ids <-> per-line hypotheses; read (whole or
                    in chunks), write, BLEU from summed statistics
     stream.py      the chunk loop of decode.py: read, translate, write in order, count
+    targets.py     --prefix and --constraints: what each translation must hold
+    scores.py      --score: given translations scored, a JSON object a line
     output.py      decode.py's output: FILE.partial, its progress record, resume or refuse
     progress.py    lines, lines/s, tokens/s and ETA on stderr
     alignment.py   word alignments from cross-attention

@@ -39,6 +39,12 @@ flags.DEFINE_string(
     "A file with one line per input line: the phrases translation i must contain, "
     "separated by tabs (an empty line: none). Not with --ct2.",
 )  # fmt: skip
+flags.DEFINE_string(
+    "score", None,
+    "A file with one line per input line: a translation of it, scored instead of "
+    "translating. Writes one JSON object per line: score (log P of its tokens and EOS, "
+    "natural log, unnormalized), token_log_probs and tokens.",
+)  # fmt: skip
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
 flags.DEFINE_string("reference", None, "Reference translations: print sacreBLEU BLEU and chrF.")

@@ -47,7 +47,7 @@ def export(loaded: Loaded, options: DecodeOptions) -> None:
         platforms=list(options.export_platforms) or None,
     )
     print(
-        f"decode.py: exported {len(meta['widths'])} search programs (widths "
+        f"decode.py: exported {len(meta['widths'])} search and scoring programs each (widths "
         f"{meta['widths'][0]}..{meta['widths'][-1]}, beam {s.beam_size}, alpha "
         f"{s.alpha}, n_best {s.n_best}, {'+'.join(meta['platforms'])}) and "
         f"{meta['num_params']} parameter arrays to {options.export} in "

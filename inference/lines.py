@@ -223,7 +223,11 @@ def translate_segments(
 
 
 def format_lines(hypotheses: Sequence[list[dict[str, Any]]], output_format: str) -> list[str]:
-    """What is printed per line: the best text ("text"), or all hypotheses ("jsonl")."""
+    """What is printed per line: the best text ("text"), all hypotheses ("jsonl"), or
+    a given translation's score (decode.py --score: "scores", inference/scores.py)."""
+    if output_format == "scores":  # an empty source: a null score
+        unscored = {"score": None, "token_log_probs": [], "tokens": []}
+        return [json.dumps(line[0] if line else unscored) for line in hypotheses]
     if output_format == "jsonl":
         return [json.dumps({"hypotheses": line}, ensure_ascii=False) for line in hypotheses]
     return best_texts(hypotheses)

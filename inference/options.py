@@ -53,6 +53,7 @@ class DecodeOptions:
     export_platforms: tuple[str, ...] = ()  # backends to lower for (default: this one)
     prefix: str | None = None  # line i: the start translation i must have (target side)
     constraints: str | None = None  # line i: tab-separated phrases translation i must hold
+    score: str | None = None  # line i: a translation of line i, scored instead of translating
     export_ct2: str | None = None  # write a CTranslate2 model into this directory
     quantization: str = "float32"  # its weight type
     ct2: str | None = None  # or translate with a CTranslate2 model directory
@@ -121,7 +122,8 @@ class DecodeOptions:
         except ValueError as e:  # SearchSettings names its fields: here they are flags
             names = "|".join(f.name for f in SearchSettings.fields())
             raise UserError(re.sub(rf"\b({names})\b", r"--\1", str(e))) from e
-        if self.output_format == "text" and n_best > 1 and not (self.export or self.export_ct2):
+        scoring_or_export = self.score or self.export or self.export_ct2
+        if self.output_format == "text" and n_best > 1 and not scoring_or_export:
             raise UserError(
                 "--n_best > 1 needs --output_format=jsonl (text is the best translation)"
             )
@@ -139,7 +141,22 @@ class DecodeOptions:
         if self.dry_run and (self.alignment or self.plot_attention):
             raise UserError("--dry_run runs no model: drop --alignment and --plot_attention")
         self._check_targets()
+        self._check_score()
         self._check_choices()
+
+    def _check_score(self) -> None:
+        """--score: given translations, scored line by line, as JSON lines."""
+        if not self.score:
+            return
+        if self.export or self.export_ct2:
+            raise UserError("--score is for scoring translations: drop it to export")
+        clash = [f"--{n}" for n in ("reference", "split", "prefix", "constraints",
+                                    "alignment", "plot_attention") if getattr(self, n)]  # fmt: skip
+        clash += ["--long_lines=split"] if self.long_lines == "split" else []
+        if clash:
+            raise UserError(
+                f"--score scores the given translations of --input: drop {', '.join(clash)}"
+            )
 
     def _check_targets(self) -> None:
         """--prefix and --constraints: with a backend that honours them, for translating."""

@@ -124,18 +124,27 @@ class StreamOutput:
 
 
 def _entry(h: Hypothesis) -> list:
+    if h.token_log_probs is not None:  # --score
+        return [h.tokens, h.score, None, list(h.token_log_probs)]
     return [h.tokens, h.score] if h.met is None else [h.tokens, h.score, list(h.met)]
 
 
-def _hypothesis(tokens: list, score: float, met: list | None = None) -> Hypothesis:
-    return Hypothesis(list(tokens), float(score), None if met is None else tuple(met))
+def _hypothesis(
+    tokens: list, score: float, met: list | None = None, log_probs: list | None = None
+) -> Hypothesis:
+    return Hypothesis(
+        list(tokens),
+        float(score),
+        None if met is None else tuple(met),
+        None if log_probs is None else tuple(float(x) for x in log_probs),
+    )
 
 
 class Journal:
     """The results of the running chunk's finished batches, one JSON line a batch:
     {"at": the chunk's first line, "i": [source indices in the chunk], "h": [[[tokens],
-    score(, [met])], ...] per source}. Lines of another chunk, and a torn last line, are
-    ignored."""
+    score(, [met] or null(, [token log-probabilities]))], ...] per source}. Lines of
+    another chunk, and a torn last line, are ignored."""
 
     def __init__(self, path: str, at: int):
         self.path, self.at = path, at

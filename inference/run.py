@@ -54,16 +54,18 @@ from attention_jax.search.settings import DEFAULTS
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
-    "quantization", "stats", "prefix", "constraints", "min_rows", "search",
+    "quantization", "stats", "prefix", "constraints", "score", "min_rows", "search",
 )  # fmt: skip
+# The files read beside the input, line by line, each a `Totals` offset "<name>_offset"
+BESIDE = ("prefix", "constraints", "score")
 
 
 def check_inputs(options: DecodeOptions) -> int | None:
-    """Before anything slow: --input, --prefix and --constraints exist, and a reference,
-    prefix or constraints file has as many lines as a file input. Returns the input's
-    number of lines (None for stdin or --split), for the ETA."""
-    extra = {"--reference": options.reference, "--prefix": options.prefix}
-    extra["--constraints"] = options.constraints
+    """Before anything slow: --input and the files read beside it exist, and a reference,
+    prefix, constraints or score file has as many lines as a file input. Returns the
+    input's number of lines (None for stdin or --split), for the ETA."""
+    extra = {"--reference": options.reference}
+    extra.update({f"--{name}": getattr(options, name) for name in BESIDE})
     for flag, path in list(extra.items())[1:]:
         if path and not os.path.isfile(path):
             raise UserError(f"{flag} {path} does not exist")
@@ -93,10 +95,8 @@ def describe_inputs(
 ) -> dict[str, Any] | None:
     """The identity of what is translated (and scored): --input and --reference, or the
     split's (sources, targets); None for stdin (it cannot be read again: not resumable)."""
-    targets = {
-        name: path and file_identity(path)
-        for name, path in (("prefix", options.prefix), ("constraints", options.constraints))
-    }
+    targets = {name: getattr(options, name) and file_identity(getattr(options, name))
+               for name in BESIDE}  # fmt: skip
     if split is not None:
         what = {"split": options.split, "dataset": str(loaded.config.dataset)}
         return {"split": lines_identity([*split[0], *split[1]], **what), **targets}
@@ -143,11 +143,13 @@ def open_readers(
     return source, LineReader(options.reference, done.get("reference_offset", 0))
 
 
-def open_targets(options: DecodeOptions, done: dict[str, Any]) -> tuple[Reader | None, ...]:
-    """(--prefix, --constraints) readers or None, at the offsets of an earlier run's record."""
+def open_beside(options: DecodeOptions, done: dict[str, Any]) -> tuple[Reader | None, ...]:
+    """(--prefix, --constraints, --score) readers or None, at the offsets of an earlier
+    run's record."""
+    paths = [getattr(options, name) for name in BESIDE]
     return tuple(
         LineReader(path, done.get(f"{name}_offset", 0)) if path else None
-        for name, path in (("prefix", options.prefix), ("constraints", options.constraints))
+        for name, path in zip(BESIDE, paths, strict=True)
     )
 
 
@@ -229,10 +231,10 @@ def _translate(
     quiet = {} if devices.is_main() else {"stream": io.StringIO(), "bar": False}
     meter = Meter(total, out.done.get("lines", 0), **quiet)
     source = references = None
-    targets: tuple[Reader | None, ...] = (None, None)
+    beside: tuple[Reader | None, ...] = (None,) * len(BESIDE)
     try:
         source, references = open_readers(options, split, out.done)
-        targets = open_targets(options, out.done)
+        beside = open_beside(options, out.done)
         stream = StreamJob(
             loaded.translator,
             loaded.tokenizer,
@@ -240,10 +242,11 @@ def _translate(
             read_lines=options.chunk_lines,
             max_length=max_length,
             long_lines=options.long_lines,
-            output_format=options.output_format,
+            output_format="scores" if options.score else options.output_format,
             references=references,
-            prefixes=targets[0],
-            constraints=targets[1],
+            prefixes=beside[0],
+            constraints=beside[1],
+            given=beside[2],
             model=loaded.model,
             alignment=options.alignment,
             plot_attention=options.plot_attention,
@@ -272,7 +275,7 @@ def _translate(
     finally:
         meter.close()
         out.close()
-        for reader in (source, references, *targets):
+        for reader in (source, references, *beside):
             if reader is not None:
                 reader.close()
 
@@ -281,16 +284,24 @@ def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: i
     """Warnings, the summary line and the plots written (stderr)."""
     if totals.bad_utf8:
         warn(f"{totals.bad_utf8} line(s) had invalid UTF-8 (replaced)")
-    if totals.long:
+    if totals.long and options.score:
+        warn(
+            f"{totals.long} source(s) over {max_length} tokens or translation(s) over "
+            f"{loaded.translator.max_len} truncated: their scores are of the truncated lines"
+        )
+    elif totals.long:
         how = "split" if options.long_lines == "split" else "truncated"
         warn(f"{totals.long} line(s) over {max_length} tokens {how}")
     seconds = max(totals.seconds, 1e-9)
     search = loaded.translator.settings
     stop = f", {search.stop} stop" if search.stop != DEFAULTS.stop else ""
+    what = f"beam {search.beam_size}, alpha {search.alpha}{stop}"
+    if options.score:
+        what = f"scored {totals.segments} translations"
     print(
         f"decode.py: {totals.lines} lines ({totals.empty} empty) from {loaded.description}, "
-        f"beam {search.beam_size}, alpha {search.alpha}{stop}: {seconds:.1f} s, "
-        f"{totals.segments / seconds:.1f} sentences/s, {totals.tokens / seconds:.0f} tokens/s",
+        f"{what}: {seconds:.1f} s, {totals.segments / seconds:.1f} sentences/s, "
+        f"{totals.tokens / seconds:.0f} tokens/s",
         file=sys.stderr,
     )
     if options.plot_attention:

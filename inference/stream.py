@@ -44,6 +44,7 @@ from attention_jax.inference.lines import (
 from attention_jax.inference.output import Journal
 from attention_jax.inference.plots import plot_lines
 from attention_jax.inference.progress import Meter
+from attention_jax.inference.scores import EncodedPairs, encode_pairs, score_segments
 from attention_jax.inference.targets import EncodedLines, encode_chunk
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
@@ -86,6 +87,7 @@ class Totals:
     reference_offset: int = 0  # ... and in the references
     prefix_offset: int = 0  # ... in --prefix
     constraints_offset: int = 0  # ... in --constraints
+    score_offset: int = 0  # ... in --score
     bad_utf8: int = 0  # lines with invalid UTF-8
     long: int = 0  # lines over max_length (truncated or split)
     empty: int = 0  # lines without a translation
@@ -116,6 +118,7 @@ class StreamJob:
     references: Reader | None = None
     prefixes: Reader | None = None  # --prefix: line i, the start translation i must have
     constraints: Reader | None = None  # --constraints: line i, its phrases (tab-separated)
+    given: Reader | None = None  # --score: line i, a translation of it, scored (not translated)
     model: Transformer | None = None  # the live model: alignments and plots
     alignment: bool = False
     plot_attention: str | None = None
@@ -135,13 +138,14 @@ class Output(Protocol):
 @dataclasses.dataclass
 class _Read:
     """A chunk read and encoded: its lines, where the input goes on after it, its segments,
-    and what their translations must hold (and where --prefix and --constraints go on)."""
+    and what their translations must hold, or their given translations (and where
+    --prefix, --constraints and --score go on)."""
 
     lines: list[str]
     bad_utf8: int
     offset: int
-    encoded: EncodedLines
-    offsets: tuple[int, int] = (0, 0)
+    encoded: EncodedLines | EncodedPairs
+    offsets: tuple[int, int, int] = (0, 0, 0)
 
 
 def _read(job: StreamJob, first: int) -> _Read | None:
@@ -153,8 +157,20 @@ def _read(job: StreamJob, first: int) -> _Read | None:
     if not lines:
         return None
     offset = job.source.offset
+    read = lambda reader: None if reader is None else reader.read(len(lines))[0]
+    beside = (job.prefixes, job.constraints, job.given)
+    if job.given is not None:
+        with timing.phase("tokenize"):
+            pairs = encode_pairs(
+                job.tokenizer, lines, read(job.given), max_length=job.max_length,
+                max_len=job.translator.max_len, first_line=first,
+            )  # fmt: skip
+        prepare = getattr(job.translator, "prepare_scores", None)
+        if prepare is not None:  # its programs compile while the chunk before is scored
+            prepare([s.ids for s in pairs.segments], pairs.given)
+        offsets = tuple(r.offset if r is not None else 0 for r in beside)
+        return _Read(lines, bad_utf8, offset, pairs, offsets)
     with timing.phase("tokenize"):
-        read = lambda reader: None if reader is None else reader.read(len(lines))[0]
         encoded = encode_chunk(
             job.tokenizer,
             lines,
@@ -165,7 +181,7 @@ def _read(job: StreamJob, first: int) -> _Read | None:
             settings=job.translator.settings,
             first_line=first,
         )
-    offsets = tuple(r.offset if r is not None else 0 for r in (job.prefixes, job.constraints))
+    offsets = tuple(r.offset if r is not None else 0 for r in beside)
     prepare = getattr(job.translator, "prepare", None)
     if prepare is not None:  # its programs compile while the chunk before is translated
         prepare([s.ids for s in encoded.segments], targets=encoded.targets)
@@ -200,6 +216,8 @@ def translate_chunk(
         if journal is not None:
             journal.write(indices, found)
 
+    if isinstance(chunk.encoded, EncodedPairs):
+        return score_segments(job.translator, chunk.encoded, progress, known)
     translated = translate_segments(
         job.translator,
         job.tokenizer,
@@ -257,6 +275,7 @@ def _chunk(
         reference_offset=job.references.offset if job.references else 0,
         prefix_offset=chunk.offsets[0],
         constraints_offset=chunk.offsets[1],
+        score_offset=chunk.offsets[2],
         bad_utf8=totals.bad_utf8 + chunk.bad_utf8,
         long=totals.long + chunk.encoded.num_long,
         empty=totals.empty + sum(1 for h in translated.hypotheses if not h),
@@ -290,7 +309,7 @@ def translate_stream(job: StreamJob, out: Output, meter: Meter) -> Totals:
     finally:
         reader.shutdown(wait=True, cancel_futures=True)
     for flag, extra in (("--reference", job.references), ("--prefix", job.prefixes),
-                        ("--constraints", job.constraints)):  # fmt: skip
+                        ("--constraints", job.constraints), ("--score", job.given)):  # fmt: skip
         if extra is not None and extra.read(1)[0]:
             raise UserError(f"{flag} has more lines than the input")
     return totals

@@ -47,10 +47,10 @@ def encode_targets(
     """
     prefixes = phrases = None
     if prefix_lines is not None:
-        _same_count(lines, prefix_lines, "--prefix", first_line)
+        same_count(lines, prefix_lines, "--prefix", first_line)
         prefixes = tokenizer.encode_target_batch([p.strip() for p in prefix_lines])
     if constraint_lines is not None:
-        _same_count(lines, constraint_lines, "--constraints", first_line)
+        same_count(lines, constraint_lines, "--constraints", first_line)
         split = [split_phrases(line) for line in constraint_lines]
         flat = tokenizer.encode_target_batch([p for ps in split for p in ps])
         phrases, at = [], 0
@@ -100,7 +100,7 @@ def encode_chunk(
     )
 
 
-def _same_count(lines: Sequence[str], other: Sequence[str], flag: str, first_line: int) -> None:
+def same_count(lines: Sequence[str], other: Sequence[str], flag: str, first_line: int) -> None:
     if len(other) != len(lines):
         end = first_line + min(len(lines), len(other))
         raise UserError(

@@ -6,6 +6,7 @@
     translator.translate(["Das Haus ist klein."])     # ['The house is small.']
     results = translator.translate_batch(lines, beam_size=4, n_best=2)
     results[0].hypotheses, results[0].scores          # best first
+    translator.score(lines, translations)[0].score    # log P(translation | line)
 
 A `Translator` opens the directory with decode.py's own openers (inference/
 translators.py: a training workdir, an exported translator, a CTranslate2 model, or
@@ -30,6 +31,7 @@ from typing import Any
 from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import translate_segments
 from attention_jax.inference.options import DecodeOptions
+from attention_jax.inference.scores import encode_pairs, score_segments
 from attention_jax.inference.targets import EncodedLines, encode_chunk
 from attention_jax.inference.translators import Loaded, open_translator, reconfigure
 from attention_jax.search.settings import SearchSettings
@@ -47,6 +49,17 @@ class TranslationResult:
     scores: list[float]
     tokens: list[list[int]]
     constraints_met: list[list[bool]] | None = None  # with constraints: per phrase
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+    """A given translation scored, as decode.py --score writes it: score = log P(tokens +
+    EOS | line), natural log, unnormalized (None for an empty line: nothing to score);
+    token_log_probs: one per token, EOS's last; tokens: the translation's ids."""
+
+    score: float | None
+    token_log_probs: list[float]
+    tokens: list[int]
 
 
 def model_kind(path: str) -> str:
@@ -171,6 +184,40 @@ class Translator:
         options.check()
         return reconfigure(self._loaded, options)
 
+    def score(
+        self,
+        lines: Sequence[str],
+        translations: Sequence[str],
+        *,
+        max_length: int | None = None,
+        batch_tokens: int | None = None,
+    ) -> list[ScoreResult]:
+        """Each translation's log-probability under the model, given its line: as
+        decode.py --score writes them (inference/scores.py).
+
+        Args:
+          lines: the sources, one sentence each.
+          translations: translations[i] is scored as a translation of lines[i].
+          max_length: the longest source in tokens with EOS (None: the model's); a
+            translation is cut at the model's max_len.
+          batch_tokens: the padded tokens of a batch's wider side (None: the translator's).
+        """
+        if len(translations) != len(lines):
+            raise UserError(f"{len(translations)} translations for {len(lines)} lines")
+        with _plain_errors():
+            loaded = self._searching({} if batch_tokens is None else {"batch_tokens": batch_tokens})
+            max_len = loaded.translator.max_len
+            pairs = encode_pairs(
+                loaded.tokenizer,
+                [line.replace("\n", " ") for line in lines],
+                [t.replace("\n", " ") for t in translations],
+                max_length=_max_length(max_length, max_len),
+                max_len=max_len,
+            )
+            done = score_segments(loaded.translator, pairs)
+        unscored = ScoreResult(None, [], [])
+        return [ScoreResult(**line[0]) if line else unscored for line in done.hypotheses]
+
     def translate(self, lines: Sequence[str], **kwargs: Any) -> list[str]:
         """Each line's best translation ("" for an empty line): decode.py's text output.
         Takes `translate_batch`'s arguments."""
@@ -192,10 +239,7 @@ def _encode(
         raise UserError(f"long_lines must be 'truncate' or 'split', got {long_lines!r}")
     if (prefixes or constraints) and long_lines == "split":
         raise UserError("prefixes and constraints need long_lines='truncate'")
-    max_len = loaded.translator.max_len
-    max_length = min(max_length or max_len, max_len)
-    if max_length < 2:
-        raise UserError(f"max_length must be >= 2, got {max_length}")
+    max_length = _max_length(max_length, loaded.translator.max_len)
     phrases = None if constraints is None else ["\t".join(c) for c in constraints]
     return encode_chunk(
         loaded.tokenizer,
@@ -206,6 +250,14 @@ def _encode(
         split=long_lines == "split",
         settings=loaded.translator.settings,
     )
+
+
+def _max_length(max_length: int | None, max_len: int) -> int:
+    """The longest source in tokens with EOS: `max_length`, at most the model's max_len."""
+    max_length = min(max_length or max_len, max_len)
+    if max_length < 2:
+        raise UserError(f"max_length must be >= 2, got {max_length}")
+    return max_length
 
 
 def _keep_programs(directory: str) -> None:

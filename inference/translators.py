@@ -107,7 +107,12 @@ def _open_exported(options: DecodeOptions) -> Loaded:
 
 
 def _check_exported(options: DecodeOptions, translator: ExportedTranslator) -> None:
-    """UserError if the options ask for a search the export did not fix."""
+    """UserError if the options ask for a search the export did not fix, or to score with
+    an export that has no scoring programs."""
+    if options.score and not translator.scores:
+        raise UserError(
+            f"{options.exported} was exported without scoring programs: export it again"
+        )
     for name in ("beam_size", "alpha", "n_best", "length_penalty", "stop", "min_length"):
         asked, exported = options.search.get(name), getattr(translator.settings, name)
         if asked is not None and asked != exported:

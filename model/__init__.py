@@ -45,6 +45,7 @@ _LAZY = {
     "label_smoothed_loss": "attention_jax.training.loss",
     "Translator": "attention_jax.inference.text",
     "TranslationResult": "attention_jax.inference.text",
+    "ScoreResult": "attention_jax.inference.text",
 }
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "KVCache",
     "LayerNorm",
     "MultiHeadAttention",
+    "ScoreResult",
     "SearchSettings",
     "Transformer",
     "TransformerConfig",

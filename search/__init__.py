@@ -18,6 +18,7 @@ The Transformer's, and many sources batched into static shapes:
     translate.py   the Backend interface, the live model's (`LiveTranslator`,
                    `translate_ids`) and the batching every backend shares
     hypothesis.py  `Hypothesis` (ids and score), what every translator returns per source
+    likelihood.py  given translations scored: each token's log-probability, teacher-forced
     stages.py      the JAX backends' batch loop: batches of a few shapes, planned ahead
     rows.py        a batch's search in segments, its rows shrinking as its sources finish
     programs.py    the compiled programs a job needs: built ahead in threads, kept on disk

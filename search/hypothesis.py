@@ -17,12 +17,15 @@ class Hypothesis:
     score = log P(tokens + EOS | source) / lp(len), what beam search ranks by (gnmt:
     ((5 + len) / 6)^alpha, len counting EOS; search.decoding.length_penalty); greedy
     search (beam 1) is scored the same way. met: with constraints, whether it contains
-    each of its source's phrases (None: no constraints).
+    each of its source's phrases (None: no constraints). A given translation's score
+    (search/likelihood.py) is log P(tokens + EOS | source) unnormalized, and
+    token_log_probs holds each token's log-probability, EOS's last.
     """
 
     tokens: list[int]
     score: float
     met: tuple[bool, ...] | None = None
+    token_log_probs: tuple[float, ...] | None = None
 
 
 def hypotheses(

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from attention_jax import Transformer
-from attention_jax.search import decoding, programs, segments
+from attention_jax.search import decoding, likelihood, programs, segments
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, hypotheses
@@ -65,6 +65,11 @@ class Backend(Protocol):
     (they get none): a resumed job's journal holds them. targets: the sources'
     prefixes and constraints (search/stages.py `Targets`; a backend that cannot honour
     them raises ValueError).
+
+    `score` takes given translations instead (EOS-terminated ids, one per source, at
+    most `max_len` long) and returns per pair [its Hypothesis] with the target's tokens,
+    log P(target | source) as its score and `token_log_probs` (search/likelihood.py);
+    [] for an empty source or one of `skip`.
     """
 
     max_len: int  # the longest source, in tokens with EOS
@@ -76,6 +81,14 @@ class Backend(Protocol):
         progress: Progress | None = None,
         skip: Collection[int] = (),
         targets: Targets | None = None,
+    ) -> list[list[Hypothesis]]: ...
+
+    def score(
+        self,
+        sources: Sequence[Sequence[int]],
+        given: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
     ) -> list[list[Hypothesis]]: ...
 
 
@@ -263,6 +276,38 @@ class LiveTranslator:
         )
         prepare_plan(self.search(), plan, self.max_len, self.sharding, targets)
 
+    def score(
+        self,
+        sources: Sequence[Sequence[int]],
+        given: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
+    ) -> list[list[Hypothesis]]:
+        """Given translations (EOS-terminated ids) of the sources, scored: per pair
+        [Hypothesis(tokens, score, token_log_probs)] (search/likelihood.py `score_pairs`)."""
+        return likelihood.score_pairs(
+            likelihood.live_scorer(self.model), sources, given, max_len=self.max_len,
+            batch_tokens=self.settings.tokens_per_batch, sharding=self.sharding,
+            progress=progress, min_rows=self.settings.min_rows, skip=skip,
+        )  # fmt: skip
+
+    def prepare_scores(
+        self,
+        sources: Sequence[Sequence[int]],
+        given: Sequence[Sequence[int]],
+        skip: Collection[int] = (),
+    ) -> None:
+        """Start compiling or loading, in the background, the programs `score` of these
+        pairs will run."""
+        if not programs.enabled() or (self.sharding is not None and self.sharding.mesh.size > 1):
+            return
+        plan, _ = likelihood.plan_pairs(
+            sources, given, max_len=self.max_len, batch_tokens=self.settings.tokens_per_batch,
+            min_rows=self.settings.min_rows, skip=skip,
+        )  # fmt: skip
+        for rows, width in sorted({(rows, width) for _, width, rows in plan}):
+            likelihood.prepare_scorer(self.model, rows, width)
+
     def translate(
         self,
         sources: Sequence[Sequence[int]],
@@ -311,6 +356,20 @@ class PlanOnlyTranslator:
             progress=progress,
             skip=skip,
         )
+
+    def score(
+        self,
+        sources: Sequence[Sequence[int]],
+        given: Sequence[Sequence[int]],
+        progress: Progress | None = None,
+        skip: Collection[int] = (),
+    ) -> list[list[Hypothesis]]:
+        """`LiveTranslator.score`'s batches with every log-probability 0."""
+        zeros = lambda src, tgt: jax.numpy.zeros(tgt.shape, np.float32)
+        return likelihood.score_pairs(
+            zeros, sources, given, max_len=self.max_len,
+            batch_tokens=self.settings.tokens_per_batch, progress=progress, skip=skip,
+        )  # fmt: skip
 
 
 def echo_batches(

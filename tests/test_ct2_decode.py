@@ -338,3 +338,32 @@ def test_without_ctranslate2_the_flags_say_how_to_install_it(workdir, ct2_dirs, 
         err = r.stderr.decode()
         assert r.returncode == 1 and "pip install '.[serve]'" in err, err
         assert "Traceback" not in err
+
+
+def test_scores_are_score_batchs_for_references_and_beam_outputs(workdir, ct2_dirs, tmp_path):
+    """decode.py --score with our model (--workdir) and with CTranslate2 (--ct2), against
+    plain CTranslate2's `score_batch` on the same pieces: every line within 1e-3
+    (relative), no NaN; for the references, and for our beam search's outputs."""
+    import ctranslate2
+    import sentencepiece as spm
+
+    pairs = digit_pairs(np.random.default_rng(12), 60, max_words=9)
+    src = tmp_path / "in.de"
+    src.write_text("".join(s + "\n" for s, _ in pairs))
+    beam = run_decode(f"--workdir={workdir}", f"--input={src}", "--output_format=jsonl")
+    assert beam.returncode == 0, beam.stderr.decode()
+    outputs = [json.loads(x)["hypotheses"][0]["text"] for x in beam.stdout.decode().splitlines()]
+    tokenizer = spm.SentencePieceProcessor(model_file=os.path.join(workdir, "tokenizer.model"))
+    plain = ctranslate2.Translator(ct2_dirs["float32"], device="cpu")
+    sources = [tokenizer.encode(s, out_type=str) for s, _ in pairs]
+    for name, targets in (("references", [t for _, t in pairs]), ("beam outputs", outputs)):
+        given = tmp_path / f"{name}.en"
+        given.write_text("".join(t + "\n" for t in targets))
+        want = plain.score_batch(sources, [tokenizer.encode(t, out_type=str) for t in targets])
+        want = [float(np.sum(r.log_probs)) for r in want]
+        for flag in (f"--workdir={workdir}", f"--ct2={ct2_dirs['float32']}"):
+            r = run_decode(flag, f"--input={src}", f"--score={given}")
+            assert r.returncode == 0, r.stderr.decode()
+            got = [json.loads(x)["score"] for x in r.stdout.decode().splitlines()]
+            assert not np.isnan(got).any(), (name, flag)
+            np.testing.assert_allclose(got, want, rtol=1e-3, err_msg=f"{name}, {flag}")

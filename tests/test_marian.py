@@ -242,3 +242,31 @@ def test_the_hugging_face_layout_of_the_same_weights_imports_to_identical_parame
     assert pa.keys() == pb.keys()
     for key in pa:
         np.testing.assert_array_equal(pa[key][...], pb[key][...], err_msg=str(key))
+
+
+def test_decode_py_scores_an_opus_mt_directory_as_ctranslate2_does(tmp_path):
+    """decode.py --marian --score (source.spm, target.spm, the vocabulary, our model)
+    against `score_batch` of CTranslate2's conversion of the same directory."""
+    from tests.decode_runs import run_decode
+
+    directory, lines, procs = opus_mt_directory(tmp_path)
+    lines = lines[:40]
+    rng = np.random.default_rng(4)
+    given = [" ".join(rng.permutation(line.split())) for line in lines]  # any target text
+    (tmp_path / "in.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "given.en").write_text("\n".join(given) + "\n", encoding="utf-8")
+    r = run_decode(
+        f"--marian={directory}", f"--input={tmp_path / 'in.de'}",
+        f"--score={tmp_path / 'given.en'}",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    got = [json.loads(x) for x in r.stdout.decode().splitlines()]
+    translator = ct2_model(directory, tmp_path / "ct2")
+    want = translator.score_batch(
+        [procs[0].encode(x, out_type=str) for x in lines],
+        [procs[1].encode(x, out_type=str) for x in given],
+    )
+    for row, result in zip(got, want, strict=True):
+        assert len(row["token_log_probs"]) == len(result.log_probs)
+        np.testing.assert_allclose(row["token_log_probs"], result.log_probs, atol=1e-4)
+        assert row["score"] == pytest.approx(float(np.sum(result.log_probs)), rel=1e-3)
