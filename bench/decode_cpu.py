@@ -3,6 +3,7 @@
     python bench/decode_cpu.py --workdir=workdir/tiny            # Ding test set, beam 4
     python bench/decode_cpu.py --workdir=workdir/tiny --repeats=3 --threads=2 \
         --backends=jax,jax-heuristic,jax-average,jax-average-heuristic,ct2-float32,ct2-int8
+    python bench/decode_cpu.py --workdir=workdir/tiny --score --backends=jax,ct2-float32
 
 Each backend is decode.py as a user runs it, in a fresh process, on the Ding
 test split's 1,000 sources with their references: `--workdir` (our decoder;
@@ -20,12 +21,17 @@ before and after), BLEU and chrF, and the share of output lines identical to
 `-heuristic`'s). JAX runs use decode.py's persistent compilation cache (or
 --compilation_cache=DIR|off), filled by --warmup rounds that are not counted:
 what a user's second run of a model costs.
+
+--score: each backend scores the references (`decode.py --score`) instead of
+translating; its rates count target tokens, and `within_1e-3_pct` is the share of
+lines whose score is within 1e-3 (relative) of the first backend's.
 Prints one JSON object, then a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -115,6 +121,15 @@ def agreement(a: str, b: str) -> float:
     return 100 * sum(p == q for p, q in zip(x, y, strict=True)) / len(x)
 
 
+def within(a: str, b: str, rtol: float = 1e-3) -> float:
+    """Percent of lines of two --score outputs whose scores agree within `rtol`."""
+    with open(a) as fa, open(b) as fb:
+        x, y = ([json.loads(line)["score"] for line in f] for f in (fa, fb))
+    ok = [p == q or (p is not None and q is not None and abs(p - q) <= rtol * abs(q))
+          for p, q in zip(x, y, strict=True)]  # fmt: skip
+    return 100 * sum(ok) / len(ok)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="workdir/tiny")
@@ -128,6 +143,7 @@ def main(argv=None) -> None:
     p.add_argument("--compilation_cache", default=None, help="decode.py's, for jax runs")
     p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first")
     p.add_argument("--scratch", default=None, help="inputs, exports, outputs (default: tmp)")
+    p.add_argument("--score", action="store_true", help="score the references instead")
     args = p.parse_args(argv)
     args.workdir = os.path.abspath(args.workdir)
     args.scratch = args.scratch or tempfile.mkdtemp(prefix="decode_cpu_")
@@ -148,10 +164,14 @@ def main(argv=None) -> None:
     for repeat in range(-args.warmup, args.repeats):
         for name in names:
             out = os.path.join(args.scratch, f"{name}.out")
+            job = [f"--reference={ref}", f"--beam_size={args.beam_size}"]
+            job = [f"--score={ref}"] if args.score else job
             flags = [
-                *backend_flags(name, args, ct2_dirs), f"--input={src}", f"--reference={ref}",
-                f"--output={out}", f"--beam_size={args.beam_size}",
-            ]  # fmt: skip
+                *backend_flags(name, args, ct2_dirs),
+                f"--input={src}",
+                f"--output={out}",
+                *job,
+            ]
             result, cpu = cpu_seconds_of(lambda flags=flags: decode(flags))
             result["cpu_s"] = cpu
             print(f"# {name} run {repeat + 1}: {result}", file=sys.stderr)
@@ -164,7 +184,12 @@ def main(argv=None) -> None:
             row[key] = statistics.median(r[key] for r in runs[name])
         tokens = row["tokens_per_s"] * row["translate_s"]
         row["tokens_per_cpu_s"] = tokens / row["cpu_s"]
-        if "jax-average" in names:
+        if args.score:
+            row["within_1e-3_pct"] = within(
+                os.path.join(args.scratch, f"{name}.out"),
+                os.path.join(args.scratch, f"{names[0]}.out"),
+            )
+        elif "jax-average" in names:
             row["same_lines_pct"] = agreement(
                 os.path.join(args.scratch, f"{name}.out"),
                 os.path.join(args.scratch, "jax-average.out"),
@@ -173,6 +198,7 @@ def main(argv=None) -> None:
     meta = {
         "input": f"ding test split, {len(pairs)} sentences",
         "workdir": args.workdir,
+        "job": "score the references" if args.score else "translate",
         "beam_size": args.beam_size,
         "ct2_threads": args.threads,
         "repeats": args.repeats,
@@ -182,7 +208,8 @@ def main(argv=None) -> None:
         "scratch": args.scratch,
     }
     columns = ["backend", "tokens_per_s", "sentences_per_s", "translate_s", "wall_s", "cpu_s",
-               "tokens_per_cpu_s", "bleu", "chrf", "same_lines_pct", "load"]  # fmt: skip
+               "tokens_per_cpu_s", "bleu", "chrf", "same_lines_pct", "within_1e-3_pct",
+               "load"]  # fmt: skip
     harness.report("decode_cpu", meta, rows, columns)
 
 

@@ -19,6 +19,7 @@ not depend on its batch: padding is masked.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -39,9 +40,11 @@ from attention_jax.search.stages import (
     Progress,
     batch_of,
     check_lengths,
+    collect,
     fetch,
     place,
     rows_multiple,
+    search_streams,
     without_sources,
 )
 from attention_jax.transformer import shift_right
@@ -129,9 +132,7 @@ def score_pairs(
     sources: EOS-terminated id lists of at most max_len tokens; targets likewise
     (the given translations, EOS last). score_batch: [B, W] sources and targets on
     their devices -> their [B, W] log-probabilities (`live_scorer`, or an exported
-    program). progress(indices, results) after each batch. The next batch is
-    dispatched before the last one is read back, so the host's work overlaps the
-    device's.
+    program). progress(indices, results) after each batch (in the order batches end).
     """
     plan, nonempty = plan_pairs(
         sources, targets, max_len=max_len, batch_tokens=batch_tokens,
@@ -139,8 +140,13 @@ def score_pairs(
     )  # fmt: skip
     results: list[list[Hypothesis]] = [[] for _ in sources]
 
-    def finish(picked: list[int], out: jax.Array) -> None:
-        logp = np.asarray(fetch(out), np.float64)  # [B, W]
+    def score_one(picked: list[int], width: int, rows: int) -> np.ndarray:
+        """A batch scored, on a scoring thread: [B, W] log-probabilities, read back."""
+        src = place(batch_of(sources, picked, rows, width), sharding)
+        tgt = place(batch_of(targets, picked, rows, width), sharding)
+        return np.asarray(fetch(score_batch(src, tgt)), np.float64)
+
+    def finish(logp: np.ndarray, picked: list[int]) -> None:
         found = []
         for r, i in enumerate(picked):
             per_token = logp[r, : len(targets[i])]
@@ -150,17 +156,18 @@ def score_pairs(
         if progress is not None:
             progress(picked, found)
 
-    running = None
-    for chunk, width, rows in plan:
-        picked = [nonempty[j] for j in chunk]
-        src = place(batch_of(sources, picked, rows, width), sharding)
-        tgt = place(batch_of(targets, picked, rows, width), sharding)
-        out = score_batch(src, tgt)  # dispatched: runs while the batch before is read
-        if running is not None:
-            finish(*running)
-        running = picked, out
-    if running is not None:
-        finish(*running)
+    # As searches run (search/stages.py): batches on a few threads, so that a GPU computes
+    # one while the host reads another back, and a CPU's cores each run one.
+    streams = search_streams(sharding)
+    with concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="score") as pool:
+        running: dict[concurrent.futures.Future, list[int]] = {}
+        for chunk, width, rows in plan:
+            picked = [nonempty[j] for j in chunk]
+            running[pool.submit(score_one, picked, width, rows)] = picked
+            while len(running) > streams:
+                collect(running, finish, concurrent.futures.FIRST_COMPLETED)
+        while running:
+            collect(running, finish, concurrent.futures.ALL_COMPLETED)
     return results
 
 

@@ -357,13 +357,13 @@ def run_stages(
             picked = [nonempty[j] for j in chunk]
             running[pool.submit(search_one, picked, width, rows)] = picked
             while len(running) > streams:
-                _collect(running, finish, concurrent.futures.FIRST_COMPLETED)
+                collect(running, finish, concurrent.futures.FIRST_COMPLETED)
         while running:
-            _collect(running, finish, concurrent.futures.ALL_COMPLETED)
+            collect(running, finish, concurrent.futures.ALL_COMPLETED)
     return results
 
 
-def _collect(running: dict, finish: Callable, when: str) -> None:
+def collect(running: dict, finish: Callable, when: str) -> None:
     """Wait for some of the `running` batches (`when`), and finish those that ended."""
     ended, _ = concurrent.futures.wait(running, return_when=when)
     for future in ended:
