@@ -35,7 +35,8 @@ MIN_READ_LINES = 10_000
 class DecodeOptions:
     """Every setting of decode.py (its flags; docs/decoding.md says what each does)."""
 
-    workdir: str | None = None  # a training workdir: config.json, checkpoints/, tokenizer.model
+    workdir: str | None = None  # a training workdir (config.json, checkpoints/, tokenizer.model),
+    # or several, comma-separated, that decode as an ensemble
     exported: str | None = None  # or an exported translator's directory
     input: str = "-"  # '-' = stdin
     output: str = "-"  # '-' = stdout; a file is written atomically
@@ -74,6 +75,11 @@ class DecodeOptions:
             if getattr(self, name):
                 return name
         return "workdir"
+
+    @property
+    def workdirs(self) -> tuple[str, ...]:
+        """--workdir's directories: one, or several (A,B,...) that decode as an ensemble."""
+        return tuple(d for d in (self.workdir or "").split(",") if d)
 
     @property
     def settings(self) -> SearchSettings:
@@ -142,7 +148,21 @@ class DecodeOptions:
             raise UserError("--dry_run runs no model: drop --alignment and --plot_attention")
         self._check_targets()
         self._check_score()
+        self._check_ensemble()
         self._check_choices()
+
+    def _check_ensemble(self) -> None:
+        """--workdir=A,B,...: an ensemble translates and scores; it has no one model to
+        export, align or plot."""
+        if len(self.workdirs) < 2:
+            return
+        one_model = [f"--{n}" for n in ("export", "export_ct2", "alignment", "plot_attention")
+                     if getattr(self, n)]  # fmt: skip
+        if one_model:
+            raise UserError(
+                f"{', '.join(one_model)} need one model: give --workdir a single directory "
+                "(several decode as an ensemble)"
+            )
 
     def _check_score(self) -> None:
         """--score: given translations, scored line by line, as JSON lines."""

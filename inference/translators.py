@@ -19,6 +19,7 @@ from attention_jax.common.errors import UserError
 from attention_jax.data import Tokenizer
 from attention_jax.data.files import files_identity
 from attention_jax.data.tokenizer import load_tokenizer
+from attention_jax.ensemble import Ensemble
 from attention_jax.inference import devices
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.progress import warn
@@ -66,6 +67,8 @@ def _open_marian(options: DecodeOptions) -> Loaded:
 
 def _open_workdir(options: DecodeOptions) -> Loaded:
     rows, replicated = devices.shardings()
+    if len(options.workdirs) > 1:
+        return _open_ensemble(options, rows, replicated)
     model, config, step, tokenizer = load_workdir(
         options.workdir,
         step=options.checkpoint_step,
@@ -75,6 +78,36 @@ def _open_workdir(options: DecodeOptions) -> Loaded:
     identity = workdir_identity(options.workdir, step, options.average_last)
     translator = _live(options, model, tokenizer, rows)
     return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
+
+
+def _open_ensemble(options: DecodeOptions, rows: Any, replicated: Any) -> Loaded:
+    """--workdir=A,B,...: the workdirs' models as one `Ensemble` (model/ensemble.py),
+    UserError unless they share a tokenizer and a vocabulary size."""
+    loaded = [
+        load_workdir(d, step=options.checkpoint_step, average_last=options.average_last,
+                     sharding=replicated)
+        for d in options.workdirs
+    ]  # fmt: skip
+    (first, config, _, tokenizer), names = loaded[0], options.workdirs
+    for name, (model, _, _, other) in zip(names[1:], loaded[1:], strict=True):
+        if other.files() != tokenizer.files():
+            raise UserError(
+                f"{name} has another tokenizer than {names[0]}: the models of an ensemble "
+                "share theirs"
+            )
+        if model.config.vocab_size != first.config.vocab_size:
+            raise UserError(
+                f"{name}'s vocabulary has {model.config.vocab_size} ids and {names[0]}'s "
+                f"{first.config.vocab_size}: the models of an ensemble share theirs"
+            )
+    steps = [step for _, _, step, _ in loaded]
+    identity = {"ensemble": [workdir_identity(d, step, options.average_last)
+                             for d, step in zip(names, steps, strict=True)]}  # fmt: skip
+    translator = _live(options, Ensemble([m for m, _, _, _ in loaded]), tokenizer, rows)
+    description = "an ensemble of " + ", ".join(
+        f"{d} (step {step})" for d, step in zip(names, steps, strict=True)
+    )
+    return Loaded(translator, tokenizer, description, None, config, identity)
 
 
 def require_ctranslate2() -> None:
@@ -87,7 +120,9 @@ def require_ctranslate2() -> None:
         raise UserError(str(e)) from e
 
 
-def _live(options: DecodeOptions, model: Transformer, tokenizer: Any, rows: Any) -> LiveTranslator:
+def _live(
+    options: DecodeOptions, model: Transformer | Ensemble, tokenizer: Any, rows: Any
+) -> LiveTranslator:
     """The JAX model's translator, set as the options say."""
     limit = vocab_limit(tokenizer.vocab_size, model.config)
     return LiveTranslator(model, options.settings, vocab_limit=limit, sharding=rows)
