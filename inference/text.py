@@ -88,7 +88,8 @@ class Translator:
       path: a training workdir (train.py's), an exported translator (decode.py
         --export), a CTranslate2 model (--export_ct2) or an OPUS-MT / Marian
         directory (the release's npz, decoder.yml, vocabulary and .spm files, or
-        Hugging Face's MarianMT layout).
+        Hugging Face's MarianMT layout); or a list of training workdirs of one
+        tokenizer, which translate and score as an ensemble (model/ensemble.py).
       kind: one of KINDS; None: from the files in `path`.
       checkpoint_step, average_last: a workdir's checkpoint (None: the newest), and
         how many of the last ones to average.
@@ -106,7 +107,7 @@ class Translator:
 
     def __init__(
         self,
-        path: str,
+        path: str | Sequence[str],
         *,
         kind: str | None = None,
         checkpoint_step: int | None = None,
@@ -116,6 +117,12 @@ class Translator:
         compilation_cache: str | None = None,
         **settings: Any,
     ):
+        if not isinstance(path, str):  # several workdirs: an ensemble
+            paths = list(path)
+            for p in paths:
+                if model_kind(p) != "workdir":
+                    raise UserError(f"{p}: an ensemble is made of training workdirs")
+            path, kind = ",".join(paths), "workdir"
         self.kind = kind or model_kind(path)
         if self.kind not in KINDS:
             raise UserError(f"kind must be one of {KINDS}, got {self.kind!r}")

@@ -1,5 +1,6 @@
 # The names `attention_jax` offers, for type checkers: __init__.py loads each on first use.
 from attention_jax.config import TransformerConfig as TransformerConfig
+from attention_jax.ensemble import Ensemble as Ensemble
 from attention_jax.inference.text import ScoreResult as ScoreResult
 from attention_jax.inference.text import TranslationResult as TranslationResult
 from attention_jax.inference.text import Translator as Translator
