@@ -93,7 +93,8 @@ def _open_ensemble(options: DecodeOptions, rows: Any, replicated: Any) -> Loaded
         if other.files() != tokenizer.files():
             raise UserError(
                 f"{name} has another tokenizer than {names[0]}: the models of an ensemble "
-                "share theirs"
+                "share theirs (train each with the first's tokenizer.model, copied into its "
+                "workdir before it starts)"
             )
         if model.config.vocab_size != first.config.vocab_size:
             raise UserError(
