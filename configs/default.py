@@ -127,6 +127,11 @@ def get_config() -> ml_collections.ConfigDict:
     # paper's base model averages 5 checkpoints written at 10-minute intervals.
     c.checkpoint_every_minutes = 0.0
     c.max_checkpoints_to_keep = 5
+    # Beside those, the checkpoint of the best dev evaluation is kept (decode.py
+    # --checkpoint=best), by this metric: "chrf", "bleu" or "loss".
+    c.best_metric = "chrf"
+    # Stop once this many evaluations in a row did not beat the best (0 = never).
+    c.early_stop_patience = 0
     # The final evaluation also scores the mean of the parameters of the last N
     # checkpoints (0 or 1 = off; paper 6.1: 5 for base, 20 for big). At least N
     # checkpoints are kept whatever max_checkpoints_to_keep says.

@@ -45,6 +45,11 @@ flags.DEFINE_string(
     "translating. Writes one JSON object per line: score (log P of its tokens and EOS, "
     "natural log, unnormalized), token_log_probs and tokens.",
 )  # fmt: skip
+flags.DEFINE_enum(
+    "checkpoint", "last", ["last", "best"],
+    "last: the newest checkpoint (or --checkpoint_step). best: the one of the best dev "
+    "evaluation (config.best_metric), which train.py keeps beside the newest.",
+)  # fmt: skip
 flags.DEFINE_integer("checkpoint_step", None, "Checkpoint step to load (default: the newest).")
 flags.DEFINE_integer("average_last", 1, "Average the parameters of the last N checkpoints.")
 flags.DEFINE_string("reference", None, "Reference translations: print sacreBLEU BLEU and chrF.")

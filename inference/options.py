@@ -42,6 +42,7 @@ class DecodeOptions:
     output: str = "-"  # '-' = stdout; a file is written atomically
     reference: str | None = None  # print BLEU and chrF against it
     split: str | None = None  # translate and score this split of the workdir's dataset
+    checkpoint: str = "last"  # or "best": the checkpoint of the best dev evaluation
     checkpoint_step: int | None = None  # None: the newest checkpoint
     average_last: int = 1  # average the parameters of the last N checkpoints
     max_length: int | None = None  # longest source in tokens with EOS (None: the model's)
@@ -80,6 +81,11 @@ class DecodeOptions:
     def workdirs(self) -> tuple[str, ...]:
         """--workdir's directories: one, or several (A,B,...) that decode as an ensemble."""
         return tuple(d for d in (self.workdir or "").split(",") if d)
+
+    @property
+    def step(self) -> int | str | None:
+        """The checkpoint a workdir is read at: --checkpoint_step, "best", or None (newest)."""
+        return "best" if self.checkpoint == "best" else self.checkpoint_step
 
     @property
     def settings(self) -> SearchSettings:
@@ -138,8 +144,16 @@ class DecodeOptions:
         needs_model = ["alignment", "plot_attention", "split", "checkpoint_step"]
         used = [f"--{n}" for n in needs_model if getattr(self, n)]
         used += ["--average_last"] if self.average_last != 1 else []
+        used += ["--checkpoint=best"] if self.checkpoint == "best" else []
         if (self.exported or self.ct2) and used:
             raise UserError(f"{', '.join(used)} need the trained model: use --workdir")
+        if self.checkpoint == "best" and (
+            self.checkpoint_step is not None or self.average_last != 1
+        ):
+            raise UserError(
+                "--checkpoint=best decodes the best checkpoint alone: drop --checkpoint_step "
+                "and --average_last"
+            )
         if self.split and (self.input != "-" or self.reference):
             raise UserError("--split replaces --input and --reference; give one or the other")
         if self.read_lines is not None and self.read_lines < 1:
@@ -208,6 +222,8 @@ class DecodeOptions:
             raise UserError(f"--marian translates on its own: drop {', '.join(given)}")
         if self.split or self.checkpoint_step is not None or self.average_last != 1:
             raise UserError("--split, --checkpoint_step and --average_last are for --workdir")
+        if self.checkpoint == "best":
+            raise UserError("--checkpoint=best is for --workdir")
 
     def _check_ct2(self) -> None:
         """The CTranslate2 flags: --export_ct2 from a workdir, --ct2 on its own."""
@@ -242,6 +258,7 @@ class DecodeOptions:
     def _check_choices(self) -> None:
         for name, allowed in (
             ("long_lines", LONG_LINES),
+            ("checkpoint", ("last", "best")),
             ("output_format", OUTPUT_FORMATS),
             ("split", (None, *SPLITS)),
             ("quantization", QUANTIZATIONS),

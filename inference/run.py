@@ -52,7 +52,8 @@ from attention_jax.search.settings import DEFAULTS
 # (described by their identity instead: --checkpoint_step=N resumes a job that loaded
 # step N as the newest), --restart itself, and what only --export uses.
 _NOT_SETTINGS = (
-    "input", "output", "reference", "workdir", "exported", "checkpoint_step", "average_last",
+    "input", "output", "reference", "workdir", "exported", "checkpoint", "checkpoint_step",
+    "average_last",
     "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
     "quantization", "stats", "prefix", "constraints", "score", "min_rows", "search",
 )  # fmt: skip

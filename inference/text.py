@@ -91,7 +91,8 @@ class Translator:
         Hugging Face's MarianMT layout); or a list of training workdirs of one
         tokenizer, which translate and score as an ensemble (model/ensemble.py).
       kind: one of KINDS; None: from the files in `path`.
-      checkpoint_step, average_last: a workdir's checkpoint (None: the newest), and
+      checkpoint, checkpoint_step, average_last: a workdir's checkpoint ("best": the
+        one of the best dev evaluation; else checkpoint_step, None: the newest), and
         how many of the last ones to average.
       device, threads: a CTranslate2 model's ("cpu" or "cuda"; 0 = one per core).
       compilation_cache: a directory where compiled programs are kept for the next
@@ -110,6 +111,7 @@ class Translator:
         path: str | Sequence[str],
         *,
         kind: str | None = None,
+        checkpoint: str = "last",
         checkpoint_step: int | None = None,
         average_last: int = 1,
         device: str | None = None,
@@ -128,6 +130,7 @@ class Translator:
             raise UserError(f"kind must be one of {KINDS}, got {self.kind!r}")
         self._options = DecodeOptions(
             **{self.kind: path},
+            checkpoint=checkpoint,
             checkpoint_step=checkpoint_step,
             average_last=average_last,
             device=device,

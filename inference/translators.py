@@ -71,7 +71,7 @@ def _open_workdir(options: DecodeOptions) -> Loaded:
         return _open_ensemble(options, rows, replicated)
     model, config, step, tokenizer = load_workdir(
         options.workdir,
-        step=options.checkpoint_step,
+        step=options.step,
         average_last=options.average_last,
         sharding=replicated,
     )
@@ -84,7 +84,7 @@ def _open_ensemble(options: DecodeOptions, rows: Any, replicated: Any) -> Loaded
     """--workdir=A,B,...: the workdirs' models as one `Ensemble` (model/ensemble.py),
     UserError unless they share a tokenizer and a vocabulary size."""
     loaded = [
-        load_workdir(d, step=options.checkpoint_step, average_last=options.average_last,
+        load_workdir(d, step=options.step, average_last=options.average_last,
                      sharding=replicated)
         for d in options.workdirs
     ]  # fmt: skip

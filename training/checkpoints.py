@@ -150,20 +150,72 @@ class StructureMismatch(UserError):
 # --- The manager -----------------------------------------------------------------
 
 
-class Checkpoints:
-    """`ocp.CheckpointManager` over WORKDIR/checkpoints with our three items."""
+# config.best_metric -> (the dev metric, which way is better)
+BEST_METRICS = {
+    "chrf": ("eval_chrf", "max"),
+    "bleu": ("eval_bleu", "max"),
+    "loss": ("eval_loss", "min"),
+}
 
-    def __init__(self, workdir: str, *, max_to_keep: int | None = 5, create: bool = True):
+
+def _rank(best_metric: str) -> Any:
+    """metrics -> the sort key Orbax ranks checkpoints by (the larger, the better kept):
+    the metric (worst for a checkpoint saved without an evaluation), then the earlier
+    step among equal ones, as the first to reach a value is the best in training."""
+    key, mode = BEST_METRICS[best_metric]
+    sign = 1.0 if mode == "max" else -1.0
+    return lambda metrics: (sign * metrics.get(key, -sign * float("inf")), -metrics["step"])
+
+
+def _options(max_to_keep: int | None, best_metric: str | None, create: bool) -> Any:
+    """Orbax's options: the last `max_to_keep` checkpoints (None: all), and with a
+    best_metric the best evaluated one too (Orbax's preservation policies)."""
+    common = dict(create=create, enable_async_checkpointing=True, todelete_subdir=TRASH_DIR)
+    if best_metric is None:
+        return ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, **common)
+    policies = ocp.checkpoint_managers
+    keep = policies.AnyPreservationPolicy(
+        [
+            policies.LatestN(n=max_to_keep),
+            policies.BestN(get_metric_fn=_rank(best_metric), n=1,
+                           keep_checkpoints_without_metrics=False),
+        ]
+    )  # fmt: skip
+    return ocp.CheckpointManagerOptions(
+        best_fn=_rank(best_metric), best_mode="max", preservation_policy=keep, **common
+    )
+
+
+class Checkpoints:
+    """`ocp.CheckpointManager` over WORKDIR/checkpoints with our three items; with a
+    `best_metric` (config.best_metric), the checkpoint of the best dev evaluation is kept
+    beside the last `max_to_keep`."""
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        max_to_keep: int | None = 5,
+        best_metric: str | None = None,
+        create: bool = True,
+    ):
         self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
-            create=create,
-            enable_async_checkpointing=True,
-            todelete_subdir=TRASH_DIR,
-        )
+        self.best_metric = best_metric
         self._orbax = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("params", "train", "data")
+            self.directory,
+            options=_options(max_to_keep, best_metric, create),
+            item_names=("params", "train", "data"),
         )
+
+    def best(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, its dev metrics) of the best evaluated checkpoint kept; None if no
+        checkpoint was saved with an evaluation (or no best_metric is tracked)."""
+        if self.best_metric is None:
+            return None
+        step = self._orbax.best_step()
+        metrics = None if step is None else self._orbax.metrics(step)
+        key, _ = BEST_METRICS[self.best_metric]
+        return None if not metrics or key not in metrics else (step, metrics)
 
     def all_steps(self) -> list[int]:
         """Complete checkpoints only, oldest first."""
@@ -172,8 +224,14 @@ class Checkpoints:
     def latest_step(self) -> int | None:
         return self._orbax.latest_step()
 
-    def save(self, state: steps.TrainState, data_state: dict[str, Any]) -> None:
+    def save(
+        self,
+        state: steps.TrainState,
+        data_state: dict[str, Any],
+        metrics: dict[str, float] | None = None,
+    ) -> None:
         """Start an asynchronous save of `state` at `state.step`; returns once arrays are copied.
+        metrics: the dev evaluation of this step, if there was one (the best is kept).
 
         Raises UserError if this save, or the previous one still in flight,
         cannot be written (disk full, workdir not writable); earlier complete
@@ -190,7 +248,10 @@ class Checkpoints:
         with self._write_errors(step):
             self._orbax.wait_until_finished()  # what save() starts with: the trash is settled
             self._empty_trash()
-            self._orbax.save(step, args=args, force=True)
+            tracked = None
+            if self.best_metric is not None:  # every save has some: Orbax warns otherwise
+                tracked = {"step": step, **(metrics or {})}
+            self._orbax.save(step, args=args, force=True, metrics=tracked)
 
     def _empty_trash(self) -> None:
         """Remove the old steps Orbax moved to checkpoints/deleted/ (process 0; its other

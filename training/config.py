@@ -64,6 +64,7 @@ _NON_NEGATIVE = (
     "eval_every_steps",
     "checkpoint_every_steps",
     "max_checkpoints_to_keep",
+    "early_stop_patience",
     "checkpoint_every_minutes",
     "average_last",
     "peer_timeout_seconds",
@@ -87,6 +88,7 @@ _CHOICES = {
     "long_pairs": LONG_PAIRS,
     "tokenizer_type": TOKENIZER_TYPES,
     "loss_logits_dtype": ("float32", "bfloat16"),
+    "best_metric": ("chrf", "bleu", "loss"),
 }
 
 
@@ -169,6 +171,11 @@ def _check_fields(config: ml_collections.ConfigDict) -> None:
     for name, allowed in _CHOICES.items():
         if config[name] not in allowed:
             raise UserError(f"config.{name} must be one of {allowed}, got {config[name]!r}")
+    if config.early_stop_patience and not config.eval_every_steps:
+        raise UserError(
+            "config.early_stop_patience counts dev evaluations: set config.eval_every_steps "
+            "> 0, or early_stop_patience=0"
+        )
     if config.loss_logits_dtype != "float32" and not config.loss_chunk_tokens:
         raise UserError(  # the loss over the whole vocabulary at once keeps float32 logits
             f"config.loss_logits_dtype={config.loss_logits_dtype!r} takes effect only with "

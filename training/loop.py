@@ -129,6 +129,28 @@ class _Evaluation:
         self.writer, self.progress = writer, progress
         self.best_bleu: float | None = None
 
+    def is_best(self, totals: RunTotals, metrics: dict[str, Any], step: int) -> bool:
+        """Count the evaluation `metrics` of `step` in `totals` (config.best_metric's best,
+        and the evaluations since): whether it is a new best. Process 0's metrics decide,
+        so that every process keeps and stops at the same step."""
+        key, _ = ckpt.BEST_METRICS[self.setup.config.best_metric]
+        value = distributed.allgather_json(float(metrics[key]))[0]
+        return totals.evaluated(self.setup.config.best_metric, {key: value}, step)
+
+    def patience_spent(self, totals: RunTotals) -> str | None:
+        """Why training stops early (config.early_stop_patience evaluations in a row without
+        a better best_metric), or None."""
+        patience = self.setup.config.early_stop_patience
+        if not patience or totals.evals_since_best < patience:
+            return None
+        name = self.setup.config.best_metric
+        return (
+            f"early stop: dev {name} has not improved on {totals.best:.4g} (step "
+            f"{totals.best_step}) in {totals.evals_since_best} evaluations "
+            f"(config.early_stop_patience={patience}); decode.py --checkpoint=best decodes "
+            f"step {totals.best_step}"
+        )
+
     def run(
         self, state: steps.TrainState, step: int, max_examples: int, averaged: list[int] = ()
     ) -> dict[str, Any]:
@@ -185,13 +207,19 @@ class _Saving:
         late = time.time() - self.saved_at >= 60 * config.checkpoint_every_minutes
         return any(distributed.allgather_json(late))
 
-    def save(self, training: _Training, step: int) -> None:
-        """Checkpoint the state, every shard's data position (a collective) and the totals."""
+    def save(self, training: _Training, step: int, evaluated: dict[str, Any] | None = None) -> None:
+        """Checkpoint the state, every shard's data position (a collective) and the totals;
+        with the dev metrics of this step if it was evaluated (the best is kept)."""
         # Never checkpoint past a non-finite step.
         if training.nonfinite.policy == "stop" and (error := training.nonfinite_error(step)):
             raise UserError(error)
         position = {"iterators": self.inputs.global_state()}
-        self.checkpoints.save(training.state, {**position, **dataclasses.asdict(training.totals)})
+        metrics = None
+        if evaluated is not None:
+            keys = [key for key, _ in ckpt.BEST_METRICS.values()]
+            metrics = {k: float(evaluated[k]) for k in keys if k in evaluated}
+        totals = dataclasses.asdict(training.totals)
+        self.checkpoints.save(training.state, {**position, **totals}, metrics)
         self.last_saved, self.saved_at = step, time.time()
 
 
@@ -250,7 +278,9 @@ def _start(config: ml_collections.ConfigDict, workdir: str) -> _Parts:
     keep = config.max_checkpoints_to_keep and max(
         config.max_checkpoints_to_keep, config.average_last
     )
-    checkpoints = ckpt.Checkpoints(workdir, max_to_keep=keep or None)
+    checkpoints = ckpt.Checkpoints(
+        workdir, max_to_keep=keep or None, best_metric=config.best_metric
+    )
     state, totals = restore_or_init(config, workdir, setup, checkpoints, inputs, previous)
     if is_main:
         config_lib.save_config(config, workdir)
@@ -268,7 +298,8 @@ def _start(config: ml_collections.ConfigDict, workdir: str) -> _Parts:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Train `config` into `workdir` (resuming if it holds a checkpoint); return a summary.
 
-    Summary keys: step, preempted, train_loss, best_eval_bleu, final eval metrics
+    Summary keys: step, preempted, stopped_early (config.early_stop_patience), best_step
+    (of config.best_metric), train_loss, best_eval_bleu, final eval metrics
     (eval_loss, eval_bleu, eval_chrf, ...), average (of the last checkpoints' params),
     tokens_seen, train_seconds, total_seconds, data.
     """
@@ -277,22 +308,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     training, evaluation, saving = run.training, run.evaluation, run.saving
     total, start = config.num_train_steps, saving.last_saved
     step, preempted = start, False
+    stopped_early = evaluation.patience_spent(training.totals)  # a run that already stopped
 
     # --- Loop --------------------------------------------------------------------------
     with saving.stop, distributed.PeerWatchdog(config.peer_timeout_seconds), run.checkpoints:
         if config.eval_at_start and start == 0:  # the starting model's scores, as step 0
             evaluation.run(training.state, 0, config.eval_max_examples)
         batches = iter(run.inputs)
-        while step < total:
+        while step < total and not stopped_early:
             training.step(batches, run.mesh)
             step += 1
             if step % config.log_every_steps == 0 or step == total:
                 training.flush(step)
-            if saving.due(step):
-                saving.save(training, step)
+            evaluated = None
             if _due(step, config.eval_every_steps, total):
-                evaluation.run(training.state, step, config.eval_max_examples)
+                evaluated = evaluation.run(training.state, step, config.eval_max_examples)
                 training.window.restart_clock()  # evaluation time is not training time
+            best = evaluated is not None and evaluation.is_best(training.totals, evaluated, step)
+            if saving.due(step) or best:  # a new best is kept, whenever it comes
+                saving.save(training, step, evaluated)
+            if evaluated is not None and (
+                stopped_early := evaluation.patience_spent(training.totals)
+            ):
+                if training.window.steps:  # the run ends here: its last steps get their row
+                    training.flush(step)
+                break
             if saving.stop.reached(step):
                 preempted = True
                 if training.window.steps:  # a window cut short: its tokens and time count
@@ -301,6 +341,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         if saving.last_saved != step:
             saving.save(training, step)
         summary: dict[str, Any] = {"preempted": preempted, "train_loss": training.train_loss}
+        if stopped_early:
+            _log.info(stopped_early)
+        summary.update(stopped_early=bool(stopped_early), best_step=training.totals.best_step)
         if not preempted:  # --- Final evaluation: the last state, and the average -------
             summary.update(evaluation.run(training.state, step, config.final_eval_max_examples))
             if config.average_last > 1:

@@ -41,11 +41,26 @@ class RunTotals:
     tokens_seen: int = 0  # target tokens trained on (all processes)
     train_seconds: float = 0.0  # wall time in train steps (evaluation excluded)
     nonfinite_steps: int = 0  # updates skipped for a NaN/Inf loss or gradient
+    best: float | None = None  # the best dev value of config.best_metric so far ...
+    best_step: int | None = None  # ... the step it was measured at ...
+    evals_since_best: int = 0  # ... and the evaluations since, none better (early stopping)
 
     @classmethod
     def from_checkpoint(cls, data_state: dict[str, Any]) -> RunTotals:
+        """The totals a checkpoint holds (a field it predates: its default)."""
         names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{k: data_state[k] for k in names})
+        return cls(**{k: data_state[k] for k in names if k in data_state})
+
+    def evaluated(self, best_metric: str, metrics: dict[str, Any], step: int) -> bool:
+        """Count a dev evaluation at `step`: whether it is a new best (strictly better)."""
+        key, mode = ckpt.BEST_METRICS[best_metric]
+        value = float(metrics[key])
+        better = self.best is None or (value > self.best if mode == "max" else value < self.best)
+        if better:
+            self.best, self.best_step, self.evals_since_best = value, step, 0
+        else:
+            self.evals_since_best += 1
+        return better
 
 
 def _step_dirs(workdir: str, subdir: str = ckpt.CHECKPOINT_DIR) -> list[str]:

@@ -38,7 +38,7 @@ _log = logging.getLogger(__name__)
 def restore_model(
     workdir: str,
     *,
-    step: int | None = None,
+    step: int | str | None = None,
     average_last: int = 1,
     sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[Transformer, ml_collections.ConfigDict, int]:
@@ -46,7 +46,8 @@ def restore_model(
 
     Args:
       workdir: a training workdir (config.json + checkpoints/).
-      step: the checkpoint to load; None = the newest complete one.
+      step: the checkpoint to load; None = the newest complete one; "best" = the one
+        of the best dev evaluation by config.best_metric (kept beside the newest).
       average_last: average the parameters of this many checkpoints ending at
         `step` (paper section 6.1); 1 = no averaging.
       sharding: where every array of the model goes (e.g. replicated over a mesh of
@@ -71,7 +72,10 @@ def restore_model(
     directory = os.path.join(workdir, CHECKPOINT_DIR)
     if not os.path.isdir(directory):
         raise UserError(f"no complete checkpoint in {directory}; train the model first")
-    with Checkpoints(workdir, create=False) as checkpoints:
+    best_metric = config.get("best_metric", "chrf")
+    with Checkpoints(workdir, create=False, best_metric=best_metric) as checkpoints:
+        if step == "best":
+            step = _best(checkpoints, best_metric, directory)
         step, chosen = _choose(checkpoints.all_steps(), step, average_last, directory)
         params = checkpoints.mean_params(chosen, abstract_params)
     # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
@@ -79,6 +83,19 @@ def restore_model(
         lambda: nnx.split(build_model(config, model_cfg), nnx.Param, ...)[2], out_shardings=device
     )()
     return nnx.merge(graphdef, params, rngs), config, step
+
+
+def _best(checkpoints: Checkpoints, best_metric: str, directory: str) -> int:
+    """The step of the best evaluated checkpoint (UserError if none was evaluated)."""
+    best = checkpoints.best()
+    if best is None:
+        raise UserError(
+            f"no checkpoint in {directory} holds a dev evaluation (config.best_metric="
+            f"{best_metric}): train with config.eval_every_steps > 0, or decode a step"
+        )
+    step, metrics = best
+    _log.info(f"the best checkpoint: step {step}, {metrics}")
+    return step
 
 
 def _choose(
@@ -107,7 +124,7 @@ def _choose(
 def load_workdir(
     workdir: str,
     *,
-    step: int | None = None,
+    step: int | str | None = None,
     average_last: int = 1,
     sharding: jax.sharding.Sharding | None = None,
 ) -> tuple[Transformer, ml_collections.ConfigDict, int, Tokenizer]:
