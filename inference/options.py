@@ -21,6 +21,7 @@ from attention_jax.common.errors import UserError
 from attention_jax.search.settings import CT2_BATCH_TOKENS, SearchSettings, default_batch_tokens
 
 LONG_LINES = ("truncate", "split")
+CHECKPOINTS = ("last", "best")
 OUTPUT_FORMATS = ("text", "jsonl")
 SPLITS = ("train", "dev", "test")
 # Lines per chunk of a streamed job, by default: enough that the batches of a chunk
@@ -258,7 +259,7 @@ class DecodeOptions:
     def _check_choices(self) -> None:
         for name, allowed in (
             ("long_lines", LONG_LINES),
-            ("checkpoint", ("last", "best")),
+            ("checkpoint", CHECKPOINTS),
             ("output_format", OUTPUT_FORMATS),
             ("split", (None, *SPLITS)),
             ("quantization", QUANTIZATIONS),

@@ -312,6 +312,7 @@ def test_every_decode_flag_is_the_option_of_its_name_with_its_default_and_choice
     choices = {
         "long_lines": options.LONG_LINES, "output_format": options.OUTPUT_FORMATS,
         "split": options.SPLITS, "quantization": QUANTIZATIONS, "device": DEVICES,
+        "checkpoint": options.CHECKPOINTS,
     }  # fmt: skip
     parsers = {n: f.parser for n, f in job.items()}
     enums = {n: tuple(p.enum_values) for n, p in parsers.items() if hasattr(p, "enum_values")}
