@@ -61,7 +61,17 @@ flags.DEFINE_enum(
 flags.DEFINE_string("plot_attention", None, "Write cross-attention heatmaps (PNG) into this dir.")
 flags.DEFINE_integer("num_plots", 4, "How many sentences --plot_attention draws.")
 flags.DEFINE_integer("max_length", None, "Longest source in tokens incl. EOS (default: max_len).")
-flags.DEFINE_enum("long_lines", "truncate", ["truncate", "split"], "What to do with long lines.")
+flags.DEFINE_enum(
+    "long_lines", "truncate", ["truncate", "split", "sentences"],
+    "A line over --max_length tokens: truncate it, or split it into pieces; sentences: "
+    "translate every line sentence by sentence (sentencex, for --source_lang), joined "
+    "with a space.",
+)  # fmt: skip
+flags.DEFINE_string(
+    "source_lang", None,
+    "The input's language (e.g. de), for --long_lines=sentences (default: the workdir's "
+    "config.source_lang).",
+)  # fmt: skip
 flags.DEFINE_enum(
     "output_format", "text", ["text", "jsonl"],
     "text: the best translation per line. jsonl: one object per line, "

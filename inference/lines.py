@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from attention_jax import EOS_ID
@@ -149,22 +149,37 @@ def output_text(lines: Sequence[str]) -> str:
 
 
 def encode_lines(
-    tokenizer: Any, lines: Sequence[str], max_length: int, split: bool
+    tokenizer: Any,
+    lines: Sequence[str],
+    max_length: int,
+    split: bool,
+    sentences: Callable[[str], list[str]] | None = None,
 ) -> tuple[list[Segment], list[list[int]], int]:
     """(segments to translate, each line's token ids, the number of long lines).
 
     A line of more than max_length - 1 tokens is truncated to them, or with
-    `split` cut into segments of at most that many.
+    `split` cut into segments of at most that many. With `sentences` (a line's text ->
+    its sentences, inference/sentences.py), each line is first cut into sentences, a
+    segment each (a sentence too long is cut as `split` cuts; it counts as long).
     """
-    per_line = tokenizer.encode_batch([line.strip() for line in lines])
-    segments, long = [], 0
-    for i, ids in enumerate(per_line):
-        if len(ids) + 1 > max_length:
-            long += 1
-            if not split:
-                ids = per_line[i] = ids[: max_length - 1]
-        for start in range(0, len(ids), max_length - 1):
-            segments.append(Segment(i, start, [*ids[start : start + max_length - 1], EOS_ID]))
+    if sentences is None:
+        pieces = [[line.strip()] for line in lines]
+    else:
+        pieces = [sentences(line.strip()) if line.strip() else [] for line in lines]
+    flat = tokenizer.encode_batch([p for ps in pieces for p in ps])
+    per_line, segments, long, at = [], [], 0, 0
+    for i, ps in enumerate(pieces):
+        parts, at = flat[at : at + len(ps)], at + len(ps)
+        long += sum(len(ids) + 1 > max_length for ids in parts)
+        if sentences is None and not split:
+            parts = [ids[: max_length - 1] for ids in parts]
+        line_ids: list[int] = []
+        for ids in parts:
+            for start in range(0, len(ids), max_length - 1):
+                piece = [*ids[start : start + max_length - 1], EOS_ID]
+                segments.append(Segment(i, len(line_ids) + start, piece))
+            line_ids += ids
+        per_line.append(line_ids)
     return segments, per_line, long
 
 

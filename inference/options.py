@@ -20,7 +20,7 @@ from attention_jax.backends.ct2_export import DEVICES, QUANTIZATIONS
 from attention_jax.common.errors import UserError
 from attention_jax.search.settings import CT2_BATCH_TOKENS, SearchSettings, default_batch_tokens
 
-LONG_LINES = ("truncate", "split")
+LONG_LINES = ("truncate", "split", "sentences")
 CHECKPOINTS = ("last", "best")
 OUTPUT_FORMATS = ("text", "jsonl")
 SPLITS = ("train", "dev", "test")
@@ -47,7 +47,8 @@ class DecodeOptions:
     checkpoint_step: int | None = None  # None: the newest checkpoint
     average_last: int = 1  # average the parameters of the last N checkpoints
     max_length: int | None = None  # longest source in tokens with EOS (None: the model's)
-    long_lines: str = "truncate"  # or "split" into segments of max_length
+    long_lines: str = "truncate"  # or "split" into segments of max_length, or "sentences"
+    source_lang: str | None = None  # the input's language, for "sentences" (None: the workdir's)
     output_format: str = "text"  # or "jsonl": n-best texts, scores, tokens
     alignment: bool = False  # jsonl: add word alignments
     plot_attention: str | None = None  # write cross-attention PNGs into this directory
@@ -187,7 +188,7 @@ class DecodeOptions:
             raise UserError("--score is for scoring translations: drop it to export")
         clash = [f"--{n}" for n in ("reference", "split", "prefix", "constraints",
                                     "alignment", "plot_attention") if getattr(self, n)]  # fmt: skip
-        clash += ["--long_lines=split"] if self.long_lines == "split" else []
+        clash += [f"--long_lines={self.long_lines}"] if self.long_lines != "truncate" else []
         if clash:
             raise UserError(
                 f"--score scores the given translations of --input: drop {', '.join(clash)}"
@@ -212,6 +213,11 @@ class DecodeOptions:
             )
         if self.long_lines == "split":
             raise UserError(f"{', '.join(given)} need --long_lines=truncate (one piece a line)")
+        if self.long_lines == "sentences" and self.constraints:
+            raise UserError(
+                "--constraints need --long_lines=truncate: a line's phrases are not yet "
+                "shared out among its sentences (--prefix works: its first sentence)"
+            )
 
     def _check_marian(self) -> None:
         """--marian: an OPUS-MT / Marian model instead of a workdir's."""

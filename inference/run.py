@@ -36,6 +36,7 @@ from attention_jax.inference.output import (
     lines_identity,
 )
 from attention_jax.inference.progress import Meter, warn
+from attention_jax.inference.sentences import splitter_for
 from attention_jax.inference.stream import ListReader, Reader, StreamJob, Totals, translate_stream
 from attention_jax.inference.targets import check_files
 from attention_jax.inference.translators import (
@@ -154,6 +155,11 @@ def open_beside(options: DecodeOptions, done: dict[str, Any]) -> tuple[Reader | 
     )
 
 
+def sentence_splitter_of(options: DecodeOptions, loaded: Loaded) -> Any:
+    """--long_lines=sentences: the splitter of --source_lang or the workdir's language."""
+    return splitter_for(options.long_lines, options.source_lang, loaded.config)
+
+
 def _kept(out: Any) -> str:
     lines = out.done.get("lines", 0)
     if not (out.resumable and lines):
@@ -179,6 +185,7 @@ def run(options: DecodeOptions) -> None:
         check_files(
             loaded.tokenizer, options.input, options.prefix, options.constraints,
             max_length=max_length, max_len=max_len, settings=loaded.translator.settings,
+            sentences=sentence_splitter_of(options, loaded),
         )  # fmt: skip
     job = describe_job(options, loaded, describe_inputs(options, loaded, split), max_length)
     out = devices.open_shared_output(options.output, job, options.restart)
@@ -243,6 +250,7 @@ def _translate(
             read_lines=options.chunk_lines,
             max_length=max_length,
             long_lines=options.long_lines,
+            sentences=sentence_splitter_of(options, loaded),
             output_format="scores" if options.score else options.output_format,
             references=references,
             prefixes=beside[0],
@@ -290,6 +298,8 @@ def report(totals: Totals, loaded: Loaded, options: DecodeOptions, max_length: i
             f"{totals.long} source(s) over {max_length} tokens or translation(s) over "
             f"{loaded.translator.max_len} truncated: their scores are of the truncated lines"
         )
+    elif totals.long and options.long_lines == "sentences":
+        warn(f"{totals.long} sentence(s) over {max_length} tokens split")
     elif totals.long:
         how = "split" if options.long_lines == "split" else "truncated"
         warn(f"{totals.long} line(s) over {max_length} tokens {how}")

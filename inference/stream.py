@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -113,7 +113,8 @@ class StreamJob:
     source: Reader
     read_lines: int
     max_length: int  # longest source in tokens with EOS
-    long_lines: str = "truncate"  # or "split"
+    long_lines: str = "truncate"  # or "split", or "sentences" (with `sentences`)
+    sentences: Callable[[str], list[str]] | None = None  # a line -> its sentences
     output_format: str = "text"
     references: Reader | None = None
     prefixes: Reader | None = None  # --prefix: line i, the start translation i must have
@@ -180,6 +181,7 @@ def _read(job: StreamJob, first: int) -> _Read | None:
             split=job.long_lines == "split",
             settings=job.translator.settings,
             first_line=first,
+            sentences=job.sentences,
         )
     offsets = tuple(r.offset if r is not None else 0 for r in beside)
     prepare = getattr(job.translator, "prepare", None)

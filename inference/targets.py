@@ -16,7 +16,7 @@ the line and the flag to change.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from attention_jax.common.errors import UserError
@@ -83,18 +83,23 @@ def encode_chunk(
     split: bool,
     settings: SearchSettings,
     first_line: int = 1,
+    sentences: Callable[[str], list[str]] | None = None,
 ) -> EncodedLines:
     """`lines` encoded into segments (a line longer than max_length truncated, or with
-    `split` cut), with the targets of their lines' prefixes and phrases (one segment a
-    line where there are any: `split` is refused with them). The one encoding of
+    `split` cut; with `sentences`, a segment per sentence), with the targets of their
+    lines' prefixes and phrases: a line's prefix is its first segment's (phrases need one
+    segment a line: `split` and sentences are refused with them). The one encoding of
     decode.py's chunks and of the library's `Translator`."""
-    segments, line_tokens, num_long = encode_lines(tokenizer, lines, max_length, split)
+    segments, line_tokens, num_long = encode_lines(tokenizer, lines, max_length, split, sentences)
     if prefix_lines is None and constraint_lines is None:
         return EncodedLines(segments, line_tokens, num_long, None)
     prefixes, phrases = encode_targets(
         tokenizer, lines, prefix_lines, constraint_lines, first_line=first_line, settings=settings
     )
-    pick = lambda per_line: None if per_line is None else [per_line[s.line] for s in segments]
+    first = lambda segment, x: x if segment.start == 0 else []  # a line's first segment
+    pick = lambda per_line: (
+        None if per_line is None else [first(s, per_line[s.line]) for s in segments]
+    )
     return EncodedLines(
         segments, line_tokens, num_long, Targets.of(settings, pick(prefixes), pick(phrases))
     )
@@ -137,6 +142,7 @@ def check_files(
     max_len: int,
     settings: SearchSettings,
     chunk: int = 10_000,
+    sentences: Callable[[str], list[str]] | None = None,
 ) -> None:
     """Every line of --prefix and --constraints as the search will take it, before anything
     is written (UserError for the first bad one): one pass over the files, a chunk at a
@@ -150,8 +156,11 @@ def check_files(
             prefixes, _ = encode_targets(
                 tokenizer, lines, *more, first_line=first, settings=settings
             )
-            if prefixes is not None:
-                _, sources, _ = encode_lines(tokenizer, lines, max_length, False)
+            if prefixes is not None:  # the room of each line's first segment
+                segments, per_line, _ = encode_lines(tokenizer, lines, max_length, False, sentences)
+                sources = [[] for _ in per_line]
+                for segment in reversed(segments):
+                    sources[segment.line] = segment.ids[:-1]
                 for n, (ids, prefix) in enumerate(zip(sources, prefixes, strict=True)):
                     room = prefix_room(len(ids) + 1, max_len)  # its ids, then EOS
                     if ids and len(prefix) > room:

@@ -30,8 +30,9 @@ from typing import Any
 
 from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import translate_segments
-from attention_jax.inference.options import DecodeOptions
+from attention_jax.inference.options import LONG_LINES, DecodeOptions
 from attention_jax.inference.scores import encode_pairs, score_segments
+from attention_jax.inference.sentences import splitter_for
 from attention_jax.inference.targets import EncodedLines, encode_chunk
 from attention_jax.inference.translators import Loaded, open_translator, reconfigure
 from attention_jax.search.settings import SearchSettings
@@ -162,6 +163,7 @@ class Translator:
         constraints: Sequence[Sequence[str]] | None = None,
         max_length: int | None = None,
         long_lines: str = "truncate",
+        source_lang: str | None = None,
         **settings: Any,
     ) -> list[TranslationResult]:
         """Each line's translations, in order, as decode.py --output_format=jsonl gives them.
@@ -172,14 +174,17 @@ class Translator:
           constraints: per line, the phrases its translation must contain.
           max_length: the longest source in tokens with EOS (None: the model's).
           long_lines: "truncate" a longer line, or "split" it into pieces translated
-            one after another and joined.
+            one after another and joined; "sentences": translate every line sentence by
+            sentence, joined with a space (docs/decoding.md).
+          source_lang: the lines' language, for "sentences" (None: the workdir's).
           settings: SearchSettings fields for this call (e.g. beam_size=2, n_best=2).
         """
         with _plain_errors():
             loaded = self._searching(settings)
             chunk = _encode(
-                loaded, lines, prefixes, constraints, max_length=max_length, long_lines=long_lines
-            )
+                loaded, lines, prefixes, constraints, max_length=max_length,
+                long_lines=long_lines, source_lang=source_lang,
+            )  # fmt: skip
             done = translate_segments(
                 loaded.translator, loaded.tokenizer, chunk.segments, chunk.line_tokens,
                 targets=chunk.targets,
@@ -243,12 +248,15 @@ def _encode(
     *,
     max_length: int | None,
     long_lines: str,
+    source_lang: str | None = None,
 ) -> EncodedLines:
     """The lines as decode.py encodes a chunk (inference/targets.py `encode_chunk`)."""
-    if long_lines not in ("truncate", "split"):
-        raise UserError(f"long_lines must be 'truncate' or 'split', got {long_lines!r}")
-    if (prefixes or constraints) and long_lines == "split":
-        raise UserError("prefixes and constraints need long_lines='truncate'")
+    if long_lines not in LONG_LINES:
+        raise UserError(f"long_lines must be one of {LONG_LINES}, got {long_lines!r}")
+    if (prefixes and long_lines == "split") or (constraints and long_lines != "truncate"):
+        raise UserError(
+            "prefixes need long_lines='truncate' or 'sentences', constraints 'truncate'"
+        )
     max_length = _max_length(max_length, loaded.translator.max_len)
     phrases = None if constraints is None else ["\t".join(c) for c in constraints]
     return encode_chunk(
@@ -259,6 +267,7 @@ def _encode(
         max_length=max_length,
         split=long_lines == "split",
         settings=loaded.translator.settings,
+        sentences=splitter_for(long_lines, source_lang, loaded.config),
     )
 
 

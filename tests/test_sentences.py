@@ -1,0 +1,105 @@
+"""decode.py --long_lines=sentences: a paragraph translated sentence by sentence, one
+output line per input line (inference/sentences.py, inference/lines.py)."""
+
+import numpy as np
+import pytest
+
+from attention_jax.inference.sentences import sentence_splitter
+from tests.decode_runs import run_decode
+from tests.digits import digit_pairs, hostile_input
+
+pytest.importorskip("sentencex")
+
+
+def test_the_splitter_cuts_at_sentence_ends_not_at_abbreviations():
+    split = sentence_splitter("de")
+    assert split("Das Haus ist alt. Dr. Müller kommt um 3.30 Uhr! Warum?") == [
+        "Das Haus ist alt.",
+        "Dr. Müller kommt um 3.30 Uhr!",
+        "Warum?",
+    ]
+    assert split("Mr. Smith went home.") == ["Mr. Smith went home."]
+    assert sentence_splitter("en")("Mr. Smith went home. He slept.") == [
+        "Mr. Smith went home.",
+        "He slept.",
+    ]
+
+
+def test_a_paragraph_gives_the_words_of_its_sentences_translated_one_by_one(workdir, tmp_path):
+    rng = np.random.default_rng(31)
+    sentences = [s.capitalize() + "." for s, _ in digit_pairs(rng, 15, max_words=5)]
+    paragraphs = [" ".join(sentences[i : i + 5]) for i in range(0, 15, 5)]
+    (tmp_path / "para.de").write_text("\n".join(paragraphs) + "\n")
+    (tmp_path / "one.de").write_text("\n".join(sentences) + "\n")
+    para = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'para.de'}",
+                      "--long_lines=sentences", "--source_lang=de")  # fmt: skip
+    one = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'one.de'}")
+    assert para.returncode == 0 and one.returncode == 0, para.stderr.decode()
+    got = para.stdout.decode().split("\n")[:-1]
+    each = one.stdout.decode().split("\n")[:-1]
+    assert got == [" ".join(each[i : i + 5]) for i in range(0, 15, 5)]
+    # the workdir's config.source_lang (de) is the default language
+    again = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'para.de'}",
+                       "--long_lines=sentences")  # fmt: skip
+    assert again.stdout == para.stdout
+
+
+def test_no_line_is_shifted_or_dropped(workdir, tmp_path):
+    """The hostile input (empty, blank, bad UTF-8, CRLF and over-long lines): one output
+    line per input line; a line of one sentence as --long_lines=truncate translates it,
+    the over-long one as --long_lines=split does."""
+    data, expected = hostile_input(seed=4, n=30)
+    (tmp_path / "in.de").write_bytes(data)
+    runs, errs = {}, {}
+    for mode in ("sentences", "truncate", "split"):
+        r = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'in.de'}",
+                       f"--long_lines={mode}", "--beam_size=2")  # fmt: skip
+        assert r.returncode == 0, r.stderr.decode()
+        runs[mode], errs[mode] = r.stdout.decode().split("\n")[:-1], r.stderr.decode()
+    assert len(runs["sentences"]) == len(expected)
+    for i, (got, want) in enumerate(zip(runs["sentences"], runs["truncate"], strict=True)):
+        assert got == (runs["split"][i] if i == 13 else want), i  # 13: 100 words
+    assert "1 sentence(s) over 64 tokens split" in errs["sentences"]
+
+
+def test_prefixes_apply_to_a_lines_first_sentence(workdir, tmp_path):
+    rng = np.random.default_rng(5)
+    pairs = digit_pairs(rng, 6, max_words=4)
+    first = " ".join(s.capitalize() + "." for s, _ in pairs[:3])
+    (tmp_path / "in.de").write_text(f"{first}\n{pairs[3][0]}.\n")
+    (tmp_path / "prefix.en").write_text("nine\n\n")
+    r = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'in.de'}",
+                   "--long_lines=sentences", f"--prefix={tmp_path / 'prefix.en'}")  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode()
+    lines = r.stdout.decode().split("\n")[:-1]
+    (tmp_path / "s.de").write_text("".join(s.capitalize() + ".\n" for s, _ in pairs[:3]))
+    (tmp_path / "s.en").write_text("nine\n\n\n")
+    alone = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 's.de'}",
+                       f"--prefix={tmp_path / 's.en'}")  # fmt: skip
+    assert lines[0] == " ".join(alone.stdout.decode().split("\n")[:-1])
+    assert lines[0].startswith("nine")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--constraints={d}/in.de"], "--constraints need --long_lines=truncate"),
+        (["--score={d}/in.de"], "drop --long_lines=sentences"),
+    ],
+)
+def test_what_sentences_cannot_do_is_refused_in_one_line(workdir, tmp_path, flags, message):
+    (tmp_path / "in.de").write_text("eins. zwei.\n")
+    r = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'in.de'}",
+                   "--long_lines=sentences", *[f.format(d=tmp_path) for f in flags])  # fmt: skip
+    assert r.returncode == 1 and message in r.stderr.decode()
+    assert len(r.stderr.decode().strip().splitlines()) == 1
+
+
+def test_the_library_splits_sentences_as_decode_py(workdir):
+    from attention_jax import Translator
+
+    translator = Translator(workdir)
+    rng = np.random.default_rng(8)
+    sentences = [s.capitalize() + "." for s, _ in digit_pairs(rng, 4, max_words=4)]
+    joined = translator.translate([" ".join(sentences)], long_lines="sentences", source_lang="de")
+    assert joined == [" ".join(translator.translate(sentences))]
