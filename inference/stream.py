@@ -45,7 +45,7 @@ from attention_jax.inference.output import Journal
 from attention_jax.inference.plots import plot_lines
 from attention_jax.inference.progress import Meter
 from attention_jax.inference.scores import EncodedPairs, encode_pairs, score_segments
-from attention_jax.inference.targets import EncodedLines, encode_chunk
+from attention_jax.inference.targets import EncodedLines, encode_chunk, keep_user_texts
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
 from attention_jax.search.stages import output_tokens
@@ -229,6 +229,7 @@ def translate_chunk(
         known,
         chunk.encoded.targets,
     )
+    keep_user_texts(translated.hypotheses, chunk.encoded.user)  # '…' as written, not '...'
     if job.alignment:
         with timing.phase("alignment"):
             add_alignments(job.model, job.tokenizer, translated)

@@ -71,6 +71,9 @@ class EncodedLines:
     line_tokens: list[list[int]]
     num_long: int
     targets: Targets | None
+    # per line, its prefix and phrases as decoded and as written, where they differ
+    # (`user_texts`; None: nowhere)
+    user: list[list[tuple[str, str, bool]]] | None = None
 
 
 def encode_chunk(
@@ -100,9 +103,50 @@ def encode_chunk(
     pick = lambda per_line: (
         None if per_line is None else [first(s, per_line[s.line]) for s in segments]
     )
-    return EncodedLines(
-        segments, line_tokens, num_long, Targets.of(settings, pick(prefixes), pick(phrases))
-    )
+    targets = Targets.of(settings, pick(prefixes), pick(phrases))
+    user = user_texts(tokenizer, prefix_lines, constraint_lines, prefixes, phrases)
+    return EncodedLines(segments, line_tokens, num_long, targets, user)
+
+
+def user_texts(
+    tokenizer: Any,
+    prefix_lines: Sequence[str] | None,
+    constraint_lines: Sequence[str] | None,
+    prefixes: list[list[int]] | None,
+    phrases: list[list[list[int]]] | None,
+) -> list[list[tuple[str, str, bool]]] | None:
+    """Per line, (its text as the tokenizer decodes it, as the user wrote it, whether it
+    is the prefix) for the prefix and each phrase the tokenizer normalizes (NFKC: '…'
+    becomes '...', 'ｏｎｅ' 'one'); None if none is normalized. `keep_user_texts` puts the
+    user's text back into the translations."""
+    count = len(prefix_lines if prefix_lines is not None else constraint_lines or [])
+    out: list[list[tuple[str, str, bool]]] = [[] for _ in range(count)]
+    for i, (line, ids) in enumerate(zip(prefix_lines or [], prefixes or [], strict=True)):
+        written = line.strip()
+        if written and (decoded := tokenizer.decode(ids)) != written:
+            out[i].append((decoded, written, True))
+    for i, (line, ids) in enumerate(zip(constraint_lines or [], phrases or [], strict=True)):
+        for written, phrase in zip(split_phrases(line), ids, strict=True):
+            if (decoded := tokenizer.decode(phrase)) and decoded != written:
+                out[i].append((decoded, written, False))
+    return out if any(out) else None
+
+
+def keep_user_texts(
+    hypotheses: list[list[dict[str, Any]]], user: list[list[tuple[str, str, bool]]] | None
+) -> None:
+    """In each line's hypotheses' texts, the prefix and phrases as the user wrote them
+    (`user_texts`): a prefix where the text starts with its decoded form, a phrase
+    wherever its decoded form occurs."""
+    for line, pairs in zip(hypotheses, user or [], strict=False):
+        for h in line:
+            text = h["text"]
+            for decoded, written, at_start in pairs:
+                if not at_start:
+                    text = text.replace(decoded, written)
+                elif text.startswith(decoded):
+                    text = written + text[len(decoded) :]
+            h["text"] = text
 
 
 def same_count(lines: Sequence[str], other: Sequence[str], flag: str, first_line: int) -> None:

@@ -33,7 +33,7 @@ from attention_jax.inference.lines import translate_segments
 from attention_jax.inference.options import LONG_LINES, DecodeOptions
 from attention_jax.inference.scores import encode_pairs, score_segments
 from attention_jax.inference.sentences import splitter_for
-from attention_jax.inference.targets import EncodedLines, encode_chunk
+from attention_jax.inference.targets import EncodedLines, encode_chunk, keep_user_texts
 from attention_jax.inference.translators import Loaded, open_translator, reconfigure
 from attention_jax.search.settings import SearchSettings
 
@@ -189,6 +189,7 @@ class Translator:
                 loaded.translator, loaded.tokenizer, chunk.segments, chunk.line_tokens,
                 targets=chunk.targets,
             )  # fmt: skip
+            keep_user_texts(done.hypotheses, chunk.user)
         return [_result(line) for line in done.hypotheses]
 
     def _searching(self, settings: dict[str, Any]) -> Loaded:

@@ -151,3 +151,25 @@ def test_backends_that_cannot_honour_them_refuse(workdir, tmp_path):
         )
         err = r.stderr.decode()
         assert r.returncode == 1 and message in err and "Traceback" not in err, err
+
+
+def test_a_prefix_and_phrases_appear_as_the_user_wrote_them(workdir, tmp_path):
+    """The tokenizer's NFKC turns 'ｎｉｎｅ' into 'nine' and '…' into '...': the output keeps
+    the user's text wherever the decoded pieces are its normalized form."""
+    from attention_jax import Translator
+
+    pairs = digit_pairs(np.random.default_rng(17), 6, max_words=4)
+    (tmp_path / "in.de").write_text("".join(s + "\n" for s, _ in pairs))
+    (tmp_path / "prefix.en").write_text("ｎｉｎｅ\n\nfive…\n\n\n\n")
+    (tmp_path / "terms.tsv").write_text("\nｔｗｏ\n\n\n\n\n")
+    files = [f"--input={tmp_path / 'in.de'}", f"--prefix={tmp_path / 'prefix.en'}"]
+    r = run_decode(f"--workdir={workdir}", *files, f"--constraints={tmp_path / 'terms.tsv'}")
+    assert r.returncode == 0, r.stderr.decode()
+    lines = r.stdout.decode().split("\n")[:-1]
+    assert lines[0].startswith("ｎｉｎｅ") and lines[2].startswith("five…"), lines
+    assert "ｔｗｏ" in lines[1] and "two" not in lines[1], lines[1]
+    translator = Translator(workdir)
+    got = translator.translate([pairs[0][0]], prefixes=["ｎｉｎｅ"])
+    assert (
+        got[0].startswith("ｎｉｎｅ") and got[0][len("ｎｉｎｅ") :] == lines[0][len("ｎｉｎｅ") :]
+    )
