@@ -95,6 +95,7 @@ def test_the_best_is_kept_while_newer_ones_rotate_and_patience_stops_training(
     assert step == 6
 
 
+@pytest.mark.slow  # ~20 s (a child killed, then a resume); the run's own checks are in make test
 def test_a_kill_and_a_resume_in_between_change_nothing(
     uninterrupted, dataset, tmp_path, monkeypatch
 ):

@@ -218,6 +218,7 @@ def test_streamed_chunks_and_a_resume_after_sigkill_give_an_uninterrupted_runs_o
     assert not (d / f"out.jsonl{PARTIAL}").exists()
 
 
+@pytest.mark.slow  # ~10 s (an export); scoring's CLI and library are in make test
 def test_the_export_scores_as_the_live_model(workdir, pairs_files, tmp_path):
     _, args, _, whole = pairs_files
     made = run_decode(f"--workdir={workdir}", f"--export={tmp_path / 'exp'}")
