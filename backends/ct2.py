@@ -48,7 +48,7 @@ from attention_jax.backends.ct2_export import (
 from attention_jax.common.cpus import usable_cpus
 from attention_jax.data.files import read_versioned_json
 from attention_jax.data.tokenizer import tokenizer_names
-from attention_jax.search.hypothesis import Hypothesis
+from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource
 from attention_jax.search.settings import CT2_BATCH_TOKENS, SearchSettings
 from attention_jax.search.stages import Targets, check_lengths
 from attention_jax.search.translate import Progress
@@ -177,12 +177,8 @@ class CT2Translator:
         return results
 
     def score(
-        self,
-        sources: Sequence[Sequence[int]],
-        given: Sequence[Sequence[int]],
-        progress: Progress | None = None,
-        skip: Collection[int] = (),
-    ) -> list[list[Hypothesis]]:
+        self, sources: IdLists, given: IdLists, progress: Progress | None = None, skip: Indices = ()
+    ) -> PerSource:
         """Given translations (EOS-terminated ids) scored by CTranslate2's `score_batch`:
         per pair [Hypothesis(tokens, log P(tokens + EOS | source), token_log_probs)], []
         for an empty source or one of `skip`. Pairs go in groups of about

@@ -45,7 +45,7 @@ from flax import nnx
 from attention_jax import Transformer
 from attention_jax.data.files import atomic_write, atomic_write_bytes, read_versioned_json
 from attention_jax.data.plans import inference_widths
-from attention_jax.search.hypothesis import Hypothesis
+from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource
 from attention_jax.search.likelihood import score_pairs, token_log_probs
 from attention_jax.search.scoring import output_limit
 from attention_jax.search.settings import SearchSettings
@@ -237,12 +237,8 @@ class ExportedTranslator:
         return self._programs[name]
 
     def score(
-        self,
-        sources: Sequence[Sequence[int]],
-        given: Sequence[Sequence[int]],
-        progress: Progress | None = None,
-        skip: Collection[int] = (),
-    ) -> list[list[Hypothesis]]:
+        self, sources: IdLists, given: IdLists, progress: Progress | None = None, skip: Indices = ()
+    ) -> PerSource:
         """As `search.translate.LiveTranslator.score`, with the exported score programs
         (ValueError for an export written before they were)."""
         if not self.scores:

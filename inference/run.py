@@ -54,9 +54,9 @@ from attention_jax.search.settings import DEFAULTS
 # step N as the newest), --restart itself, and what only --export uses.
 _NOT_SETTINGS = (
     "input", "output", "reference", "workdir", "exported", "checkpoint", "checkpoint_step",
-    "average_last",
-    "restart", "export", "export_platforms", "plot_attention", "ct2", "export_ct2",
-    "quantization", "stats", "prefix", "constraints", "score", "min_rows", "search",
+    "average_last", "restart", "export", "export_platforms", "plot_attention", "ct2",
+    "export_ct2", "quantization", "stats", "prefix", "constraints", "score", "min_rows",
+    "search",
 )  # fmt: skip
 # The files read beside the input, line by line, each a `Totals` offset "<name>_offset"
 BESIDE = ("prefix", "constraints", "score")

@@ -81,7 +81,10 @@ def score_segments(
     for i, hyps in known.items():
         found[i] = hyps
     per_line: list[list[dict[str, Any]]] = [[] for _ in pairs.line_tokens]
-    for segment, (hyp,) in zip(pairs.segments, found, strict=True):
+    for segment, hyps in zip(pairs.segments, found, strict=True):
+        if not hyps:  # another process's journal held it (process 0 writes the output)
+            continue
+        hyp = hyps[0]
         logp = list(hyp.token_log_probs or ())
         per_line[segment.line] = [{"score": hyp.score, "token_log_probs": logp,
                                    "tokens": hyp.tokens}]  # fmt: skip

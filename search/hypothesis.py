@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
 from attention_jax import EOS_ID, PAD_ID
+
+# Token-id lists (sources, or given translations); indices into them; per source its
+# hypotheses (what a backend's translate and score return)
+IdLists = Sequence[Sequence[int]]
+Indices = Collection[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,3 +47,6 @@ def hypotheses(
         found = None if met is None else tuple(bool(x) for x in met[n, :phrases])
         out.append(Hypothesis([t for t in row[:end] if t != PAD_ID], float(score), found))
     return out
+
+
+PerSource = list[list[Hypothesis]]

@@ -19,7 +19,6 @@ not depend on its batch: padding is masked.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -34,16 +33,16 @@ from attention_jax import EOS_ID, PAD_ID, Transformer
 from attention_jax.data.plans import plan_translation
 from attention_jax.search import programs
 from attention_jax.search.decoding import Call
-from attention_jax.search.hypothesis import Hypothesis
+from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource
 from attention_jax.search.settings import DEFAULTS, default_batch_tokens
 from attention_jax.search.stages import (
     Progress,
     batch_of,
     check_lengths,
-    collect,
     fetch,
     place,
     rows_multiple,
+    run_batches,
     search_streams,
     without_sources,
 )
@@ -115,16 +114,16 @@ def plan_pairs(
 
 def score_pairs(
     score_batch: ScoreBatch,
-    sources: Sequence[Sequence[int]],
-    targets: Sequence[Sequence[int]],
+    sources: IdLists,
+    targets: IdLists,
     *,
     max_len: int,
     batch_tokens: int,
+    min_rows: int = DEFAULTS.min_rows,
+    skip: Indices = (),
     sharding: NamedSharding | None = None,
     progress: Progress | None = None,
-    min_rows: int = DEFAULTS.min_rows,
-    skip: Collection[int] = (),
-) -> list[list[Hypothesis]]:
+) -> PerSource:
     """Per pair, in input order, [its Hypothesis]: the target's tokens (without EOS), its
     score (the sum of `token_log_probs`) and `token_log_probs` (one per token, EOS last);
     [] for a pair without a source, or one of `skip`.
@@ -156,18 +155,9 @@ def score_pairs(
         if progress is not None:
             progress(picked, found)
 
-    # As searches run (search/stages.py): batches on a few threads, so that a GPU computes
-    # one while the host reads another back, and a CPU's cores each run one.
-    streams = search_streams(sharding)
-    with concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="score") as pool:
-        running: dict[concurrent.futures.Future, list[int]] = {}
-        for chunk, width, rows in plan:
-            picked = [nonempty[j] for j in chunk]
-            running[pool.submit(score_one, picked, width, rows)] = picked
-            while len(running) > streams:
-                collect(running, finish, concurrent.futures.FIRST_COMPLETED)
-        while running:
-            collect(running, finish, concurrent.futures.ALL_COMPLETED)
+    # As searches run: batches on a few threads, so that a GPU computes one while the host
+    # reads another back, and a CPU's cores each run one.
+    run_batches(plan, nonempty, score_one, finish, search_streams(sharding), "score")
     return results
 
 

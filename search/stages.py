@@ -349,21 +349,34 @@ def run_stages(
         if progress is not None:
             progress(indices, hyps)
 
-    # Batches run on `streams` threads, a few more queued, and are read back as they end.
     streams = search_streams(sharding) if streams is None else streams
-    with concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="search") as pool:
-        running: dict[concurrent.futures.Future, list[int]] = {}
-        for chunk, width, rows in plan:
-            picked = [nonempty[j] for j in chunk]
-            running[pool.submit(search_one, picked, width, rows)] = picked
-            while len(running) > streams:
-                collect(running, finish, concurrent.futures.FIRST_COMPLETED)
-        while running:
-            collect(running, finish, concurrent.futures.ALL_COMPLETED)
+    run_batches(plan, nonempty, search_one, finish, streams, "search")
     return results
 
 
-def collect(running: dict, finish: Callable, when: str) -> None:
+def run_batches(
+    plan: Plan,
+    nonempty: Sequence[int],
+    work: Callable[[list[int], int, int], Any],
+    finish: Callable[[Any, list[int]], None],
+    streams: int,
+    name: str,
+) -> None:
+    """work(picked, width, rows) for each batch of `plan` (picked: its indices into all
+    sources) on `streams` threads, a few more queued; finish(result, picked) on this
+    thread as each ends (one thread: in the plan's order)."""
+    with concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix=name) as pool:
+        running: dict[concurrent.futures.Future, list[int]] = {}
+        for chunk, width, rows in plan:
+            picked = [nonempty[j] for j in chunk]
+            running[pool.submit(work, picked, width, rows)] = picked
+            while len(running) > streams:
+                _collect(running, finish, concurrent.futures.FIRST_COMPLETED)
+        while running:
+            _collect(running, finish, concurrent.futures.ALL_COMPLETED)
+
+
+def _collect(running: dict, finish: Callable, when: str) -> None:
     """Wait for some of the `running` batches (`when`), and finish those that ended."""
     ended, _ = concurrent.futures.wait(running, return_when=when)
     for future in ended:

@@ -36,7 +36,7 @@ from attention_jax import Transformer
 from attention_jax.search import decoding, likelihood, programs, segments
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
-from attention_jax.search.hypothesis import Hypothesis, hypotheses
+from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource, hypotheses
 from attention_jax.search.rows import shrinks
 from attention_jax.search.settings import Rule, SearchSettings
 from attention_jax.search.stages import (
@@ -84,12 +84,8 @@ class Backend(Protocol):
     ) -> list[list[Hypothesis]]: ...
 
     def score(
-        self,
-        sources: Sequence[Sequence[int]],
-        given: Sequence[Sequence[int]],
-        progress: Progress | None = None,
-        skip: Collection[int] = (),
-    ) -> list[list[Hypothesis]]: ...
+        self, sources: IdLists, given: IdLists, progress: Progress | None = None, skip: Indices = ()
+    ) -> PerSource: ...
 
 
 def vocab_limit(tokenizer_size: int, config: Any) -> int | None:
@@ -277,12 +273,8 @@ class LiveTranslator:
         prepare_plan(self.search(), plan, self.max_len, self.sharding, targets)
 
     def score(
-        self,
-        sources: Sequence[Sequence[int]],
-        given: Sequence[Sequence[int]],
-        progress: Progress | None = None,
-        skip: Collection[int] = (),
-    ) -> list[list[Hypothesis]]:
+        self, sources: IdLists, given: IdLists, progress: Progress | None = None, skip: Indices = ()
+    ) -> PerSource:
         """Given translations (EOS-terminated ids) of the sources, scored: per pair
         [Hypothesis(tokens, score, token_log_probs)] (search/likelihood.py `score_pairs`)."""
         return likelihood.score_pairs(
@@ -358,12 +350,8 @@ class PlanOnlyTranslator:
         )
 
     def score(
-        self,
-        sources: Sequence[Sequence[int]],
-        given: Sequence[Sequence[int]],
-        progress: Progress | None = None,
-        skip: Collection[int] = (),
-    ) -> list[list[Hypothesis]]:
+        self, sources: IdLists, given: IdLists, progress: Progress | None = None, skip: Indices = ()
+    ) -> PerSource:
         """`LiveTranslator.score`'s batches with every log-probability 0."""
         zeros = lambda src, tgt: jax.numpy.zeros(tgt.shape, np.float32)
         return likelihood.score_pairs(

@@ -330,3 +330,37 @@ def test_two_processes_killed_mid_chunk_go_on_and_write_one_output(
     assert "were done by an earlier run" in done[0].stderr.decode()
     same_translations(out.read_bytes(), plain)
     assert sorted(os.listdir(tmp_path)) == ["out.en"]
+
+
+@pytest.mark.slow  # ~20 s; one process's resumed scoring is in make test (test_score.py)
+def test_two_processes_score_killed_mid_chunk_go_on_and_write_one_processs_scores(
+    workdir, lines, tmp_path
+):
+    """--score over two processes, both SIGKILLed once process 0's journal holds a few
+    batches: the same command goes on and writes one process's scores (to float32
+    rounding: the rows are split over two devices)."""
+    import json
+
+    given = tmp_path / "given.en"
+    given.write_text("".join(t + "\n" for _, t in digit_pairs(np.random.default_rng(21), 120)))
+    out, alone = tmp_path / "out.jsonl", tmp_path / "alone.jsonl"
+    args = [f"--workdir={workdir}", f"--input={lines}", f"--score={given}", "--batch_tokens=64"]
+    assert run_decode(*args, f"--output={alone}").returncode == 0
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = _start(2, lambda i: [*args, f"--output={out}"], **quiet)
+    journal = tmp_path / "out.jsonl.partial.journal"
+    deadline = time.time() + 240
+    while time.time() < deadline and procs[0].poll() is None:
+        if journal.exists() and len(journal.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    for p in procs:
+        p.kill()
+        p.wait()
+    assert not out.exists() and journal.exists(), "the job ended before it was killed"
+    for r in _processes(2, lambda i: [*args, f"--output={out}"]):
+        assert r.returncode == 0, r.stderr.decode()
+    rows = lambda path: [json.loads(x) for x in path.read_text().splitlines()]
+    for got, want in zip(rows(out), rows(alone), strict=True):
+        assert got["tokens"] == want["tokens"]
+        np.testing.assert_allclose(got["token_log_probs"], want["token_log_probs"], atol=1e-5)

@@ -196,6 +196,7 @@ def test_the_library_scores_as_decode_py(workdir, pairs_files):
         Translator(workdir).score(["eins", "zwei"], ["one"])
 
 
+@pytest.mark.slow  # ~15 s (a child killed); translation's resume is in make test
 def test_streamed_chunks_and_a_resume_after_sigkill_give_an_uninterrupted_runs_output(
     pairs_files,
 ):

@@ -44,6 +44,7 @@ def test_a_paragraph_gives_the_words_of_its_sentences_translated_one_by_one(work
     assert again.stdout == para.stdout
 
 
+@pytest.mark.slow  # ~15 s (three jobs); one output line per input line: the paragraph test
 def test_no_line_is_shifted_or_dropped(workdir, tmp_path):
     """The hostile input (empty, blank, bad UTF-8, CRLF and over-long lines): one output
     line per input line; a line of one sentence as --long_lines=truncate translates it,
