@@ -212,11 +212,8 @@ class DecodeOptions:
                 "--marian for --constraints (it honours --prefix)"
             )
         if self.long_lines == "split":
-            raise UserError(f"{', '.join(given)} need --long_lines=truncate (one piece a line)")
-        if self.long_lines == "sentences" and self.constraints:
             raise UserError(
-                "--constraints need --long_lines=truncate: a line's phrases are not yet "
-                "shared out among its sentences (--prefix works: its first sentence)"
+                f"{', '.join(given)} need --long_lines=truncate or sentences (not split)"
             )
 
     def _check_marian(self) -> None:

@@ -45,6 +45,7 @@ from attention_jax.inference.output import Journal
 from attention_jax.inference.plots import plot_lines
 from attention_jax.inference.progress import Meter
 from attention_jax.inference.scores import EncodedPairs, encode_pairs, score_segments
+from attention_jax.inference.sentences import phrases_met, share_phrases
 from attention_jax.inference.targets import EncodedLines, encode_chunk, keep_user_texts
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
@@ -220,16 +221,18 @@ def translate_chunk(
 
     if isinstance(chunk.encoded, EncodedPairs):
         return score_segments(job.translator, chunk.encoded, progress, known)
+    encoded = share_phrases(job.translator, chunk.encoded)  # a line's phrases among its sentences
     translated = translate_segments(
         job.translator,
         job.tokenizer,
-        chunk.encoded.segments,
-        chunk.encoded.line_tokens,
+        encoded.segments,
+        encoded.line_tokens,
         progress,
         known,
-        chunk.encoded.targets,
+        encoded.targets,
     )
-    keep_user_texts(translated.hypotheses, chunk.encoded.user)  # '…' as written, not '...'
+    phrases_met(translated.hypotheses, encoded)
+    keep_user_texts(translated.hypotheses, encoded.user)  # '…' as written, not '...'
     if job.alignment:
         with timing.phase("alignment"):
             add_alignments(job.model, job.tokenizer, translated)

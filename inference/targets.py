@@ -74,6 +74,7 @@ class EncodedLines:
     # per line, its prefix and phrases as decoded and as written, where they differ
     # (`user_texts`; None: nowhere)
     user: list[list[tuple[str, str, bool]]] | None = None
+    phrases: list[list[list[int]]] | None = None  # per line, its phrases' ids
 
 
 def encode_chunk(
@@ -90,9 +91,10 @@ def encode_chunk(
 ) -> EncodedLines:
     """`lines` encoded into segments (a line longer than max_length truncated, or with
     `split` cut; with `sentences`, a segment per sentence), with the targets of their
-    lines' prefixes and phrases: a line's prefix is its first segment's (phrases need one
-    segment a line: `split` and sentences are refused with them). The one encoding of
-    decode.py's chunks and of the library's `Translator`."""
+    lines' prefixes and phrases: a line's prefix and phrases are its first segment's
+    (`split` is refused with them; inference/sentences.py `share_phrases` gives each
+    phrase of a line of sentences to one of them). The one encoding of decode.py's
+    chunks and of the library's `Translator`."""
     segments, line_tokens, num_long = encode_lines(tokenizer, lines, max_length, split, sentences)
     if prefix_lines is None and constraint_lines is None:
         return EncodedLines(segments, line_tokens, num_long, None)
@@ -105,7 +107,7 @@ def encode_chunk(
     )
     targets = Targets.of(settings, pick(prefixes), pick(phrases))
     user = user_texts(tokenizer, prefix_lines, constraint_lines, prefixes, phrases)
-    return EncodedLines(segments, line_tokens, num_long, targets, user)
+    return EncodedLines(segments, line_tokens, num_long, targets, user, phrases)
 
 
 def user_texts(

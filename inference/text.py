@@ -32,7 +32,7 @@ from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import translate_segments
 from attention_jax.inference.options import LONG_LINES, DecodeOptions
 from attention_jax.inference.scores import encode_pairs, score_segments
-from attention_jax.inference.sentences import splitter_for
+from attention_jax.inference.sentences import phrases_met, share_phrases, splitter_for
 from attention_jax.inference.targets import EncodedLines, encode_chunk, keep_user_texts
 from attention_jax.inference.translators import Loaded, open_translator, reconfigure
 from attention_jax.search.settings import SearchSettings
@@ -185,10 +185,12 @@ class Translator:
                 loaded, lines, prefixes, constraints, max_length=max_length,
                 long_lines=long_lines, source_lang=source_lang,
             )  # fmt: skip
+            chunk = share_phrases(loaded.translator, chunk)
             done = translate_segments(
                 loaded.translator, loaded.tokenizer, chunk.segments, chunk.line_tokens,
                 targets=chunk.targets,
             )  # fmt: skip
+            phrases_met(done.hypotheses, chunk)
             keep_user_texts(done.hypotheses, chunk.user)
         return [_result(line) for line in done.hypotheses]
 
@@ -254,10 +256,8 @@ def _encode(
     """The lines as decode.py encodes a chunk (inference/targets.py `encode_chunk`)."""
     if long_lines not in LONG_LINES:
         raise UserError(f"long_lines must be one of {LONG_LINES}, got {long_lines!r}")
-    if (prefixes and long_lines == "split") or (constraints and long_lines != "truncate"):
-        raise UserError(
-            "prefixes need long_lines='truncate' or 'sentences', constraints 'truncate'"
-        )
+    if (prefixes or constraints) and long_lines == "split":
+        raise UserError("prefixes and constraints need long_lines='truncate' or 'sentences'")
     max_length = _max_length(max_length, loaded.translator.max_len)
     phrases = None if constraints is None else ["\t".join(c) for c in constraints]
     return encode_chunk(

@@ -81,18 +81,40 @@ def test_prefixes_apply_to_a_lines_first_sentence(workdir, tmp_path):
     assert lines[0].startswith("nine")
 
 
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--constraints={d}/in.de"], "--constraints need --long_lines=truncate"),
-        (["--score={d}/in.de"], "drop --long_lines=sentences"),
-    ],
-)
-def test_what_sentences_cannot_do_is_refused_in_one_line(workdir, tmp_path, flags, message):
-    (tmp_path / "in.de").write_text("eins. zwei.\n")
+def test_a_lines_phrase_is_met_once_in_the_sentence_that_makes_it_likeliest(workdir, tmp_path):
+    """Each phrase goes to the sentence under which the model gives its tokens the highest
+    log-probability (found here with Translator.score): the line is each sentence
+    translated with the phrases it got, and constraints_met is per phrase of the line."""
+    import json
+
+    from attention_jax import Translator
+
+    sentences = ["Eins zwei drei.", "Vier sieben fünf.", "Sechs acht."]
+    phrases = ["seven", "six"]
+    (tmp_path / "para.de").write_text(" ".join(sentences) + "\n")
+    (tmp_path / "terms.tsv").write_text("\t".join(phrases) + "\n")
+    r = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'para.de'}",
+                   "--long_lines=sentences", f"--constraints={tmp_path / 'terms.tsv'}",
+                   "--output_format=jsonl")  # fmt: skip
+    assert r.returncode == 0, r.stderr.decode()
+    best = json.loads(r.stdout.decode())["hypotheses"][0]
+    assert best["constraints_met"] == [True, True]
+    scorer, given = Translator(workdir), [[] for _ in sentences]
+    for phrase in phrases:  # the first of the likeliest, EOS left out
+        logp = [sum(r.token_log_probs[:-1]) for r in scorer.score(sentences, [phrase] * 3)]
+        given[int(np.argmax(logp))].append(phrase)
+    (tmp_path / "one.de").write_text("".join(s + "\n" for s in sentences))
+    (tmp_path / "one.tsv").write_text("".join("\t".join(g) + "\n" for g in given))
+    alone = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'one.de'}",
+                       f"--constraints={tmp_path / 'one.tsv'}")  # fmt: skip
+    assert best["text"] == " ".join(alone.stdout.decode().split("\n")[:-1])
+
+
+def test_scores_of_sentences_are_refused_in_one_line(workdir, tmp_path):
+    (tmp_path / "in.de").write_text("Eins. Zwei.\n")
     r = run_decode(f"--workdir={workdir}", f"--input={tmp_path / 'in.de'}",
-                   "--long_lines=sentences", *[f.format(d=tmp_path) for f in flags])  # fmt: skip
-    assert r.returncode == 1 and message in r.stderr.decode()
+                   "--long_lines=sentences", f"--score={tmp_path / 'in.de'}")  # fmt: skip
+    assert r.returncode == 1 and "drop --long_lines=sentences" in r.stderr.decode()
     assert len(r.stderr.decode().strip().splitlines()) == 1
 
 

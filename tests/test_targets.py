@@ -115,7 +115,7 @@ def test_eight_devices_write_the_single_devices_output(workdir, files):
          "more than --constraint_tokens=2"),
         ({}, ["--prefix={d}/missing"], "--prefix {d}/missing does not exist"),
         ({"t.tsv": "one\n\n"}, ["--constraints={d}/t.tsv", "--long_lines=split"],
-         "need --long_lines=truncate"),
+         "need --long_lines=truncate or sentences"),
         ({"t.tsv": "one\n\n"}, ["--constraints={d}/t.tsv", "--max_constraints=0"],
          "--max_constraints must be >= 1"),
     ],
