@@ -6,6 +6,7 @@ cache or the search); and a model alone, which an ensemble of it with itself mus
 match bit for bit.
 """
 
+import json
 import os
 import shutil
 
@@ -130,13 +131,19 @@ def lines(tmp_path_factory):
     (d / "in.de").write_text("".join(s + "\n" for s, _ in pairs) + "\n")  # and an empty line
     (d / "prefix.en").write_text("".join(t.split()[0] + "\n" for _, t in pairs) + "\n")
     (d / "ref.en").write_text("".join(t + "\n" for _, t in pairs) + "\n")
+    (d / "terms.tsv").write_text("".join(t.split()[-1] + "\n" for _, t in pairs) + "\n")
     return d
 
 
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--output_format=jsonl", "--n_best=2", "--prefix={d}/prefix.en"],
+        [
+            "--output_format=jsonl",
+            "--n_best=2",
+            "--prefix={d}/prefix.en",
+            "--constraints={d}/terms.tsv",
+        ],
         # make test has these over an Ensemble in memory (score_ids, translate_greedy)
         pytest.param(["--score={d}/ref.en"], marks=pytest.mark.slow),
         pytest.param(["--beam_size=1"], marks=pytest.mark.slow),
@@ -149,6 +156,25 @@ def test_decode_py_with_a_workdir_twice_writes_what_it_writes_with_it_once(workd
     assert once.returncode == 0 and twice.returncode == 0, twice.stderr.decode()
     assert twice.stdout == once.stdout
     assert "from an ensemble of" in twice.stderr.decode()
+
+
+@pytest.mark.slow  # a child with 8 CPU devices
+def test_an_ensemble_on_every_device_writes_what_one_device_writes(workdir, lines):
+    args = [f"--workdir={workdir},{workdir}", f"--input={lines / 'in.de'}", "--n_best=2",
+            "--output_format=jsonl"]  # fmt: skip
+    one = run_decode(*args)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    eight = run_decode(*args, env={**os.environ, "XLA_FLAGS": flags})
+    assert one.returncode == 0 and eight.returncode == 0, eight.stderr.decode()
+    from attention_jax.training.workdir import load_workdir
+    from tests.parity import NearTies, source_ids
+
+    tokens = lambda r: [[h["tokens"] for h in json.loads(x)["hypotheses"]]
+                        for x in r.stdout.decode().splitlines()]  # fmt: skip
+    model, config, _, tokenizer = load_workdir(workdir)
+    sources = source_ids(tokenizer, (lines / "in.de").read_bytes(), config.max_length)
+    result = NearTies(Ensemble([model, model])).compare(sources, tokens(eight), tokens(one))
+    assert result.ok, result.report()
 
 
 def test_the_library_takes_a_list_of_workdirs(workdir):
