@@ -43,7 +43,7 @@ from flax import nnx
 
 from attention_jax.common import distributed
 from attention_jax.common.errors import UserError
-from attention_jax.training import steps
+from attention_jax.training import retention, steps
 from attention_jax.training.checkpoint_errors import (
     DAMAGED,
     WriteErrors,
@@ -150,42 +150,6 @@ class StructureMismatch(UserError):
 # --- The manager -----------------------------------------------------------------
 
 
-# config.best_metric -> (the dev metric, which way is better)
-BEST_METRICS = {
-    "chrf": ("eval_chrf", "max"),
-    "bleu": ("eval_bleu", "max"),
-    "loss": ("eval_loss", "min"),
-}
-
-
-def _rank(best_metric: str) -> Any:
-    """metrics -> the sort key Orbax ranks checkpoints by (the larger, the better kept):
-    the metric (worst for a checkpoint saved without an evaluation), then the earlier
-    step among equal ones, as the first to reach a value is the best in training."""
-    key, mode = BEST_METRICS[best_metric]
-    sign = 1.0 if mode == "max" else -1.0
-    return lambda metrics: (sign * metrics.get(key, -sign * float("inf")), -metrics["step"])
-
-
-def _options(max_to_keep: int | None, best_metric: str | None, create: bool) -> Any:
-    """Orbax's options: the last `max_to_keep` checkpoints (None: all), and with a
-    best_metric the best evaluated one too (Orbax's preservation policies)."""
-    common = dict(create=create, enable_async_checkpointing=True, todelete_subdir=TRASH_DIR)
-    if best_metric is None:
-        return ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, **common)
-    policies = ocp.checkpoint_managers
-    keep = policies.AnyPreservationPolicy(
-        [
-            policies.LatestN(n=max_to_keep),
-            policies.BestN(get_metric_fn=_rank(best_metric), n=1,
-                           keep_checkpoints_without_metrics=False),
-        ]
-    )  # fmt: skip
-    return ocp.CheckpointManagerOptions(
-        best_fn=_rank(best_metric), best_mode="max", preservation_policy=keep, **common
-    )
-
-
 class Checkpoints:
     """`ocp.CheckpointManager` over WORKDIR/checkpoints with our three items; with a
     `best_metric` (config.best_metric), the checkpoint of the best dev evaluation is kept
@@ -203,7 +167,7 @@ class Checkpoints:
         self.best_metric = best_metric
         self._orbax = ocp.CheckpointManager(
             self.directory,
-            options=_options(max_to_keep, best_metric, create),
+            options=retention.manager_options(max_to_keep, best_metric, create, TRASH_DIR),
             item_names=("params", "train", "data"),
         )
 
@@ -214,7 +178,7 @@ class Checkpoints:
             return None
         step = self._orbax.best_step()
         metrics = None if step is None else self._orbax.metrics(step)
-        key, _ = BEST_METRICS[self.best_metric]
+        key, _ = retention.BEST_METRICS[self.best_metric]
         return None if not metrics or key not in metrics else (step, metrics)
 
     def all_steps(self) -> list[int]:

@@ -40,7 +40,7 @@ from attention_jax.common import distributed, log
 from attention_jax.common.errors import UserError
 from attention_jax.training import checkpoints as ckpt
 from attention_jax.training import config as config_lib
-from attention_jax.training import evaluate, init_from, metrics, steps
+from attention_jax.training import evaluate, init_from, metrics, retention, steps
 from attention_jax.training.input import ShardedInput
 from attention_jax.training.mesh import batch_divisor, make_mesh, shard_batch
 from attention_jax.training.resume import RunTotals, previous_run, restore_or_init
@@ -133,7 +133,7 @@ class _Evaluation:
         """Count the evaluation `metrics` of `step` in `totals` (config.best_metric's best,
         and the evaluations since): whether it is a new best. Process 0's metrics decide,
         so that every process keeps and stops at the same step."""
-        key, _ = ckpt.BEST_METRICS[self.setup.config.best_metric]
+        key, _ = retention.BEST_METRICS[self.setup.config.best_metric]
         value = distributed.allgather_json(float(metrics[key]))[0]
         return totals.evaluated(self.setup.config.best_metric, {key: value}, step)
 
@@ -216,7 +216,7 @@ class _Saving:
         position = {"iterators": self.inputs.global_state()}
         metrics = None
         if evaluated is not None:
-            keys = [key for key, _ in ckpt.BEST_METRICS.values()]
+            keys = [key for key, _ in retention.BEST_METRICS.values()]
             metrics = {k: float(evaluated[k]) for k in keys if k in evaluated}
         totals = dataclasses.asdict(training.totals)
         self.checkpoints.save(training.state, {**position, **totals}, metrics)

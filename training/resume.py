@@ -28,7 +28,7 @@ from attention_jax.common.errors import UserError
 from attention_jax.data.files import atomic_write
 from attention_jax.training import checkpoints as ckpt
 from attention_jax.training import config as config_lib
-from attention_jax.training import init_from, metrics, steps
+from attention_jax.training import init_from, metrics, retention, steps
 from attention_jax.training.input import ShardedInput
 
 _log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class RunTotals:
 
     def evaluated(self, best_metric: str, metrics: dict[str, Any], step: int) -> bool:
         """Count a dev evaluation at `step`: whether it is a new best (strictly better)."""
-        key, mode = ckpt.BEST_METRICS[best_metric]
+        key, mode = retention.BEST_METRICS[best_metric]
         value = float(metrics[key])
         better = self.best is None or (value > self.best if mode == "max" else value < self.best)
         if better:
