@@ -213,6 +213,23 @@ def _processes(n: int, args_of) -> list[subprocess.CompletedProcess]:
     return out
 
 
+def _killed_once_journaled(args: list[str], out, batches: int) -> None:
+    """Two decode.py processes of one job (`args`, writing `out`), both SIGKILLed once
+    process 0's journal holds `batches` batches."""
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = _start(2, lambda i: args, **quiet)
+    journal = out.parent / f"{out.name}.partial.journal"
+    deadline = time.time() + 240
+    while time.time() < deadline and procs[0].poll() is None:
+        if journal.exists() and len(journal.read_text().splitlines()) >= batches:
+            break
+        time.sleep(0.02)
+    for p in procs:
+        p.kill()
+        p.wait()
+    assert not out.exists() and journal.exists(), "the job ended before it was killed"
+
+
 @pytest.mark.slow  # ~6 s: test_two_processes_killed_mid_chunk_... writes it in make test
 def test_two_processes_write_one_output_identical_to_one_process(
     workdir,
@@ -312,18 +329,7 @@ def test_two_processes_killed_mid_chunk_go_on_and_write_one_output(
     what it lacks) and writes the uninterrupted run's output, never a mixed file."""
     out = tmp_path / "out.en"
     args = [f"--workdir={workdir}", f"--input={lines}", f"--output={out}", *SMALL]
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    procs = _start(2, lambda i: args, **quiet)
-    journal = tmp_path / "out.en.partial.journal"
-    deadline = time.time() + 240
-    while time.time() < deadline and procs[0].poll() is None:
-        if journal.exists() and len(journal.read_text().splitlines()) >= 4:
-            break
-        time.sleep(0.02)
-    for p in procs:
-        p.kill()
-        p.wait()
-    assert not out.exists() and journal.exists(), "the job ended before it was killed"
+    _killed_once_journaled(args, out, batches=4)
     done = _processes(2, lambda i: args)
     for r in done:
         assert r.returncode == 0, r.stderr.decode()
@@ -346,18 +352,7 @@ def test_two_processes_score_killed_mid_chunk_go_on_and_write_one_processs_score
     out, alone = tmp_path / "out.jsonl", tmp_path / "alone.jsonl"
     args = [f"--workdir={workdir}", f"--input={lines}", f"--score={given}", "--batch_tokens=64"]
     assert run_decode(*args, f"--output={alone}").returncode == 0
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    procs = _start(2, lambda i: [*args, f"--output={out}"], **quiet)
-    journal = tmp_path / "out.jsonl.partial.journal"
-    deadline = time.time() + 240
-    while time.time() < deadline and procs[0].poll() is None:
-        if journal.exists() and len(journal.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
-    for p in procs:
-        p.kill()
-        p.wait()
-    assert not out.exists() and journal.exists(), "the job ended before it was killed"
+    _killed_once_journaled([*args, f"--output={out}"], out, batches=3)
     for r in _processes(2, lambda i: [*args, f"--output={out}"]):
         assert r.returncode == 0, r.stderr.decode()
     rows = lambda path: [json.loads(x) for x in path.read_text().splitlines()]
