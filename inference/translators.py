@@ -69,13 +69,11 @@ def _open_workdir(options: DecodeOptions) -> Loaded:
     rows, replicated = devices.shardings()
     if len(options.workdirs) > 1:
         return _open_ensemble(options, rows, replicated)
+    (workdir,) = options.workdirs
     model, config, step, tokenizer = load_workdir(
-        options.workdir,
-        step=options.step,
-        average_last=options.average_last,
-        sharding=replicated,
+        workdir, step=options.step, average_last=options.average_last, sharding=replicated
     )
-    identity = workdir_identity(options.workdir, step, options.average_last)
+    identity = workdir_identity(workdir, step, options.average_last)
     translator = _live(options, model, tokenizer, rows)
     return Loaded(translator, tokenizer, f"step {step}", model, config, identity)
 
