@@ -39,8 +39,8 @@ import sys  # noqa: E402
 
 from absl import app, flags, logging  # noqa: E402
 
-from attention_jax.common import process_flags  # noqa: E402 (defines the process's flags)
 from attention_jax.inference import cli  # noqa: E402 (defines the job's flags)
+from attention_jax.runtime import process_flags  # noqa: E402 (defines the process's flags)
 
 FLAGS = cli.FLAGS
 flags.adopt_module_key_flags(cli)  # --help lists them as decode.py's
@@ -49,7 +49,7 @@ flags.adopt_module_key_flags(process_flags)
 
 def start_processes() -> None:
     """jax.distributed for a job of several processes (before JAX starts a backend)."""
-    from attention_jax.common import distributed
+    from attention_jax.runtime import distributed
 
     distributed.initialize(*process_flags.where(), mode=process_flags.DISTRIBUTED.value)
 
@@ -60,8 +60,8 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
     logging.set_verbosity(logging.WARNING)  # Orbax logs every checkpoint read at INFO
     # Imported here so that `--help` and flag errors are fast and JAX-free.
-    from attention_jax.common import log, xla
-    from attention_jax.common.errors import UserError
+    from attention_jax.runtime import log, xla
+    from attention_jax.runtime.errors import UserError
 
     xla.set_gpu_flags()  # before JAX initializes a backend
     log.setup()

@@ -23,7 +23,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from attention_jax.common import process_flags  # the flags train.py shares with decode.py
+from attention_jax.runtime import process_flags  # the flags train.py shares with decode.py
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs, tokenizer.")
@@ -86,8 +86,8 @@ def _compile_for() -> int:
     hardware.prepare_environment(target)  # before JAX starts a backend
     from attention_jax.aot import fit
     from attention_jax.aot import report as aot_report
-    from attention_jax.common import log, xla
-    from attention_jax.common.errors import UserError
+    from attention_jax.runtime import log, xla
+    from attention_jax.runtime.errors import UserError
     from attention_jax.training.init_from import adopt_model
 
     xla.set_gpu_flags()  # what train.py runs with on a GPU
@@ -132,15 +132,15 @@ def main(argv: list[str]) -> None:
     if not _WORKDIR.value:
         print("error: --workdir is required (or --compile_for=TARGET)", file=sys.stderr)
         sys.exit(1)
-    from attention_jax.common import xla
+    from attention_jax.runtime import xla
 
     xla.set_gpu_flags()  # before JAX initializes a backend
     cache = process_flags.CACHE.value
     cache = xla.default_cache_dir() if cache is None else cache
     cache = xla.enable_compilation_cache(cache)
     # Imported here so that `--help` and flag errors are fast and JAX-free.
-    from attention_jax.common import distributed, log
-    from attention_jax.common.errors import UserError
+    from attention_jax.runtime import distributed, log
+    from attention_jax.runtime.errors import UserError
     from attention_jax.search import programs
     from attention_jax.training import train_and_evaluate
 

@@ -31,7 +31,7 @@ import re
 
 import jax
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 
 GIB = 1024**3
 GB = 1000**3

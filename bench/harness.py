@@ -25,7 +25,7 @@ DECODE_SUMMARY = re.compile(
 
 
 def set_gpu_flags() -> None:
-    from attention_jax.common.xla import set_gpu_flags as set_flags
+    from attention_jax.runtime.xla import set_gpu_flags as set_flags
 
     set_flags()
 

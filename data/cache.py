@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from attention_jax.common.cpus import usable_cpus
 from attention_jax.data import files
 from attention_jax.data.corpora import read_pairs
 from attention_jax.data.tokenized import (
@@ -55,6 +54,7 @@ from attention_jax.data.tokenized import (
     id_dtype,
     len_dtype,
 )
+from attention_jax.runtime.cpus import usable_cpus
 
 # Bump when the layout or the tokenization rules change: every cache is keyed on it.
 CACHE_VERSION = 1

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from attention_jax.common.errors import UserError
 from attention_jax.data import tsv
 from attention_jax.data.files import atomic_write_bytes, cache_dir
 from attention_jax.data.tsv import TsvCorpus
+from attention_jax.runtime.errors import UserError
 
 DING_PATH = "/usr/share/trans/de-en"
 # Bump when the parser changes: the prepared-corpus cache is keyed on it.

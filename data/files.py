@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 
 MANIFEST = "manifest.json"
 # Another host's temporary directory untouched for this long belongs to a dead build

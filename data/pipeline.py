@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from attention_jax.common.errors import UserError
 from attention_jax.data.batches import assemble_bucketed, assemble_packed
 from attention_jax.data.cache import ShardSpec, tokenized_shard
 from attention_jax.data.plan_cache import EpochPlans, PlanSpec
@@ -52,6 +51,7 @@ from attention_jax.data.tokenized import (
     release_pages,
 )
 from attention_jax.data.tokenizer import Tokenizer
+from attention_jax.runtime.errors import UserError
 
 # grain is imported where it is used, and JAX never: the cache's worker processes
 # import this package and need neither (each would cost them start-up time and memory).

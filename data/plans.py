@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 
 # The narrowest bucket, and the step between bucket widths up to 12 steps wide
 # (48 tokens); from there the step doubles whenever the width doubles.

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from attention_jax.common.errors import UserError
 from attention_jax.data.files import drop_mapped_pages
+from attention_jax.runtime.errors import UserError
 
 # Arrays of a tokenized corpus, in the order of TokenizedCorpus's fields.
 FIELDS = ("src_flat", "src_start", "src_len", "tgt_flat", "tgt_start", "tgt_len", "index")

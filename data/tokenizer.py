@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from attention_jax.common.errors import UserError
 from attention_jax.data.corpora import read_pairs
 from attention_jax.data.files import atomic_write_bytes
+from attention_jax.runtime.errors import UserError
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID, visible
 
 TOKENIZER_FILENAME = "tokenizer.model"

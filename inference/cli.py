@@ -1,7 +1,7 @@
 """decode.py's flags: one per `DecodeOptions` field, of the field's name and default, one
 per search setting (derived from search/settings.py `SearchSettings`: its name, type,
 default, choices and help); the process's (jax.distributed, the compilation cache) are
-common/process_flags.py's, as train.py's. Importing this module defines them; only
+runtime/process_flags.py's, as train.py's. Importing this module defines them; only
 decode.py does.
 
 Kept apart from inference/options.py so that `--help` and flag errors load absl alone,
@@ -135,7 +135,7 @@ for _field in SearchSettings.fields(flag=True):
 
 # Every flag of this module is the DecodeOptions field of its name, with the field's
 # default, or a search setting (tests/test_stream_parts.py checks names, defaults and
-# choices); the process's are common/process_flags.py's.
+# choices); the process's are runtime/process_flags.py's.
 
 
 def job_flags() -> list[str]:

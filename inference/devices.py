@@ -21,8 +21,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from attention_jax.common.errors import UserError
 from attention_jax.inference.output import PartialOutput, StreamOutput, differences, open_output
+from attention_jax.runtime.errors import UserError
 
 
 def shardings() -> tuple[NamedSharding | None, NamedSharding | None]:
@@ -57,7 +57,7 @@ def from_main(value: Any) -> Any:
     """Process 0's `value`, on every process (one collective; all must call it)."""
     if jax.process_count() == 1:
         return value
-    from attention_jax.common.distributed import allgather_json
+    from attention_jax.runtime.distributed import allgather_json
 
     return allgather_json(value)[0]
 
@@ -66,7 +66,7 @@ def check_same_job(job: dict[str, Any] | None) -> None:
     """UserError on every process unless all of them describe the same job."""
     if jax.process_count() == 1:
         return
-    from attention_jax.common.distributed import allgather_json
+    from attention_jax.runtime.distributed import allgather_json
 
     jobs = allgather_json(job)
     for index, other in enumerate(jobs[1:], start=1):

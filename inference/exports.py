@@ -15,10 +15,10 @@ import sys
 import time
 
 from attention_jax.backends.stablehlo import export_translator
-from attention_jax.common.errors import UserError
 from attention_jax.inference import devices
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.translators import Loaded, open_translator, require_ctranslate2
+from attention_jax.runtime.errors import UserError
 
 
 def write_translator(options: DecodeOptions) -> None:

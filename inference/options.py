@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from attention_jax.backends.ct2_export import DEVICES, QUANTIZATIONS
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 from attention_jax.search.settings import CT2_BATCH_TOKENS, SearchSettings, default_batch_tokens
 
 LONG_LINES = ("truncate", "split", "sentences")

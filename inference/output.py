@@ -41,8 +41,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-from attention_jax.common.errors import UserError
 from attention_jax.data.files import atomic_write
+from attention_jax.runtime.errors import UserError
 from attention_jax.search.hypothesis import Hypothesis
 
 PARTIAL = ".partial"  # the output while it is written

@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 
-from attention_jax.common.errors import UserError
 from attention_jax.data import load_split
 from attention_jax.inference import devices
 from attention_jax.inference.lines import LineReader, count_lines
@@ -45,6 +44,7 @@ from attention_jax.inference.translators import (
     open_translator,
     require_ctranslate2,
 )
+from attention_jax.runtime.errors import UserError
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
 from attention_jax.search.settings import DEFAULTS

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from attention_jax import EOS_ID
-from attention_jax.common.errors import UserError
 from attention_jax.inference import devices
 from attention_jax.inference.targets import EncodedLines
+from attention_jax.runtime.errors import UserError
 
 
 def sentence_splitter(language: str) -> Callable[[str], list[str]]:

@@ -31,7 +31,6 @@ from typing import Any, Protocol
 import jax
 
 from attention_jax import Transformer
-from attention_jax.common.errors import UserError
 from attention_jax.inference import devices
 from attention_jax.inference.alignment import add_alignments
 from attention_jax.inference.lines import (
@@ -47,6 +46,7 @@ from attention_jax.inference.progress import Meter
 from attention_jax.inference.scores import EncodedPairs, encode_pairs, score_segments
 from attention_jax.inference.sentences import phrases_met, share_phrases
 from attention_jax.inference.targets import EncodedLines, encode_chunk, keep_user_texts
+from attention_jax.runtime.errors import UserError
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
 from attention_jax.search.stages import output_tokens

@@ -19,8 +19,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import LineReader, Segment, encode_lines
+from attention_jax.runtime.errors import UserError
 from attention_jax.search.settings import SearchSettings
 from attention_jax.search.stages import Targets, prefix_room
 

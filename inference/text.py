@@ -28,13 +28,13 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import translate_segments
 from attention_jax.inference.options import LONG_LINES, DecodeOptions
 from attention_jax.inference.scores import encode_pairs, score_segments
 from attention_jax.inference.sentences import phrases_met, share_phrases, splitter_for
 from attention_jax.inference.targets import EncodedLines, encode_chunk, keep_user_texts
 from attention_jax.inference.translators import Loaded, open_translator, reconfigure
+from attention_jax.runtime.errors import UserError
 from attention_jax.search.settings import SearchSettings
 
 # What a directory holds -> the kind of model it is (the first that matches).
@@ -104,7 +104,7 @@ class Translator:
         min_length, batch_tokens, max_constraints, constraint_tokens, ...): the
         defaults of every call.
     Raises:
-      ValueError (attention_jax.common.errors.UserError) saying what is wrong.
+      ValueError (attention_jax.runtime.errors.UserError) saying what is wrong.
     """
 
     def __init__(
@@ -283,7 +283,7 @@ def _max_length(max_length: int | None, max_len: int) -> int:
 def _keep_programs(directory: str) -> None:
     """JAX's compilation cache and the search's program store in `directory`, as decode.py
     sets them ("default": its own)."""
-    from attention_jax.common import xla
+    from attention_jax.runtime import xla
     from attention_jax.search import programs
 
     cache = xla.default_cache_dir() if directory == "default" else directory

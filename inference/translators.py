@@ -15,7 +15,6 @@ from typing import Any
 
 from attention_jax import Transformer
 from attention_jax.backends.stablehlo import ExportedTranslator
-from attention_jax.common.errors import UserError
 from attention_jax.data import Tokenizer
 from attention_jax.data.files import files_identity
 from attention_jax.data.tokenizer import load_tokenizer
@@ -23,6 +22,7 @@ from attention_jax.ensemble import Ensemble
 from attention_jax.inference import devices
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.progress import warn
+from attention_jax.runtime.errors import UserError
 from attention_jax.search.translate import (
     Backend,
     LiveTranslator,

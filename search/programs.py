@@ -54,8 +54,8 @@ from typing import Any
 
 import jax
 
-from attention_jax.common.cpus import usable_cpus
 from attention_jax.data.files import atomic_write_bytes
+from attention_jax.runtime.cpus import usable_cpus
 from attention_jax.search import timing
 
 _directory: str | None = None

@@ -32,9 +32,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from attention_jax.common.cpus import usable_cpus
-from attention_jax.common.errors import UserError
 from attention_jax.data.plans import plan_translation
+from attention_jax.runtime.cpus import usable_cpus
+from attention_jax.runtime.errors import UserError
 from attention_jax.search import timing
 from attention_jax.search.constraints import Controls
 from attention_jax.search.hypothesis import hypotheses

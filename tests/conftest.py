@@ -35,7 +35,7 @@ TEST_CACHE = os.environ.get("ATTENTION_JAX_TEST_CACHE", os.path.join(ROOT, ".cac
 TEST_CACHE_BYTES = 2 << 30
 if TEST_CACHE != "off":
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(TEST_CACHE_BYTES)  # subprocesses too
-    from attention_jax.common import xla
+    from attention_jax.runtime import xla
 
     xla.enable_compilation_cache(TEST_CACHE)
     import jax
@@ -65,7 +65,7 @@ def _compilation_cache(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _log_to_stderr():
     """The project's log lines on stderr, as train.py and decode.py print them."""
-    from attention_jax.common import log
+    from attention_jax.runtime import log
 
     log.setup()
 
@@ -78,7 +78,7 @@ def _log_to_caplog():
     calls log.setup() again, which turns propagation off."""
     import logging
 
-    from attention_jax.common import log
+    from attention_jax.runtime import log
 
     logging.getLogger(log.ROOT_LOGGER).propagate = True
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from attention_jax.aot import fit, hardware, hlo
-from attention_jax.common.errors import UserError
 from attention_jax.data.plans import rows_per_batch
+from attention_jax.runtime.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from attention_jax import TransformerConfig
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 from attention_jax.training import load_config, validate
 
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from attention_jax.common.errors import UserError
 from attention_jax.configs import default
 from attention_jax.data import corpora, load_split
+from attention_jax.runtime.errors import UserError
 
 REAL_DING = corpora.DING_PATH
 

@@ -286,7 +286,7 @@ def test_shard_batch_on_eight_fake_devices():
 
 
 def test_budget_too_small_is_a_clear_error():
-    from attention_jax.common.errors import UserError
+    from attention_jax.runtime.errors import UserError
 
     with pytest.raises(UserError, match="batch_tokens"):
         TrainIterator(config(batch_tokens=64), TOK, make_corpus(), batch_multiple=4)

@@ -7,10 +7,10 @@ import pytest
 from ml_collections import ConfigDict
 
 from attention_jax import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from attention_jax.common.errors import UserError
 from attention_jax.configs import default
 from attention_jax.data import Tokenizer, get_tokenizer
 from attention_jax.data.corpora import ParallelCorpus
+from attention_jax.runtime.errors import UserError
 
 GERMAN = [
     "Grüße aus Köln, die Straße ist groß.",

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 from attention_jax.training import checkpoints, steps, train_and_evaluate
 from attention_jax.training.mesh import make_mesh, shard_batch
 from attention_jax.training.workdir import restore_model

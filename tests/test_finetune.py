@@ -121,8 +121,8 @@ def test_a_fine_tune_without_a_model_is_one_clear_line(tmp_path):
 
 
 def test_a_missing_model_or_a_workdir_with_another_tokenizer_is_refused(tmp_path):
-    from attention_jax.common.errors import UserError
     from attention_jax.configs import marian as marian_config
+    from attention_jax.runtime.errors import UserError
     from attention_jax.training import init_from
 
     config = marian_config.get_config()

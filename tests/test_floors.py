@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOORS = {
-    "common": 1,
+    "runtime": 1,
     "model": 1,
     "data": 2,
     "search": 3,

@@ -11,8 +11,8 @@ import pytest
 
 import attention_jax
 from attention_jax import Translator
-from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import output_text
+from attention_jax.runtime.errors import UserError
 from tests.decode_runs import run_decode
 from tests.digits import digit_pairs
 from tests.marian_files import opus_mt_directory

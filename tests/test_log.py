@@ -6,7 +6,7 @@ import logging
 import os
 import re
 
-from attention_jax.common import log
+from attention_jax.runtime import log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = [
@@ -25,7 +25,7 @@ def test_every_package_that_logs_is_routed_to_stderr():
                     with open(os.path.join(base, name), encoding="utf-8") as f:
                         if re.search(r"logging\.getLogger\(__name__\)", f.read()):
                             logging_packages.add(package)
-    assert {"training", "backends", "common"} <= logging_packages  # the scan sees them
+    assert {"training", "backends", "runtime"} <= logging_packages  # the scan sees them
     # Each package's loggers print under a tag of their own, not their raw name.
     named = {
         p: log.tag(f"attention_jax.{p}.x" if p != "model" else "attention_jax.x")
@@ -36,7 +36,7 @@ def test_every_package_that_logs_is_routed_to_stderr():
 
 def test_a_record_prints_as_one_tagged_line(capsys):
     log.setup()
-    logging.getLogger("attention_jax.common.distributed").error(
+    logging.getLogger("attention_jax.runtime.distributed").error(
         "another process of this job is gone"
     )
     logging.getLogger("attention_jax.training.loop").info("resumed from step 500")

@@ -16,8 +16,8 @@ import yaml
 
 from attention_jax import EOS_ID, shift_right
 from attention_jax.backends import marian
-from attention_jax.common.errors import UserError
 from attention_jax.data.tokenizer import MARIAN_VOCAB
+from attention_jax.runtime.errors import UserError
 from attention_jax.search.decoding import translate
 from attention_jax.search.scoring import EXTRA_DECODE_LEN
 from tests.marian_files import (

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = textwrap.dedent(
     """
     import json, sys
-    from attention_jax.common import distributed
+    from attention_jax.runtime import distributed
     pid, nproc, port, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     overrides = json.loads(sys.argv[5])
     if nproc > 1:
@@ -140,7 +140,7 @@ WIDTHS_WORKER = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from attention_jax.common import distributed
+    from attention_jax.runtime import distributed
     pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     distributed.initialize(f"127.0.0.1:{port}", nproc, pid)
     from attention_jax.configs import default

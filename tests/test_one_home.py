@@ -176,7 +176,7 @@ c.search.stop = "bound"
 
 # The floors below search/ (docs/architecture.md), which cannot see SearchSettings: the
 # batch planner's own parameters (data/plans.py MIN_ROWS) are the home SearchSettings reads.
-BELOW_SEARCH = ("common/", "model/", "data/")
+BELOW_SEARCH = ("runtime/", "model/", "data/")
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ CI box), an unreachable store is reported."""
 import threading
 import time
 
-from attention_jax.common.distributed import PeerWatchdog
+from attention_jax.runtime.distributed import PeerWatchdog
 
 INTERVAL, TIMEOUT = 0.02, 0.5
 SLACK = 0.5  # a thread's wake-up on a loaded 2-core box; the bound is still finite

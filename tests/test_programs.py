@@ -164,7 +164,7 @@ def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path):
         import json, sys
         sys.path.insert(0, {ROOT!r})
         import jax
-        from attention_jax.common import xla
+        from attention_jax.runtime import xla
         xla.enable_compilation_cache(sys.argv[2])
         jax.jit(lambda x: x * 2 + 1)(1.0)  # as decode.py compiles before its searches
         from attention_jax.search import programs

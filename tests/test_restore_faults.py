@@ -13,7 +13,7 @@ import jax
 import orbax.checkpoint as ocp
 import pytest
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 from attention_jax.training import checkpoint_errors, train_and_evaluate
 from attention_jax.training.workdir import restore_model
 from tests.fault_runs import cfg, copy, run_train_py

@@ -10,12 +10,12 @@ import random
 import pytest
 import sacrebleu
 
-from attention_jax.common.errors import UserError
 from attention_jax.inference.lines import LineReader, count_lines, read_lines
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.output import PARTIAL, RECORD, differences, file_identity, open_output
 from attention_jax.inference.progress import Meter, format_eta, progress_line
 from attention_jax.inference.stream import ListReader
+from attention_jax.runtime.errors import UserError
 from attention_jax.search.bleu import CorpusScores, bleu_chrf
 
 HOSTILE = [

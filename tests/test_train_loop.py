@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 from attention_jax.training import checkpoints
 from attention_jax.training import config as config_lib
 from attention_jax.training.workdir import restore_model

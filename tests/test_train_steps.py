@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from attention_jax import Transformer
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 from attention_jax.training import metrics, optim, steps, validate
 from attention_jax.training.config import model_config
 from attention_jax.training.mesh import mesh_shape, shard_batch

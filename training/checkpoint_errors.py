@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 
 DAMAGED, STORAGE, OUT_OF_MEMORY, BUG, OTHER = "damaged", "storage", "out of memory", "bug", "other"
 

@@ -41,8 +41,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
-from attention_jax.common import distributed
-from attention_jax.common.errors import UserError
+from attention_jax.runtime import distributed
+from attention_jax.runtime.errors import UserError
 from attention_jax.training import retention, steps
 from attention_jax.training.checkpoint_errors import (
     DAMAGED,

@@ -34,9 +34,9 @@ import jax
 import numpy as np
 
 from attention_jax import data
-from attention_jax.common import distributed
 from attention_jax.data.pipeline import AgreeCounts, fit_widths, length_histogram, train_shard
 from attention_jax.data.tokenized import TokenizedCorpus
+from attention_jax.runtime import distributed
 
 _log = logging.getLogger(__name__)
 

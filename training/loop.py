@@ -36,8 +36,8 @@ import jax
 import ml_collections
 
 from attention_jax import data
-from attention_jax.common import distributed, log
-from attention_jax.common.errors import UserError
+from attention_jax.runtime import distributed, log
+from attention_jax.runtime.errors import UserError
 from attention_jax.training import checkpoints as ckpt
 from attention_jax.training import config as config_lib
 from attention_jax.training import evaluate, init_from, metrics, retention, steps

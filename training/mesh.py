@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 from attention_jax.sharding import partition_specs
 
 AXES = ("data", "fsdp", "tensor")

@@ -20,7 +20,6 @@ import ml_collections
 from flax import nnx
 
 from attention_jax import Transformer
-from attention_jax.common.errors import UserError
 from attention_jax.data import Tokenizer
 from attention_jax.data.files import files_identity
 from attention_jax.data.tokenizer import (
@@ -29,6 +28,7 @@ from attention_jax.data.tokenizer import (
     load_tokenizer,
     tokenizer_names,
 )
+from attention_jax.runtime.errors import UserError
 from attention_jax.training.checkpoints import CHECKPOINT_DIR, Checkpoints
 from attention_jax.training.config import CONFIG_FILE, build_model, load_config, model_config
 

@@ -26,7 +26,7 @@ TAGS = {
     "data": "data",
     "inference": "inference",
     "backends": "backends",  # exports, CTranslate2, OPUS-MT
-    "common": "job",  # common/distributed.py: the processes of a train or decode job
+    "runtime": "job",  # runtime/distributed.py: the processes of a train or decode job
 }
 SUBPACKAGES = (*TAGS, "search", "aot", "configs")
 

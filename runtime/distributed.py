@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from attention_jax.common.errors import UserError
+from attention_jax.runtime.errors import UserError
 
 MODES = ("auto", "on", "off")
 

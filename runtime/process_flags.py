@@ -3,7 +3,7 @@ and the distributed runtime's. Importing this module defines them (absl's flags 
 global), so both CLIs import it instead of declaring their own; it loads absl alone,
 not JAX, so that `--help` and flag errors stay fast.
 
-    from attention_jax.common import process_flags
+    from attention_jax.runtime import process_flags
     cache = process_flags.CACHE.value
     distributed.initialize(*process_flags.where(), mode=process_flags.DISTRIBUTED.value)
 """
@@ -28,7 +28,7 @@ PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "Several processes: this one's index (0 writes)."
 )
 DISTRIBUTED = flags.DEFINE_enum(
-    "distributed", "auto", ["auto", "on", "off"],  # common/distributed.py MODES
+    "distributed", "auto", ["auto", "on", "off"],  # runtime/distributed.py MODES
     "jax.distributed.initialize: 'auto' = when the flags above are given or a cluster is "
     "detected (TPU VM, SLURM with >1 task, Open MPI, JAX_COORDINATOR_ADDRESS); 'on' = "
     "always (JAX reads the cluster's settings); 'off' = never.",
