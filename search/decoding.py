@@ -147,7 +147,7 @@ def translate_sample(
 # this many bytes is large: its loop steps two positions per iteration, and it grows
 # its room in stages. Two steps a loop iteration are faster on large caches but make
 # each program compile longer, which below a few MB is rarely won back
-# (docs/decoding.md has the measurements).
+# (docs/searching.md has the measurements).
 LARGE_SEARCH_BYTES = 8 << 20
 
 

@@ -72,7 +72,7 @@ class SegmentedSearch(Protocol):
 FEWEST_ROWS = 4
 # Each rung of the ladder has this many times fewer rows than the one above: quarters
 # run about as fast as halves (at most four times the rows needed, but for fewer steps)
-# with half the rungs, each a step loop to compile (docs/decoding.md).
+# with half the rungs, each a step loop to compile (docs/searching.md).
 RUNG_RATIO = 4
 # A batch of fewer rows (a request of a few lines) runs its whole search in one program
 # (search/stages.py): it has too few rows to gain back what more programs cost to compile.

@@ -17,7 +17,7 @@ from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID
 
 NEG_INF = -jnp.inf
 # The first stage's room, beyond the batch's source width: most sources are done by
-# then (docs/decoding.md).
+# then (docs/searching.md).
 FIRST_EXTRA = 16
 
 

@@ -29,7 +29,7 @@ EXTRA_DECODE_LEN = 50
 # Padded source tokens per batch, by platform. A CPU's batches stay small: a search
 # step's time grows with its rows, and a batch runs until its slowest source is done.
 # An accelerator's are made big enough to keep it busy (beam search holds K x as many
-# tokens, each with a key and a value per layer in its cache). docs/decoding.md has the
+# tokens, each with a key and a value per layer in its cache). docs/searching.md has the
 # measurements.
 BATCH_TOKENS = {"cpu": 512, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
 # CTranslate2's (decode.py --ct2: its max_batch_size, batch_type "tokens"), by --device.
