@@ -30,7 +30,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from attention_jax import EOS_ID, PAD_ID, Transformer
-from attention_jax.data.plans import plan_translation
 from attention_jax.search import programs
 from attention_jax.search.decoding import Call
 from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource
@@ -38,13 +37,12 @@ from attention_jax.search.settings import DEFAULTS, default_batch_tokens
 from attention_jax.search.stages import (
     Progress,
     batch_of,
-    check_lengths,
     fetch,
     place,
+    plan_batches,
     rows_multiple,
     run_batches,
     search_streams,
-    without_sources,
 )
 from attention_jax.transformer import shift_right
 
@@ -90,26 +88,18 @@ def plan_pairs(
     skip: Collection[int] = (),
 ) -> tuple[list[tuple[np.ndarray, int, int]], list[int]]:
     """(the batches: indices into `nonempty`, width, rows; the indices of the pairs with a
-    source). A pair goes by its wider side; pairs without a source are in no batch, and
-    the pairs `skip` leave their rows to filler (the batches keep their shapes)."""
+    source): search/stages.py `plan_batches`, a pair going by its wider side; pairs
+    without a source are in no batch, and the pairs `skip` leave their rows to filler
+    (the batches keep their shapes)."""
     if len(sources) != len(targets):
         raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
-    check_lengths(sources, max_len)
-    check_lengths(targets, max_len)
-    if batch_tokens < 1:
-        raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
-    nonempty = [i for i, s in enumerate(sources) if len(s)]
-    for i in nonempty:
-        if not targets[i] or targets[i][-1] != EOS_ID:
+    for i, source in enumerate(sources):
+        if len(source) and (not targets[i] or targets[i][-1] != EOS_ID):
             raise ValueError(f"target #{i} does not end in EOS")
-    plan = plan_translation(
-        [max(len(sources[i]), len(targets[i])) for i in nonempty],
-        batch_tokens=batch_tokens,
-        max_len=max_len,
-        rows_multiple=multiple,
-        min_rows=min_rows,
-    )
-    return without_sources(plan, nonempty, skip), nonempty
+    return plan_batches(
+        sources, max_len=max_len, batch_tokens=batch_tokens, multiple=multiple,
+        min_rows=min_rows, skip=skip, beside=targets,
+    )  # fmt: skip
 
 
 def score_pairs(

@@ -229,19 +229,25 @@ def plan_batches(
     multiple: int = 1,
     min_rows: int = DEFAULTS.min_rows,
     skip: Collection[int] = (),
+    beside: Sequence[Sequence[int]] | None = None,
 ) -> tuple[Plan, list[int]]:
     """(the batches, the indices of the non-empty sources the plan's indices point into).
 
     Empty sources are in no batch; the sources `skip` (indices into `sources`, e.g. those
     a killed run's journal holds) leave their rows to filler: every batch keeps the
-    shape it has with them (`without_sources`).
+    shape it has with them (`without_sources`). beside: per source, a sequence padded
+    to its batch's width too (given translations, search/likelihood.py): a source goes
+    by the wider of the two.
     """
     check_lengths(sources, max_len)
+    if beside is not None:
+        check_lengths(beside, max_len)
     if batch_tokens < 1:
         raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
     nonempty = [i for i, s in enumerate(sources) if len(s)]
+    other = sources if beside is None else beside
     plan = plan_translation(
-        [len(sources[i]) for i in nonempty],
+        [max(len(sources[i]), len(other[i])) for i in nonempty],
         batch_tokens=batch_tokens,
         max_len=max_len,
         rows_multiple=multiple,
