@@ -20,7 +20,9 @@ from tests.conftest import small_train_config, write_reversal_tsv
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # train_and_evaluate in a child with the scripted metric, SIGKILLed in the evaluation of
-# step `at` once the checkpoint of step `done` is on disk.
+# step `at` once the checkpoint of step `done` is on disk and the rotation after it has
+# deleted step `gone` (Orbax deletes in the background after a save: without the wait the
+# kill could land before the deletion, a state no different for the resume, but another).
 CHILD = textwrap.dedent(
     """
     import json, os, signal, sys, time
@@ -28,15 +30,17 @@ CHILD = textwrap.dedent(
     from tests.conftest import small_train_config
     from tests.best_runs import OVERRIDES, scripted
 
-    dataset, workdir, at, done = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    dataset, workdir, at, done, gone = sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:]
     real = scripted(evaluate.evaluate)
 
     def evaluate_(state, *args, **kwargs):
         out = real(state, *args, **kwargs)
         if int(state.step) == at:
-            saved = os.path.join(workdir, "checkpoints", done)
+            saved, deleted = (os.path.join(workdir, "checkpoints", s) for s in (done, gone))
             deadline = time.time() + 120
-            while not os.path.isdir(saved) and time.time() < deadline:
+            while not os.path.isdir(saved) or os.path.isdir(deleted):
+                if time.time() > deadline:
+                    break
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         return out
@@ -104,7 +108,7 @@ def test_a_kill_and_a_resume_in_between_change_nothing(
     workdir, summary = uninterrupted
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, dataset, str(tmp_path), "10", "8"],
+        [sys.executable, "-c", CHILD, dataset, str(tmp_path), "10", "8", "4"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
