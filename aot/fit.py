@@ -391,7 +391,7 @@ def compile_for(
         "config": label,
         "mesh": {k: int(v) for k, v in ctx.mesh.shape.items()},
         "params": int(sum(math.prod(x.shape) for x in jax.tree.leaves(ctx.setup.abstract.params))),
-        "dtype": model_cfg.dtype,
+        "dtype": model_cfg.dtype.name,
         "attention_impl": model_cfg.attention_impl,
         "batch_tokens": int(config.batch_tokens),
         "grad_accum_steps": int(config.grad_accum_steps),

@@ -281,7 +281,7 @@ def decoding_settings(
         "decoder_start": vocab[BOS_ID],
         "never_generate": never,
         "vocab_limit": num_pieces if num_pieces < config.vocab_size else None,
-        "model": dataclasses.asdict(config),
+        "model": config.to_dict(),
     }
 
 

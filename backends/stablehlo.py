@@ -29,7 +29,6 @@ prints exactly as decode.py does with the checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -132,7 +131,7 @@ def export_translator(
         "output_length": {str(w): output_limit(w, max_len) for w in widths},
         "num_params": len(leaves),
         "param_paths": paths,
-        "model": dataclasses.asdict(model.config),
+        "model": model.config.to_dict(),
         "config": config or {},
         "platforms": list(platforms or [jax.default_backend()]),
         "jax_version": jax.__version__,

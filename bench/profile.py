@@ -101,7 +101,7 @@ def pieces(args: argparse.Namespace) -> None:
         return head_loss(model, y, batch)
 
     chunk = int(config.loss_chunk_tokens)
-    y = jax.random.normal(jax.random.key(0), (b, args.length, cfg.d_model), cfg.compute_dtype)
+    y = jax.random.normal(jax.random.key(0), (b, args.length, cfg.d_model), cfg.dtype)
     pieces = {
         "encoder_fwd": nnx.jit(lambda m, bt: m.encode(bt["src"])),
         "fwd_loss": nnx.jit(loss),

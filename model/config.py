@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from attention_jax.tokens import UNK_ID
 
 if TYPE_CHECKING:
-    import jax.numpy as jnp
+    import numpy as np
 
 ACTIVATIONS = ("relu", "gelu", "swish")
 NORMS = ("post", "pre")
@@ -38,8 +38,10 @@ class TransformerConfig:
     share_embeddings: bool = True  # one embedding table for source and target
     tie_output: bool = True  # logits = x @ embedding^T (paper section 3.4)
     max_len: int = 1024  # longest position the sinusoid table covers
-    dtype: str = "float32"  # computation dtype; params, softmax, LayerNorm, loss stay float32
-    param_dtype: str = "float32"
+    # Given as a name or a dtype, held as a dtype: the computation's (params, softmax,
+    # LayerNorm and the loss stay float32) and the stored parameters'.
+    dtype: np.dtype | str = "float32"
+    param_dtype: np.dtype | str = "float32"
     # 'auto' (cuDNN flash attention on GPUs in bf16/fp16, else 'xla'), 'xla' (einsum),
     # 'jax' (jax.nn.dot_product_attention) or 'cudnn' (force cuDNN; GPU only).
     attention_impl: str = "auto"
@@ -89,8 +91,6 @@ class TransformerConfig:
             "activation": ACTIVATIONS,
             "norm": NORMS,
             "attention_impl": ATTENTION_IMPLS,
-            "dtype": DTYPES,
-            "param_dtype": DTYPES,
             "positions": POSITIONS,
         }
         for name, allowed in choices.items():
@@ -99,22 +99,17 @@ class TransformerConfig:
                 raise ValueError(
                     f"TransformerConfig.{name} must be one of {allowed}, got {value!r}"
                 )
+        for name in ("dtype", "param_dtype"):
+            object.__setattr__(self, name, _as_dtype(name, getattr(self, name)))
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        import jax.numpy as jnp  # here: the configs read this module before JAX loads
-
-        return jnp.dtype(self.dtype)
-
-    @property
-    def params_dtype(self) -> jnp.dtype:
-        import jax.numpy as jnp
-
-        return jnp.dtype(self.param_dtype)
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values (dtypes by name): what `from_dict` reads back."""
+        d = dataclasses.asdict(self)
+        return {**d, "dtype": self.dtype.name, "param_dtype": self.param_dtype.name}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
@@ -126,3 +121,15 @@ class TransformerConfig:
                 f"Unknown TransformerConfig field(s) {unknown}; known fields: {sorted(names)}"
             )
         return cls(**d)
+
+
+def _as_dtype(name: str, value: Any) -> np.dtype:
+    import jax.numpy as jnp  # here: the configs read this module before JAX loads
+
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in DTYPES:
+        raise ValueError(f"TransformerConfig.{name} must be one of {DTYPES}, got {value!r}")
+    return dtype

@@ -38,7 +38,7 @@ class LayerNorm(nnx.Module):
     """LayerNorm over the last axis, computed in float32, returned in the input dtype."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        d, pd = cfg.d_model, cfg.params_dtype
+        d, pd = cfg.d_model, cfg.param_dtype
         self.eps = cfg.layer_norm_epsilon
         self.scale = _param(rngs, nnx.initializers.ones, (d,), pd, (EMBED,))
         self.bias = _param(rngs, nnx.initializers.zeros, (d,), pd, (EMBED,))
@@ -57,11 +57,11 @@ class Embed(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         v, d = cfg.vocab_size, cfg.d_model
-        self.dtype = cfg.compute_dtype
+        self.dtype = cfg.dtype
         self.scale = math.sqrt(d)
         # Std 1/sqrt(D) so that the sqrt(D)-scaled embedding has unit variance.
         init = nnx.initializers.normal(stddev=d**-0.5)
-        self.embedding = _param(rngs, init, (v, d), cfg.params_dtype, (VOCAB, EMBED))
+        self.embedding = _param(rngs, init, (v, d), cfg.param_dtype, (VOCAB, EMBED))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """[B, T] int -> [B, T, D] in the computation dtype."""
@@ -81,10 +81,10 @@ class Unembed(nnx.Module):
     """An untied output projection [D, V] (used when `tie_output=False`)."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        self.dtype = cfg.compute_dtype
+        self.dtype = cfg.dtype
         init = _xavier(1.0, "fan_avg", "uniform")
         shape = (cfg.d_model, cfg.vocab_size)
-        self.kernel = _param(rngs, init, shape, cfg.params_dtype, (EMBED, VOCAB))
+        self.kernel = _param(rngs, init, shape, cfg.param_dtype, (EMBED, VOCAB))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[B, T, D] -> float32 logits [B, T, V]."""
@@ -134,8 +134,8 @@ class MultiHeadAttention(nnx.Module):
     """
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        d, n, h, pd = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.params_dtype
-        self.dtype = cfg.compute_dtype
+        d, n, h, pd = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.param_dtype
+        self.dtype = cfg.dtype
         self.impl = cfg.attention_impl
         self.attention_dropout_rate = cfg.attention_dropout_rate
         self.rngs = rngs if cfg.attention_dropout_rate > 0 else None
@@ -238,8 +238,8 @@ class FeedForward(nnx.Module):
     """FFN(x) = act(x W_1 + b_1) W_2 + b_2, with W_1 [D, F] and W_2 [F, D] (section 3.3)."""
 
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
-        d, f, pd = cfg.d_model, cfg.d_ff, cfg.params_dtype
-        self.dtype = cfg.compute_dtype
+        d, f, pd = cfg.d_model, cfg.d_ff, cfg.param_dtype
+        self.dtype = cfg.dtype
         self.act = {"relu": jax.nn.relu, "gelu": jax.nn.gelu, "swish": jax.nn.swish}[cfg.activation]
         init = _xavier(1.0, "fan_avg", "uniform")
         zeros = nnx.initializers.zeros

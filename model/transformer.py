@@ -140,14 +140,14 @@ class Transformer(nnx.Module):
         # bias on the logits [V]; None without them. The table starts as the paper's sinusoids.
         self.position_table = (
             nnx.Param(
-                jnp.asarray(_position_table(cfg.max_len, cfg.d_model), cfg.params_dtype),
+                jnp.asarray(_position_table(cfg.max_len, cfg.d_model), cfg.param_dtype),
                 logical_axes=(None, EMBED),
             )
             if cfg.positions == "table"
             else None
         )
         self.logits_bias = (
-            nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.params_dtype), logical_axes=(VOCAB,))
+            nnx.Param(jnp.zeros((cfg.vocab_size,), cfg.param_dtype), logical_axes=(VOCAB,))
             if cfg.logits_bias
             else None
         )
@@ -158,9 +158,9 @@ class Transformer(nnx.Module):
         """What each position adds to its embedding: [max_len, D] in the compute dtype."""
         cfg = self.config
         if self.position_table is not None:
-            return self.position_table[...].astype(cfg.compute_dtype)
+            return self.position_table[...].astype(cfg.dtype)
         halves = cfg.positions == "sinusoid_halves"
-        return jnp.asarray(_position_table(cfg.max_len, cfg.d_model, halves), cfg.compute_dtype)
+        return jnp.asarray(_position_table(cfg.max_len, cfg.d_model, halves), cfg.dtype)
 
     def _start(self, tgt_in: jax.Array, rows: jax.Array) -> jax.Array:
         """The target's embedding rows [B, T, D]; with `zero_start`, BOS's are zeros."""
@@ -397,7 +397,7 @@ class Transformer(nnx.Module):
             encoded = self.encode(src)
         shape = (src.shape[0], cfg.num_heads, max_decode_len, cfg.head_dim)  # [B, N, L, H]
         return DecodeCache(
-            self_kv=tuple(KVCache.zeros(shape, cfg.compute_dtype) for _ in self.decoder_layers),
+            self_kv=tuple(KVCache.zeros(shape, cfg.dtype) for _ in self.decoder_layers),
             cross_kv=self.cross_cache(encoded),
             src_valid=src != PAD_ID,
             index=jnp.zeros((), jnp.int32),

@@ -156,7 +156,7 @@ def _large(model: Transformer, rows: Any, room: Any) -> bool:
     symbolic batch size (an exported program, which serves batches of any size) is."""
     cfg = model.config
     per_token = 2 * cfg.num_decoder_layers * cfg.num_heads * cfg.head_dim  # keys and values
-    nbytes = rows * room * per_token * jnp.dtype(cfg.compute_dtype).itemsize
+    nbytes = rows * room * per_token * cfg.dtype.itemsize
     return not isinstance(nbytes, int) or nbytes >= LARGE_SEARCH_BYTES
 
 

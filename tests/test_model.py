@@ -286,6 +286,8 @@ def test_every_param_has_logical_axes():
         ("activation", "tanh"),
         ("norm", "sandwich"),
         ("dtype", "int8"),
+        ("param_dtype", "float64"),
+        ("dtype", "no-such-type"),
         ("attention_impl", "flash"),
         ("max_len", 0),
     ],
@@ -299,6 +301,20 @@ def test_from_dict_rejects_unknown_fields():
     with pytest.raises(ValueError, match="d_modle"):
         TransformerConfig.from_dict({**SMALL, "d_modle": 3})
     assert TransformerConfig.from_dict(SMALL) == TransformerConfig(**SMALL)
+
+
+def test_dtypes_are_held_as_dtypes_and_written_as_names():
+    import json
+
+    given = [("bfloat16", "float32"), (jnp.bfloat16, np.float32), (np.dtype("float16"), "float32")]
+    for dtype, param_dtype in given:
+        cfg = TransformerConfig(**SMALL, dtype=dtype, param_dtype=param_dtype)
+        assert isinstance(cfg.dtype, np.dtype) and isinstance(cfg.param_dtype, np.dtype)
+        assert cfg.dtype == jnp.dtype(dtype) and cfg.param_dtype == jnp.dtype(param_dtype)
+        written = json.loads(json.dumps(cfg.to_dict()))
+        assert written["dtype"] == jnp.dtype(dtype).name and written["param_dtype"] == "float32"
+        assert TransformerConfig.from_dict(written) == cfg
+        assert hash(TransformerConfig.from_dict(written)) == hash(cfg)  # a static jit argument
 
 
 def test_config_is_frozen():
