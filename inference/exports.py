@@ -15,7 +15,7 @@ import sys
 import time
 
 from attention_jax.backends.stablehlo import export_translator
-from attention_jax.inference import devices
+from attention_jax.inference import processes
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.translators import Loaded, open_translator, require_ctranslate2
 from attention_jax.runtime.errors import UserError
@@ -25,7 +25,7 @@ def write_translator(options: DecodeOptions) -> None:
     """The live model of --workdir or --marian, written as --export or --export_ct2 asks."""
     if options.export_ct2:
         require_ctranslate2()  # before the slow part: how to install it
-    devices.check_single_process_flags(options)
+    processes.check_single_process_flags(options)
     loaded = open_translator(options)
     if options.export:
         export(loaded, options)

@@ -1,16 +1,13 @@
-"""decode.py on every device of the job: one process with several devices, or several
-processes (hosts) that translate one input into one output.
+"""decode.py's processes (hosts) that translate one input into one output together.
 
-    rows, params = shardings()          # None, None on a single device
     out = open_shared_output(path, job, restart)    # process 0's output; others follow it
 
-Every device holds the parameters (replicated) and a share of each batch's rows
-(search/stages.py places them and gathers the results). With several
-processes, each reads the whole input and takes part in every batch; process 0
-alone writes the output, its record and its journal, and tells the others
-where the job resumes and which of a chunk's sources its journal holds, so that
-all of them run the same batches. The processes must agree on the job (the
-same input, model and settings): otherwise each stops with one message.
+Each process reads the whole input and takes part in every batch (its devices hold a
+share of the rows: inference/translators.py). Process 0 alone writes the output, its
+record and its journal, and tells the others where the job resumes and which of a
+chunk's sources its journal holds, so that all of them run the same batches. The
+processes must agree on the job (the same input, model and settings): otherwise each
+stops with one message. With one process every function here is a no-op or a pass-through.
 """
 
 from __future__ import annotations
@@ -19,20 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from attention_jax.inference.output import PartialOutput, StreamOutput, differences, open_output
 from attention_jax.runtime.errors import UserError
-
-
-def shardings() -> tuple[NamedSharding | None, NamedSharding | None]:
-    """(rows, parameters): each batch's rows split over every device of the job, the
-    parameters replicated on all of them; (None, None) on a single device."""
-    if jax.device_count() == 1:
-        return None, None
-    auto = (jax.sharding.AxisType.Auto,)  # the partitioner places what is not constrained
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
-    return NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
 
 
 def check_single_process_flags(options: Any) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 
 from attention_jax.data import load_split
-from attention_jax.inference import devices
+from attention_jax.inference import processes
 from attention_jax.inference.lines import LineReader, count_lines
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.output import (
@@ -172,7 +172,7 @@ def run(options: DecodeOptions) -> None:
     if options.ct2:
         require_ctranslate2()
     total = check_inputs(options)
-    devices.check_single_process_flags(options)
+    processes.check_single_process_flags(options)
     loaded = open_translator(options)
     if options.dry_run:
         loaded = dry_run(loaded, options)
@@ -188,8 +188,8 @@ def run(options: DecodeOptions) -> None:
             sentences=sentence_splitter_of(options, loaded),
         )  # fmt: skip
     job = describe_job(options, loaded, describe_inputs(options, loaded, split), max_length)
-    out = devices.open_shared_output(options.output, job, options.restart)
-    if out.done.get("lines") and devices.is_main():
+    out = processes.open_shared_output(options.output, job, options.restart)
+    if out.done.get("lines") and processes.is_main():
         print(
             f"decode.py: going on with {out.partial}: {out.done['lines']} lines were done by "
             "an earlier run of this command",
@@ -200,7 +200,7 @@ def run(options: DecodeOptions) -> None:
     earlier = Totals.from_record(out.done)  # what an earlier run of the job did
     timing.mark("started")
     totals = _translate(options, loaded, out, max_length, split, total)
-    if not devices.is_main():
+    if not processes.is_main():
         return
     report(totals, loaded, options, max_length)
     if options.stats:
@@ -236,7 +236,7 @@ def _translate(
     total: int | None,
 ) -> Totals:
     """The stream loop around `out`: finished when complete, kept for a resume otherwise."""
-    quiet = {} if devices.is_main() else {"stream": io.StringIO(), "bar": False}
+    quiet = {} if processes.is_main() else {"stream": io.StringIO(), "bar": False}
     meter = Meter(total, out.done.get("lines", 0), **quiet)
     source = references = None
     beside: tuple[Reader | None, ...] = (None,) * len(BESIDE)

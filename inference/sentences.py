@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attention_jax import EOS_ID
-from attention_jax.inference import devices
+from attention_jax.inference import processes
 from attention_jax.inference.targets import EncodedLines
 from attention_jax.runtime.errors import UserError
 
@@ -80,7 +80,7 @@ def share_phrases(translator: Any, encoded: EncodedLines) -> EncodedLines:
         value = sum(found.token_log_probs[:-1])  # the phrase's tokens, not its EOS
         if f"{line} {q}" not in best or value > best[f"{line} {q}"][0]:
             best[f"{line} {q}"] = (value, j)
-    chosen = devices.from_main({key: j for key, (_, j) in best.items()})
+    chosen = processes.from_main({key: j for key, (_, j) in best.items()})
     constraints = [list(c) for c in targets.constraints]
     for js in by_line.values():
         for j in js if len(js) > 1 else ():

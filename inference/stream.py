@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import jax
 
 from attention_jax import Transformer
-from attention_jax.inference import devices
+from attention_jax.inference import processes
 from attention_jax.inference.alignment import add_alignments
 from attention_jax.inference.lines import (
     Translated,
@@ -202,10 +202,10 @@ def translate_chunk(
     meter.start_chunk(len(chunk.lines), len(chunk.encoded.segments))
     known = journal.read() if journal is not None else {}
     if jax.process_count() > 1:  # every process translates what process 0's journal lacks
-        ids = devices.known_sources(known)
-        known = known if devices.is_main() else {i: [] for i in ids}
+        ids = processes.known_sources(known)
+        known = known if processes.is_main() else {i: [] for i in ids}
     if known:
-        if devices.is_main():
+        if processes.is_main():
             meter.write(
                 f"decode.py: {len(known)} sentences of the running chunk were done by an "
                 "earlier run of this command"

@@ -13,13 +13,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
 from attention_jax import Transformer
 from attention_jax.backends.stablehlo import ExportedTranslator
 from attention_jax.data import Tokenizer
 from attention_jax.data.files import files_identity
 from attention_jax.data.tokenizer import load_tokenizer
 from attention_jax.ensemble import Ensemble
-from attention_jax.inference import devices
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.progress import warn
 from attention_jax.runtime.errors import UserError
@@ -54,10 +56,20 @@ def open_translator(options: DecodeOptions) -> Loaded:
     return OPENERS[options.backend](options)
 
 
+def _shardings() -> tuple[NamedSharding | None, NamedSharding | None]:
+    """(rows, parameters): each batch's rows split over every device of the job, the
+    parameters replicated on all of them; (None, None) on a single device."""
+    if jax.device_count() == 1:
+        return None, None
+    auto = (jax.sharding.AxisType.Auto,)  # the partitioner places what is not constrained
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
+    return NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
+
+
 def _open_marian(options: DecodeOptions) -> Loaded:
     from attention_jax.backends.marian import load_directory
 
-    rows, replicated = devices.shardings()  # every device of the job, or None for one
+    rows, replicated = _shardings()  # every device of the job, or None for one
     model, tokenizer = load_directory(options.marian, replicated)
     identity = {"marian": files_identity([options.marian])}
     description = f"the Marian model in {options.marian}"
@@ -66,7 +78,7 @@ def _open_marian(options: DecodeOptions) -> Loaded:
 
 
 def _open_workdir(options: DecodeOptions) -> Loaded:
-    rows, replicated = devices.shardings()
+    rows, replicated = _shardings()
     if len(options.workdirs) > 1:
         return _open_ensemble(options, rows, replicated)
     (workdir,) = options.workdirs
