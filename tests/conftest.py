@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,7 +22,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # near-tie (tests/parity.py).
 _FLAGS = os.environ.get("XLA_FLAGS", "")  # a child's: its parent's, and e.g. a device count
 if "xla_backend_optimization_level" not in _FLAGS:
-    os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
+    _FLAGS = os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
+# XLA:CPU's older code generator (one LLVM function per fusion, not the fusion emitters)
+# compiles a small program in about half the time; the programs compute the same
+# functions, rounded otherwise in the last bit where they fuse otherwise. A jaxlib whose
+# XLA no longer knows the flag would abort on it, so one child tries it first (once:
+# the workers and the children inherit $XLA_FLAGS with the answer in it).
+_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if "xla_cpu_use_fusion_emitters" not in _FLAGS:
+    _probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.jit(abs)(1.0)"],
+        env={**os.environ, "XLA_FLAGS": f"{_FLAGS} {_LEGACY_EMITTERS}"},
+        capture_output=True,
+        timeout=120,
+    )
+    if _probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = f"{_FLAGS} {_LEGACY_EMITTERS}"
 
 
 # One compilation cache for the tests, kept between runs (most of a run is compiling:
