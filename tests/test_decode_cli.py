@@ -8,6 +8,7 @@ tests/digits.py.
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -172,10 +173,8 @@ def test_cli_n_best_jsonl_and_alignments(workdir, tmp_path):
         assert hyps[0]["alignment"] == " ".join(f"{k}-{k}" for k in range(len(line.split())))
 
 
-def test_cli_export_translates_like_the_live_model(workdir, tmp_path):
-    export_dir = tmp_path / "translator"
-    r = run_decode(f"--workdir={workdir}", f"--export={export_dir}", "--n_best=2")
-    assert r.returncode == 0, r.stderr.decode()
+def test_cli_export_translates_like_the_live_model(workdir, digit_export, tmp_path):
+    export_dir = pathlib.Path(digit_export)  # decode.py --export --n_best=2 (tests/conftest.py)
     meta = json.loads((export_dir / "metadata.json").read_text())
     assert meta["beam_size"] == 4 and meta["n_best"] == 2 and meta["jax_version"] == jax.__version__
     assert meta["stop"] == "bound"

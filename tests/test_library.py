@@ -83,10 +83,8 @@ def test_prefixes_and_constraints_from_python_are_decode_py_s(workdir, tmp_path)
     )
 
 
-def test_an_export_translates_from_python_and_keeps_its_settings(workdir, tmp_path):
-    export_dir = tmp_path / "translator"
-    r = run_decode(f"--workdir={workdir}", f"--export={export_dir}")
-    assert r.returncode == 0, r.stderr.decode()
+def test_an_export_translates_from_python_and_keeps_its_settings(digit_export, tmp_path):
+    export_dir = digit_export
     lines = _lines(6, 10)
     translator = Translator(str(export_dir))
     assert translator.kind == "exported"
