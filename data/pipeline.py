@@ -64,8 +64,8 @@ _log = logging.getLogger(__name__)
 # With config.mapped_cache_gb, every this many batches the process's mapped-file RSS
 # is read (cheap: one small /proc file), and a cached shard's pages unmapped if it is
 # over (data.tokenized.release_pages). Reads map up to 64 KB around each page they
-# fault in, so a few batches can map a lot: every 64 batches, base's pipeline overshot
-# a 1 GB limit by far more than every 8 does (docs/results.md).
+# fault in, so a few batches can map a lot: checked more rarely, the mapped pages
+# overshoot the limit by far more (docs/results.md has the measurement).
 RELEASE_EVERY = 8
 
 

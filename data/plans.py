@@ -250,8 +250,8 @@ def plan_bucketed(
 
 # Padded source widths for translation, powers of two: padding a source costs encoder
 # work and a slightly longer cache (a batch's first room is its width + 16), while
-# every width is more programs that every process compiles or loads (on a GPU, tens
-# of seconds each to compile). Against widths ~1.5x apart (8, 12, 16, 24, ...), a
+# every width is more programs that every process compiles or loads (each a slow
+# compile on a GPU). Against widths ~1.5x apart (8, 12, 16, 24, ...), a
 # process's first call on the Ding test is faster (fewer programs to load), and on
 # lines of three Ding sentences the two run about as fast (docs/PERFORMANCE.md).
 # Same tokens; scores differ slightly (more padding).
