@@ -21,13 +21,14 @@ replaced; a directory that cannot be written costs nothing but the speed-up.
 
 Programs are compiled with JAX's persistent cache on, as every other compile of the
 process. An executable that XLA's cache handed back (not compiled afresh; or one JAX
-held in memory, which may have come from there) is used but not kept: serialized
-again, it fails in the next process on XLA:CPU ("Function ... not found"). That
-happens only when the cache holds a program these files do not (they were deleted,
-or an edit of model/ changed their keys but not the program): such a program is
-then traced and read from XLA's cache in every process, as through `jax.jit`, until
-XLA's cache loses it. The files are pickles (as `serialize_executable`'s payloads
-are): keep the directory as private as the code you run.
+held in memory, which may have come from there) cannot be kept: serialized again, it
+fails in the next process on XLA:CPU ("Function ... not found"). That happens when the
+cache holds a program these files do not (they were deleted, or an edit of model/
+changed their keys but not the program, as an upgrade does): the program is then
+compiled once more, with a compiler option that changes nothing but the cache's key,
+and kept, so that later processes load it whole instead of tracing it every time. The
+files are pickles (as `serialize_executable`'s payloads are): keep the directory as
+private as the code you run.
 
 `prepare` starts loading or compiling a program in a background thread before it
 is first called, so that the programs a job will need (its batches' shapes are
@@ -230,7 +231,8 @@ def _on_duration(event: str, seconds: float, **_: Any) -> None:
 
 def _compile(fn: Any, graphdef: Any, args: tuple, static: dict) -> tuple[Any, bool]:
     """(the executable, whether XLA compiled it afresh: not read from its persistent cache,
-    nor an executable JAX already held in memory, which may have come from that cache)."""
+    nor an executable JAX already held in memory, which may have come from that cache).
+    One handed back is compiled again under another cache key, so that it can be kept."""
     global _listening
     if not _listening:
         import jax.monitoring
@@ -238,10 +240,29 @@ def _compile(fn: Any, graphdef: Any, args: tuple, static: dict) -> tuple[Any, bo
         jax.monitoring.register_event_listener(_on_event)
         jax.monitoring.register_event_duration_secs_listener(_on_duration)
         _listening = True
+    lowered = fn.trace(graphdef, *args, **static).lower()
+    compiled, fresh = _counted(lowered.compile)
+    if not fresh:
+        with contextlib.suppress(Exception):  # an XLA without the option: used, not kept
+            compiled, fresh = _counted(lambda: lowered.compile(compiler_options=_new_cache_key()))
+    return compiled, fresh
+
+
+def _counted(compile_: Any) -> tuple[Any, bool]:
+    """(compile_(), whether XLA compiled it rather than a cache handing it back)."""
     before = getattr(_events, "hits", 0), getattr(_events, "compiles", 0)
-    compiled = fn.trace(graphdef, *args, **static).lower().compile()
+    compiled = compile_()
     after = getattr(_events, "hits", 0), getattr(_events, "compiles", 0)
     return compiled, after[0] == before[0] and after[1] > before[1]
+
+
+def _new_cache_key() -> dict[str, int]:
+    """Compiler options that give the persistent cache a key it has never seen, and change
+    nothing else: a limit on how much of a buffer assignment XLA's debug strings print
+    (part of the key, unlike the dump flags JAX leaves out of it)."""
+    import random
+
+    return {"xla_debug_buffer_assignment_show_max": (1 << 20) + random.randrange(1 << 20)}
 
 
 _listening = False

@@ -116,31 +116,41 @@ def test_the_code_digest_ignores_comments_and_docstrings(tmp_path):
     assert programs.code_digest([str(tmp_path)]) != before
 
 
-def test_a_program_from_xlas_cache_is_used_but_not_kept(model, kept, monkeypatch, tmp_path):
+def test_a_program_from_xlas_cache_is_compiled_again_and_kept(model, kept, monkeypatch, tmp_path):
     want = search(model)
     # As in a new process whose XLA cache holds the programs but whose store does not
-    # (deleted, or keys of another model/): XLA's cache serves the compiles. (In this
-    # process its in-memory caches would serve them; test_a_new_process_... has the
-    # real thing.)
+    # (deleted, or keys of another model/): XLA's cache serves the first compile of each
+    # (in this process its in-memory caches would; test_a_new_process_... has the real
+    # thing), and a program it served is compiled again under another cache key.
     real_compile = jax.stages.Lowered.compile
+    options = []
 
     def from_cache(self, *args, **kwargs):
-        jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+        options.append(kwargs.get("compiler_options"))
+        if not kwargs.get("compiler_options"):
+            jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
         return real_compile(self, *args, **kwargs)
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", from_cache)
     other = str(tmp_path / "other")
     monkeypatch.setattr(programs, "_loaded", {})
-    programs.enable(other)
-    assert search(model) == want
-    assert kept_files(other) == []  # not serializable again: not kept
-    monkeypatch.setattr(jax.stages.Lowered, "compile", real_compile)
-    monkeypatch.setattr(programs, "_loaded", {})
     jax.clear_caches()
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla-2"))
     compilation_cache.reset_cache()
-    assert search(model) == want  # compiled afresh: kept
-    assert kept_files(other) == kept_files(kept)
+    programs.enable(other)
+    assert search(model) == want
+    assert kept_files(other) == kept_files(kept)  # every program kept, none lost
+    assert len(options) == 2 * len(kept_files(kept)) and all(options[1::2])
+    keys = [next(iter(o.values())) for o in options[1::2]]
+    assert len(set(keys)) == len(keys)  # a key XLA's cache has never seen, each time
+    # An XLA that does not know the option: the program is used as it came, not kept.
+    monkeypatch.setattr(programs, "_new_cache_key", lambda: {"xla_no_such_option": 1})
+    monkeypatch.setattr(programs, "_loaded", {})
+    third = str(tmp_path / "third")
+    programs.enable(third)
+    jax.clear_caches()
+    assert search(model) == want
+    assert kept_files(third) == []
 
 
 def test_jaxs_cache_stays_on_while_programs_compile(model, kept, monkeypatch):
@@ -157,8 +167,9 @@ def test_jaxs_cache_stays_on_while_programs_compile(model, kept, monkeypatch):
 @pytest.mark.slow  # ~60 s
 def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path):
     # Processes with XLA's cache on (as decode.py runs): a program compiled afresh is
-    # kept and loads in the next process; one XLA's cache hands back is not kept (kept,
-    # it would fail in the next process: "Function ... not found").
+    # kept and loads in the next process; one XLA's cache hands back is compiled again
+    # under another cache key (kept as it came, it would fail in the next process:
+    # "Function ... not found"), kept, and loads in the next process too.
     script = textwrap.dedent(
         f"""
         import json, sys
@@ -201,14 +212,14 @@ def test_a_new_process_loads_the_programs_and_gets_the_same_results(tmp_path):
     files = kept_files(store)
     second = run()
     assert second["compiled"] == 0 and second["out"] == first["out"]  # every one loaded
-    shutil.rmtree(store)  # XLA's cache holds them: handed back, used, not kept
+    shutil.rmtree(store)  # XLA's cache holds them: handed back, compiled again, kept
     third = run()
-    assert third["compiled"] == first["compiled"] and third["fresh"] == 0
-    assert third["out"] == first["out"] and kept_files(store) == []
-    shutil.rmtree(xla_cache)  # compiled afresh: kept again
-    fourth = run()
-    assert fourth["fresh"] == first["compiled"] and kept_files(store) == files
-    assert run()["out"] == first["out"]
+    assert third["compiled"] == first["compiled"] and third["fresh"] == first["compiled"]
+    assert third["out"] == first["out"] and kept_files(store) == files
+    fourth = run()  # and loaded whole by the next process
+    assert fourth["compiled"] == 0 and fourth["out"] == first["out"]
+    shutil.rmtree(xla_cache)  # without XLA's cache: still loaded whole
+    assert run()["out"] == first["out"] and kept_files(store) == files
 
 
 def test_a_bad_file_is_compiled_again_and_replaced(model, kept, monkeypatch):
@@ -216,16 +227,11 @@ def test_a_bad_file_is_compiled_again_and_replaced(model, kept, monkeypatch):
     for name in os.listdir(kept):
         with open(os.path.join(kept, name), "wb") as f:
             f.write(b"not a program")  # e.g. torn by a full disk, or from another jaxlib
+    names = os.listdir(kept)
     monkeypatch.setattr(programs, "_loaded", {})
-    assert search(model) == want  # compiled again (here, out of JAX's memory): not kept
-    assert kept_files(kept) == []  # the bad files are gone
-    jax.clear_caches()
-    jax.config.update("jax_compilation_cache_dir", kept + "-xla-2")
-    compilation_cache.reset_cache()
-    monkeypatch.setattr(programs, "_loaded", {})
-    assert search(model) == want  # compiled afresh
-    assert kept_files(kept)
-    for name in os.listdir(kept):  # replaced by loadable programs
+    assert search(model) == want  # compiled again (JAX's memory has it: under a new key)
+    assert sorted(os.listdir(kept)) == sorted(names)
+    for name in names:  # each bad file replaced by a loadable program
         assert programs._load(os.path.join(kept, name)) is not None
 
 
