@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # train_and_evaluate in a child with the scripted metric, SIGKILLed in the evaluation of
 # step `at` once the checkpoint of step `done` is on disk and the rotation after it has
 # deleted step `gone` (Orbax deletes in the background after a save: without the wait the
-# kill could land before the deletion, a state no different for the resume, but another).
+# kill could land before the deletion, and the steps kept at the kill would vary by chance).
 CHILD = textwrap.dedent(
     """
     import json, os, signal, sys, time
