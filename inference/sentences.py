@@ -75,19 +75,19 @@ def share_phrases(translator: Any, encoded: EncodedLines) -> EncodedLines:
         [encoded.segments[j].ids for _, _, j in asks],
         [[*phrases[line][q], EOS_ID] for line, q, _ in asks],
     )
-    best: dict[str, tuple[float, int]] = {}
+    best: dict[tuple[int, int], tuple[float, int]] = {}  # (line, phrase) -> (value, segment)
     for (line, q, j), (found,) in zip(asks, scored, strict=True):
         value = sum(found.token_log_probs[:-1])  # the phrase's tokens, not its EOS
-        if f"{line} {q}" not in best or value > best[f"{line} {q}"][0]:
-            best[f"{line} {q}"] = (value, j)
-    chosen = processes.from_main({key: j for key, (_, j) in best.items()})
+        if (line, q) not in best or value > best[line, q][0]:
+            best[line, q] = (value, j)
+    # [line, phrase, segment] in the line's order (lists: process 0's go through JSON)
+    chosen = processes.from_main(sorted([line, q, j] for (line, q), (_, j) in best.items()))
     constraints = [list(c) for c in targets.constraints]
     for js in by_line.values():
         for j in js if len(js) > 1 else ():
             constraints[j] = []
-    for key in sorted(chosen, key=lambda k: tuple(map(int, k.split()))):  # the line's order
-        line, q = map(int, key.split())
-        constraints[chosen[key]].append(phrases[line][q])
+    for line, q, j in chosen:
+        constraints[j].append(phrases[line][q])
     return dataclasses.replace(
         encoded, targets=dataclasses.replace(targets, constraints=constraints)
     )
