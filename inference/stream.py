@@ -49,8 +49,9 @@ from attention_jax.inference.targets import EncodedLines, encode_chunk, keep_use
 from attention_jax.runtime.errors import UserError
 from attention_jax.search import timing
 from attention_jax.search.bleu import CorpusScores
+from attention_jax.search.hypothesis import Hypothesis
 from attention_jax.search.stages import output_tokens
-from attention_jax.search.translate import Backend
+from attention_jax.search.translate import Backend, Progress
 
 
 class Reader(Protocol):
@@ -191,6 +192,28 @@ def _read(job: StreamJob, first: int) -> _Read | None:
     return _Read(lines, bad_utf8, offset, encoded, offsets)
 
 
+def translate_encoded(
+    translator: Backend,
+    tokenizer: Any,
+    encoded: EncodedLines,
+    progress: Progress | None = None,
+    known: dict[int, list[Hypothesis]] | None = None,
+) -> Translated:
+    """`encode_chunk`'s lines translated with their targets (inference/lines.py
+    `translate_segments`, whose progress and known these are): a line's phrases shared
+    out among its sentences first, then whether each line holds them, and its prefix and
+    phrases as the user wrote them ('…', not '...'). decode.py's chunks and the library's
+    `Translator` (inference/text.py) both translate through here."""
+    encoded = share_phrases(translator, encoded)
+    translated = translate_segments(
+        translator, tokenizer, encoded.segments, encoded.line_tokens, progress, known,
+        encoded.targets,
+    )  # fmt: skip
+    phrases_met(translated.hypotheses, encoded)
+    keep_user_texts(translated.hypotheses, encoded.user)
+    return translated
+
+
 def translate_chunk(
     job: StreamJob, chunk: _Read, meter: Meter, journal: Journal | None = None
 ) -> Translated:
@@ -221,18 +244,7 @@ def translate_chunk(
 
     if isinstance(chunk.encoded, EncodedPairs):
         return score_segments(job.translator, chunk.encoded, progress, known)
-    encoded = share_phrases(job.translator, chunk.encoded)  # a line's phrases among its sentences
-    translated = translate_segments(
-        job.translator,
-        job.tokenizer,
-        encoded.segments,
-        encoded.line_tokens,
-        progress,
-        known,
-        encoded.targets,
-    )
-    phrases_met(translated.hypotheses, encoded)
-    keep_user_texts(translated.hypotheses, encoded.user)  # '…' as written, not '...'
+    translated = translate_encoded(job.translator, job.tokenizer, chunk.encoded, progress, known)
     if job.alignment:
         with timing.phase("alignment"):
             add_alignments(job.model, job.tokenizer, translated)

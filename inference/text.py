@@ -28,11 +28,11 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from attention_jax.inference.lines import translate_segments
 from attention_jax.inference.options import LONG_LINES, DecodeOptions
 from attention_jax.inference.scores import encode_pairs, score_segments
-from attention_jax.inference.sentences import phrases_met, share_phrases, splitter_for
-from attention_jax.inference.targets import EncodedLines, encode_chunk, keep_user_texts
+from attention_jax.inference.sentences import splitter_for
+from attention_jax.inference.stream import translate_encoded
+from attention_jax.inference.targets import EncodedLines, encode_chunk
 from attention_jax.inference.translators import Loaded, open_translator, reconfigure
 from attention_jax.runtime.errors import UserError
 from attention_jax.search.settings import SearchSettings
@@ -185,13 +185,7 @@ class Translator:
                 loaded, lines, prefixes, constraints, max_length=max_length,
                 long_lines=long_lines, source_lang=source_lang,
             )  # fmt: skip
-            chunk = share_phrases(loaded.translator, chunk)
-            done = translate_segments(
-                loaded.translator, loaded.tokenizer, chunk.segments, chunk.line_tokens,
-                targets=chunk.targets,
-            )  # fmt: skip
-            phrases_met(done.hypotheses, chunk)
-            keep_user_texts(done.hypotheses, chunk.user)
+            done = translate_encoded(loaded.translator, loaded.tokenizer, chunk)
         return [_result(line) for line in done.hypotheses]
 
     def _searching(self, settings: dict[str, Any]) -> Loaded:
