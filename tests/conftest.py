@@ -278,18 +278,15 @@ def digit_export(workdir, tmp_path_factory):
     """The digit workdir exported (decode.py --export --n_best=2), made once per test
     session by the first xdist worker that needs it (a lock: the others wait), for
     test_decode_cli and test_library, which only read it."""
-    import fcntl
-
     from tests.decode_runs import run_decode
+    from tests.digits import build_once
+
+    def export(building: str) -> None:
+        r = run_decode(f"--workdir={workdir}", f"--export={building}", "--n_best=2")
+        assert r.returncode == 0, r.stderr.decode()
 
     shared = session_dir(tmp_path_factory, "digit-export")
-    with open(f"{shared}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.isdir(shared):
-            building = f"{shared}.building"
-            r = run_decode(f"--workdir={workdir}", f"--export={building}", "--n_best=2")
-            assert r.returncode == 0, r.stderr.decode()
-            os.rename(building, shared)  # complete, or not there
+    build_once(shared, export)
     return shared
 
 

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,26 +80,36 @@ def train_digits(model, tok, num_steps=TRAIN_STEPS, batch=64, width=24, seed=0):
     return float(loss)
 
 
-def build_digit_workdir(shared: str) -> None:
-    """The trained digit workdir in `shared`, built once by whichever process comes first
-    (a lock: the others wait for it), in a child with JAX state of its own. Its 600 steps
-    run compiled with LLVM's optimizations (8 s instead of 18 without, as the tests
-    compile: few programs, run many times); the parity checks against CTranslate2
-    allow near-ties (tests/parity.py), so its rounding does not matter."""
+def build_once(shared: str, build: Callable[[str], None]) -> None:
+    """build(directory) made into `shared` once, by whichever process comes first (a lock:
+    the others wait for it); `shared` is complete, or not there."""
     with open(f"{shared}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isdir(shared):
             building = f"{shared}.building"
             shutil.rmtree(building, ignore_errors=True)
-            os.makedirs(building)
-            # tests.conftest: the tests' compilation cache, as in the test processes.
-            train = "from tests.digits import train_digit_workdir as t"
-            code = f"import tests.conftest; {train}; t({building!r})"
-            level = "--xla_backend_optimization_level"
-            flags = re.sub(rf"{level}=\d+", "", os.environ.get("XLA_FLAGS", ""))
-            env = {**os.environ, "XLA_FLAGS": f"{flags} {level}=2".strip()}
-            subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
-            os.rename(building, shared)  # complete, or not there
+            build(building)
+            os.rename(building, shared)
+
+
+def build_digit_workdir(shared: str) -> None:
+    """The trained digit workdir in `shared` (`build_once`), trained in a child with JAX
+    state of its own. Its 600 steps run compiled with LLVM's optimizations (8 s instead
+    of 18 without, as the tests compile: few programs, run many times); the parity checks
+    against CTranslate2 allow near-ties (tests/parity.py), so its rounding does not
+    matter."""
+
+    def trained(building: str) -> None:
+        os.makedirs(building)
+        # tests.conftest: the tests' compilation cache, as in the test processes.
+        train = "from tests.digits import train_digit_workdir as t"
+        code = f"import tests.conftest; {train}; t({building!r})"
+        level = "--xla_backend_optimization_level"
+        flags = re.sub(rf"{level}=\d+", "", os.environ.get("XLA_FLAGS", ""))
+        env = {**os.environ, "XLA_FLAGS": f"{flags} {level}=2".strip()}
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
+
+    build_once(shared, trained)
 
 
 def train_digit_workdir(wd: str) -> None:
