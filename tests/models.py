@@ -4,8 +4,11 @@
 12-token vocabulary and two decoder layers), `ragged_src` and `sources_of` their
 sources; `full_logp` gives log P(next | prefix) from a full forward pass (no cache),
 `PENALTIES` the length penalties of the reference searches, `as_list` a token row up to
-its EOS. `MARIAN` holds the model options a Marian / OPUS-MT model needs.
+its EOS. `MARIAN` holds the model options a Marian / OPUS-MT model needs. `forward` and
+`cache_of` run any model's forward pass and cache set-up as one compiled program each.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +42,26 @@ def sources_of(lengths, seed=0, vocab=40):
     return [[*rng.integers(4, vocab, size=n - 1).tolist(), EOS_ID] for n in lengths]
 
 
-_forward = jax.jit(lambda graphdef, state, src, tgt_in: nnx.merge(graphdef, state)(src, tgt_in))
+def forward(model: Transformer, src, tgt_in, **packing) -> jax.Array:
+    """`model(src, tgt_in, **packing)` as one compiled program. Called eagerly, a model
+    compiles each of its hundreds of operations for each new shape, several times the
+    work of compiling the whole pass once."""
+    return _forward(*nnx.split(model), src, tgt_in, packing)
+
+
+@jax.jit
+def _forward(graphdef, state, src, tgt_in, packing):
+    return nnx.merge(graphdef, state)(src, tgt_in, **packing)
+
+
+def cache_of(model: Transformer, src, max_decode_len: int):
+    """`model.init_cache(src, max_decode_len)` as one compiled program (see `forward`)."""
+    return _cache_of(*nnx.split(model), src, max_decode_len)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _cache_of(graphdef, state, src, max_decode_len):
+    return nnx.merge(graphdef, state).init_cache(src, max_decode_len=max_decode_len)
 
 
 def full_logp(model, src_row, prefix, width=32):
@@ -50,7 +72,7 @@ def full_logp(model, src_row, prefix, width=32):
     """
     tgt_in = np.zeros((1, width), np.int32)
     tgt_in[0, : len(prefix) + 1] = [BOS_ID, *prefix]
-    logits = _forward(*nnx.split(model), src_row[None], jnp.asarray(tgt_in))[0, len(prefix)]
+    logits = forward(model, src_row[None], jnp.asarray(tgt_in))[0, len(prefix)]
     logp = np.asarray(jax.nn.log_softmax(logits), np.float64)
     logp[[PAD_ID, BOS_ID]] = -np.inf  # searches never emit these
     return logp

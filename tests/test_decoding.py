@@ -17,7 +17,7 @@ from attention_jax import (
 )
 from attention_jax.search import beam, decoding, scoring
 from tests.conftest import search_rule
-from tests.models import PENALTIES, as_list, full_logp, make, ragged_src
+from tests.models import PENALTIES, as_list, forward, full_logp, make, ragged_src
 from tests.parity import TIE
 
 
@@ -244,7 +244,7 @@ def test_beam_size_one_equals_greedy():
 def sequence_logp(model, src, tokens):
     """Sum of log P of each row's tokens up to and including EOS: [B, L] -> [B]."""
     tgt_in = jnp.concatenate([jnp.full((src.shape[0], 1), BOS_ID), tokens[:, :-1]], axis=1)
-    logp = jax.nn.log_softmax(model(src, tgt_in), axis=-1)  # [B, L, V]
+    logp = jax.nn.log_softmax(forward(model, src, tgt_in), axis=-1)  # [B, L, V]
     picked = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]  # [B, L]
     # Positions up to and including the first EOS count.
     after = jnp.cumsum(tokens == EOS_ID, axis=1) - (tokens == EOS_ID)

@@ -27,6 +27,7 @@ from tests.marian_files import (
     write_hugging_face,
     write_marian,
 )
+from tests.models import forward
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -46,7 +47,7 @@ def our_log_probs(model, data):
     for i, (s, t) in enumerate(data):
         src[i, : len(s) + 1] = [*ids[s], EOS_ID]
         tgt[i, : len(t) + 1] = [*ids[t], EOS_ID]
-    logp = np.asarray(jax.nn.log_softmax(model(src, shift_right(tgt))))
+    logp = np.asarray(jax.nn.log_softmax(forward(model, src, shift_right(tgt))))
     picked = np.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
     return [picked[i, : len(t) + 1] for i, (_, t) in enumerate(data)]
 

@@ -11,7 +11,7 @@ from flax import nnx
 from attention_jax import BOS_ID, KVCache, Transformer, TransformerConfig, shift_right
 from attention_jax.sharding import partition_specs
 from tests.conftest import model_fields, perturbed_model
-from tests.models import MARIAN
+from tests.models import MARIAN, cache_of, forward
 
 SMALL = model_fields(num_heads=4, num_encoder_layers=2, num_decoder_layers=2, max_len=64)
 
@@ -31,7 +31,7 @@ def model():
 
 def test_forward_shapes_and_dtype(model):
     src, tgt = random_tokens(0, (3, 7)), random_tokens(1, (3, 5))
-    logits = model(src, tgt)
+    logits = model(src, tgt)  # eager, as decode below: the same operations, the same bits
     assert logits.shape == (3, 5, 40)
     assert logits.dtype == jnp.float32
     assert model.encode(src).shape == (3, 7, 32)
@@ -42,10 +42,10 @@ def test_forward_shapes_and_dtype(model):
 def test_causality(norm):
     m = make(norm=norm)
     src, tgt = random_tokens(0, (2, 6)), random_tokens(1, (2, 8))
-    base = m(src, tgt)
+    base = forward(m, src, tgt)
     for t in (0, 3, 7):
         changed = tgt.at[:, t].set((tgt[:, t] + 1 - 4) % 36 + 4)
-        out = m(src, changed)
+        out = forward(m, src, changed)
         np.testing.assert_allclose(out[:, :t], base[:, :t], atol=1e-5)
         assert not np.allclose(out[:, t:], base[:, t:], atol=1e-4)
 
@@ -54,15 +54,15 @@ def test_causality(norm):
 def test_padding_invariance(norm):
     m = make(norm=norm)
     src, tgt = random_tokens(2, (2, 6)), random_tokens(3, (2, 5))
-    base = m(src, tgt)
+    base = forward(m, src, tgt)
     src_padded = jnp.pad(src, ((0, 0), (0, 5)))
     tgt_padded = jnp.pad(tgt, ((0, 0), (0, 4)))
-    out = m(src_padded, tgt_padded)
+    out = forward(m, src_padded, tgt_padded)
     np.testing.assert_allclose(out[:, :5], base, atol=1e-5)
     # Padding in the middle of the batch: row 1 shorter than row 0.
     src_short = src.at[1, 4:].set(0)
-    one = m(src_short[1:2, :4], tgt[1:2])
-    both = m(src_short, tgt)
+    one = forward(m, src_short[1:2, :4], tgt[1:2])
+    both = forward(m, src_short, tgt)
     np.testing.assert_allclose(both[1:2], one, atol=1e-5)
 
 
@@ -71,8 +71,8 @@ def test_padding_contents_do_not_leak(model):
     # ids after the first pad to other pads (still 0) vs. a different length.
     src = jnp.array([[5, 6, 7, 1, 0, 0, 0]])
     tgt = jnp.array([[BOS_ID, 9, 10]])
-    a = model(src, tgt)
-    b = model(src[:, :4], tgt)
+    a = forward(model, src, tgt)
+    b = forward(model, src[:, :4], tgt)
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
@@ -92,8 +92,8 @@ def test_cached_decoding_equals_full_forward(overrides):
     m = perturbed_model(1, **{**SMALL, **overrides})  # every weight (biases too) in play
     src = random_tokens(4, (3, 6)).at[2, 3:].set(0)
     tgt = jnp.concatenate([jnp.full((3, 1), BOS_ID), random_tokens(5, (3, 6))], axis=1)
-    full = m(src, tgt)
-    cache = m.init_cache(src, max_decode_len=10)
+    full = forward(m, src, tgt)
+    cache = cache_of(m, src, max_decode_len=10)
     step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
     for t in range(tgt.shape[1]):
         logits, cache = step(m, tgt[:, t], cache)
@@ -108,7 +108,8 @@ def test_packed_rows_equal_separate_rows():
     t1, t2 = t1.at[:, 0].set(BOS_ID), t2.at[:, 0].set(BOS_ID)
     src = jnp.concatenate([s1, s2, jnp.zeros((1, 2), jnp.int32)], axis=1)
     tgt = jnp.concatenate([t1, t2], axis=1)
-    packed = m(
+    packed = forward(
+        m,
         src,
         tgt,
         src_segments=jnp.array([[1, 1, 1, 1, 2, 2, 2, 0, 0]]),
@@ -116,8 +117,8 @@ def test_packed_rows_equal_separate_rows():
         src_positions=jnp.array([[0, 1, 2, 3, 0, 1, 2, 0, 0]]),
         tgt_positions=jnp.array([[0, 1, 2, 0, 1, 2, 3, 4]]),
     )
-    np.testing.assert_allclose(packed[:, :3], m(s1, t1), atol=1e-5)
-    np.testing.assert_allclose(packed[:, 3:], m(s2, t2), atol=1e-5)
+    np.testing.assert_allclose(packed[:, :3], forward(m, s1, t1), atol=1e-5)
+    np.testing.assert_allclose(packed[:, 3:], forward(m, s2, t2), atol=1e-5)
 
 
 @pytest.mark.slow  # ~17 s
@@ -143,17 +144,18 @@ def test_remat_gives_same_gradients():
 def test_attention_implementations_agree_in_model():
     src = random_tokens(0, (2, 5)).at[1, 3:].set(0)
     tgt = random_tokens(1, (2, 4))
-    np.testing.assert_allclose(make()(src, tgt), make(attention_impl="jax")(src, tgt), atol=1e-5)
+    xla, jax_impl = make(), make(attention_impl="jax")
+    np.testing.assert_allclose(forward(xla, src, tgt), forward(jax_impl, src, tgt), atol=1e-5)
 
 
 def test_bfloat16_computation_keeps_float32_params_and_logits():
     m = make(dtype="bfloat16")
     src, tgt = random_tokens(0, (2, 5)), random_tokens(1, (2, 4))
-    logits = m(src, tgt)
+    logits = forward(m, src, tgt)
     assert logits.dtype == jnp.float32
     for p in jax.tree.leaves(nnx.state(m, nnx.Param)):
         assert p.dtype == jnp.float32
-    np.testing.assert_allclose(logits, make()(src, tgt), atol=0.15)
+    np.testing.assert_allclose(logits, forward(make(), src, tgt), atol=0.15)
 
 
 def test_tied_embeddings_share_one_table():
