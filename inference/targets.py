@@ -21,8 +21,9 @@ from typing import Any
 
 from attention_jax.inference.lines import LineReader, Segment, encode_lines
 from attention_jax.runtime.errors import UserError
+from attention_jax.search.scoring import prefix_room
 from attention_jax.search.settings import SearchSettings
-from attention_jax.search.stages import Targets, prefix_room
+from attention_jax.search.stages import Targets
 
 
 def split_phrases(line: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 score = normalized_score(logp, length, alpha, "gnmt")   # log P / lp(length)
 limits = row_limits(src, length=82, extra=50)          # [B]: a source of n tokens, n + 50
+room = prefix_room(source_tokens=9, max_len=82)        # 58: a prefix of at most n + 49 tokens
 rooms(width=32, length=82)                              # [48, 82]: a batch's stages
 logp = restrict(logp, force_eos, vocab_limit)           # never PAD/BOS; EOS at the limit
 values, index = top_k(x, k)                             # jax.lax.top_k, in two levels
@@ -56,6 +57,12 @@ def output_limit(source_tokens: int, max_len: int) -> int:
     """The most output tokens (EOS included) a source of `source_tokens` tokens (EOS
     included) may produce: source length + 50 (paper 6.1), at most max_len."""
     return min(source_tokens + EXTRA_DECODE_LEN, max_len)
+
+
+def prefix_room(source_tokens: int, max_len: int) -> int:
+    """The most tokens a prefix of a source of `source_tokens` tokens (EOS included) may
+    have: its output's limit (`output_limit`) less one, for EOS."""
+    return output_limit(source_tokens, max_len) - 1
 
 
 # A row that only fills a batch up to its static shape: two EOS, which no real source

@@ -39,18 +39,12 @@ from attention_jax.search import timing
 from attention_jax.search.constraints import Controls
 from attention_jax.search.hypothesis import hypotheses
 from attention_jax.search.rows import Found, shrinking, shrinks
-from attention_jax.search.scoring import FILLER, output_limit, rooms
+from attention_jax.search.scoring import FILLER, output_limit, prefix_room, rooms
 from attention_jax.search.settings import DEFAULTS, SearchSettings
 
 # progress(indices, hypotheses) after each batch: which sources (indices into the list
 # translated) it finished, and their hypotheses
 Progress = Callable[[Sequence[int], Sequence[list[Any]]], None]
-
-
-def prefix_room(source_tokens: int, max_len: int) -> int:
-    """The most tokens a prefix of a source of `source_tokens` tokens (EOS included) may
-    have: its output's limit (search/scoring.py `output_limit`) less one, for EOS."""
-    return output_limit(source_tokens, max_len) - 1
 
 
 @dataclasses.dataclass(frozen=True)
