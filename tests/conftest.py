@@ -99,12 +99,21 @@ def _log_to_caplog():
     logging.getLogger(log.ROOT_LOGGER).propagate = True
 
 
-_COUNTS = {"compiles": 0, "subprocesses": 0}
+_COUNTS = {"compiles": 0, "subprocesses": 0, "compile_s": 0.0, "trace_s": 0.0, "lower_s": 0.0}
+# Seconds of this process (not its children) in XLA's compiles (or cache loads), in
+# tracing Python functions to jaxprs and in lowering those to XLA's input.
+_SECONDS = {
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+}
 
 
 def _count_compiles(event: str, seconds: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":  # a compile or a cache load
         _COUNTS["compiles"] += 1
+    if event in _SECONDS:
+        _COUNTS[_SECONDS[event]] += seconds
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -116,9 +125,9 @@ def _compile_listener():
 
 @pytest.fixture(autouse=True)
 def _costs(record_property, monkeypatch):
-    """Each test's XLA compiles in this process and the subprocesses it starts, as test
-    properties (`pytest -p tests.pytest_jsonl --jsonl=F`; tests/suite_profile.py sums
-    them per module)."""
+    """Each test's XLA compiles in this process (with their seconds, and tracing's and
+    lowering's) and the subprocesses it starts, as test properties
+    (`pytest -p tests.suite_profile --suite-profile=F` writes them, and sums them per module)."""
     start = dict(_COUNTS)
     init = subprocess.Popen.__init__
 
@@ -129,7 +138,7 @@ def _costs(record_property, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", counting_init)
     yield
     for name, value in _COUNTS.items():
-        record_property(name, value - start[name])
+        record_property(name, round(value - start[name], 3))
 
 
 @pytest.fixture(autouse=True)

@@ -4,8 +4,9 @@
     python tests/suite_profile.py suite.jsonl [--tests 20]    # the tables
 
 As a pytest plugin it writes one JSON line per test (setup, call and teardown
-seconds, and the `compiles` and `subprocesses` that tests/conftest.py records
-for it; with xdist, from the controller). As a script it sums them per module,
+seconds, and the `compiles`, their `compile_s`, `trace_s` and `lower_s` in the
+test's process, and the `subprocesses` that tests/conftest.py records for it;
+with xdist, from the controller). As a script it sums them per module,
 most expensive first, and lists the costliest tests.
 """
 
@@ -47,6 +48,10 @@ class _Profile:
                 f.write(json.dumps(row) + "\n")
 
 
+# This process's seconds in XLA's compiles, in tracing and in lowering (tests/conftest.py).
+_JAX_SECONDS = ("compile_s", "trace_s", "lower_s")
+
+
 def seconds(row: dict) -> float:
     return sum(row.get(f"{w}_s", 0.0) for w in ("setup", "call", "teardown"))
 
@@ -63,17 +68,20 @@ def main(argv=None) -> None:
         m = modules[r["nodeid"].split("::")[0]]
         m["tests"] += 1
         m["seconds"] += seconds(r)
-        m["compiles"] += r.get("compiles", 0)
-        m["subprocesses"] += r.get("subprocesses", 0)
+        for key in ("compiles", "subprocesses", *_JAX_SECONDS):
+            m[key] += r.get(key, 0)
     total = sum(m["seconds"] for m in modules.values())
-    print(f"| module | tests | seconds | share | compiles | subprocesses |\n|{'---|' * 6}")
+    header = "| module | tests | seconds | share | compiles | compile s | trace s | lower s |"
+    print(f"{header} subprocesses |\n|{'---|' * 9}")
     for name, m in sorted(modules.items(), key=lambda kv: -kv[1]["seconds"]):
         share = 100 * m["seconds"] / max(total, 1e-9)
+        jax_s = " | ".join(f"{m[key]:.1f}" for key in _JAX_SECONDS)
         print(
             f"| {name} | {m['tests']} | {m['seconds']:.1f} | {share:.1f}% | "
-            f"{m['compiles']} | {m['subprocesses']} |"
+            f"{m['compiles']} | {jax_s} | {m['subprocesses']} |"
         )
-    print(f"| all | {len(rows)} | {total:.1f} | 100% | | |\n")
+    sums = " | ".join(f"{sum(m[key] for m in modules.values()):.1f}" for key in _JAX_SECONDS)
+    print(f"| all | {len(rows)} | {total:.1f} | 100% | | {sums} | |\n")
     print("| test | seconds | compiles | subprocesses |\n|---|---|---|---|")
     for r in sorted(rows, key=seconds, reverse=True)[: args.tests]:
         print(
