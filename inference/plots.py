@@ -1,16 +1,48 @@
 """Cross-attention heatmaps: one PNG per sentence, a panel per decoder layer.
 
 paths = plot_lines(model, tokenizer, translated, "pictures/", count=4)
+maps = attention_maps(model, src_ids, out_ids)   # [L_dec, T, S]: what each panel shows
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import numpy as np
+from flax import nnx
+
 from attention_jax import BOS_ID, EOS_ID, Transformer
+from attention_jax.data.plans import inference_width
 from attention_jax.inference.lines import Translated
+
+
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _head_means(graphdef: Any, state: Any, src: jax.Array, tgt_in: jax.Array) -> jax.Array:
+    """src [1, S], tgt_in [1, T] -> [L_dec, T, S]: each decoder layer's cross-attention,
+    the mean of its heads."""
+    return nnx.merge(graphdef, state).cross_attention_weights(src, tgt_in)[:, 0].mean(axis=1)
+
+
+def _padded(ids: Sequence[int], max_len: int) -> np.ndarray:
+    """[1, W]: ids then padding, W a fixed width (`inference_width`), so that sentences of
+    many lengths share a few compiled programs (padding is masked: it changes no weight)."""
+    row = np.zeros((1, inference_width(len(ids), max_len)), np.int32)
+    row[0, : len(ids)] = ids
+    return row
+
+
+def attention_maps(model: Transformer, src: Sequence[int], out: Sequence[int]) -> np.ndarray:
+    """[L_dec, T, S]: where each of the output's T tokens (`out`, then EOS) looked in the
+    source's S (ids with EOS), per decoder layer: its cross-attention, the mean of its
+    heads."""
+    max_len = model.config.max_len
+    tgt_in = _padded([BOS_ID, *out], max_len)  # row t predicts token t (EOS last)
+    weights = _head_means(*nnx.split(model), _padded(src, max_len), tgt_in)
+    return np.asarray(weights)[:, : len(out) + 1, : len(src)]
 
 
 def plot_attention(
@@ -25,20 +57,16 @@ def plot_attention(
 
     Returns the paths written (DIRECTORY/attention_000.png, ..., numbered from `first`).
     """
-    import jax.numpy as jnp
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     os.makedirs(directory, exist_ok=True)
     paths = []
     for n, (src, out) in enumerate(zip(sources, outputs, strict=True)):
         tgt = [*out, EOS_ID]
-        tgt_in = jnp.asarray([[BOS_ID, *tgt[:-1]]], jnp.int32)  # row t predicts tgt[t]
-        weights = model.cross_attention_weights(jnp.asarray([src], jnp.int32), tgt_in)
-        weights = np.asarray(weights[:, 0].mean(axis=1))  # [L_dec, 1, N, T, S] -> [L_dec, T, S]
+        weights = attention_maps(model, src, out)  # [L_dec, T, S]
         src_pieces = [tokenizer.id_to_piece(t) for t in src]
         tgt_pieces = [tokenizer.id_to_piece(t) for t in tgt]
         layers = weights.shape[0]

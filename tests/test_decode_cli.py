@@ -16,12 +16,14 @@ import jax
 import numpy as np
 import pytest
 
-from attention_jax import EOS_ID
+from attention_jax import BOS_ID, EOS_ID
 from attention_jax.data import Tokenizer
+from attention_jax.inference.plots import attention_maps
 from attention_jax.search import decoding
 from attention_jax.training.workdir import restore_model
 from tests.decode_runs import ROOT, run_decode
 from tests.digits import TRAIN_STEPS, digit_pairs, pad
+from tests.models import make
 
 
 def test_trained_model_translates_synthetic_task_exactly(workdir):
@@ -92,6 +94,16 @@ def test_cli_stdin_stdout_reference_and_plots(workdir, tmp_path):
     assert pngs == ["attention_000.png", "attention_001.png"]
     for name in pngs:
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plot_shows_each_layers_cross_attention_averaged_over_heads():
+    model = make(seed=2)  # 12 tokens, 2 decoder layers, 4 heads
+    src, out = [5, 6, 7, 8, 9, 10, 4, EOS_ID], [9, 4, 10]
+    maps = attention_maps(model, src, out)  # computed at padded widths, then cut
+    tgt_in = np.asarray([[BOS_ID, *out]], np.int32)  # row t predicts token t
+    whole = jax.jit(model.cross_attention_weights)(np.asarray([src], np.int32), tgt_in)
+    assert maps.shape == (2, len(out) + 1, len(src))
+    np.testing.assert_allclose(maps, np.asarray(whole)[:, 0].mean(axis=1), atol=1e-6)
 
 
 @pytest.mark.parametrize(
