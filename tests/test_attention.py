@@ -317,7 +317,7 @@ def test_fused_path_ignores_junk_in_padded_rows(model_masks, monkeypatch, kind):
 
     def grads(impl):
         loss = lambda q, k, v: jnp.vdot(dot_product_attention(q, k, v, mask, impl=impl), g)
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)  # one program, not one an op
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)  # one program, not per op
 
     for fused, plain in zip(grads("cudnn"), grads("xla"), strict=True):
         assert np.isfinite(np.asarray(fused)).all()

@@ -98,8 +98,8 @@ def test_cli_stdin_stdout_reference_and_plots(workdir, tmp_path):
 
 def test_a_plot_shows_each_layers_cross_attention_averaged_over_heads():
     model = make(seed=2)  # 12 tokens, 2 decoder layers, 4 heads
-    src, out = [5, 6, 7, 8, 9, 10, 4, EOS_ID], [9, 4, 10]
-    maps = attention_maps(model, src, out)  # computed at padded widths, then cut
+    src, out = [5, 6, 7, 8, 9, EOS_ID], [9, 4, 10]
+    maps = attention_maps(model, src, out)  # computed at width 8 for both, then cut
     tgt_in = np.asarray([[BOS_ID, *out]], np.int32)  # row t predicts token t
     whole = jax.jit(model.cross_attention_weights)(np.asarray([src], np.int32), tgt_in)
     assert maps.shape == (2, len(out) + 1, len(src))
