@@ -39,7 +39,7 @@ from attention_jax.sharding import EMBED, VOCAB
 from attention_jax.tokens import BOS_ID, PAD_ID
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)  # a few lengths a model: the widths and rooms it runs
 def _position_table(length: int, d_model: int, halves: bool = False) -> np.ndarray:
     # Imported here, not at the top: `python -m attention_jax.positional` (the picture of
     # the table) then runs a module that `import model` has not loaded already.
@@ -154,13 +154,16 @@ class Transformer(nnx.Module):
 
     # --- pieces -----------------------------------------------------------
 
-    def position_table_values(self) -> jax.Array:
-        """What each position adds to its embedding: [max_len, D] in the compute dtype."""
+    def position_table_values(self, length: int | None = None) -> jax.Array:
+        """What each of the first `length` positions (default: all max_len) adds to its
+        embedding: [length, D] in the compute dtype. A sinusoid's rows are constants of
+        the program that uses them, so a program holds only the rows it can reach."""
         cfg = self.config
+        length = cfg.max_len if length is None else min(length, cfg.max_len)
         if self.position_table is not None:
-            return self.position_table[...].astype(cfg.dtype)
+            return self.position_table[:length].astype(cfg.dtype)
         halves = cfg.positions == "sinusoid_halves"
-        return jnp.asarray(_position_table(cfg.max_len, cfg.d_model, halves), cfg.dtype)
+        return jnp.asarray(_position_table(length, cfg.d_model, halves), cfg.dtype)
 
     def _start(self, tgt_in: jax.Array, rows: jax.Array) -> jax.Array:
         """The target's embedding rows [B, T, D]; with `zero_start`, BOS's are zeros."""
@@ -170,11 +173,10 @@ class Transformer(nnx.Module):
 
     def _embed(self, rows: jax.Array, positions, deterministic: bool) -> jax.Array:
         """Looked-up rows embedding * sqrt(D) [B, T, D] -> dropout(rows + PE) [B, T, D]."""
-        table = self.position_table_values()  # [max_len, D]
         if positions is None:
-            pe = table[None, : rows.shape[1]]  # [1, T, D]
+            pe = self.position_table_values(rows.shape[1])[None]  # [1, T, D]
         else:
-            pe = jnp.take(table, positions, axis=0)  # [B, T, D]
+            pe = jnp.take(self.position_table_values(), positions, axis=0)  # [B, T, D]
         return self.embed_dropout(rows + pe, deterministic=deterministic)
 
     def _lookup_both(self, src: jax.Array, tgt_in: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -414,7 +416,8 @@ class Transformer(nnx.Module):
           logits [R, V] float32 for the next token, and the updated cache.
         """
         i = cache.index
-        pe = jax.lax.dynamic_slice_in_dim(self.position_table_values(), i, 1)[None]  # [1, 1, D]
+        table = self.position_table_values(cache.max_length)  # [L, D]: i < L, the cache's room
+        pe = jax.lax.dynamic_slice_in_dim(table, i, 1)[None]  # [1, 1, D]
         y = self._start(tokens[:, None], self.tgt_embed(tokens[:, None])) + pe  # [R, 1, D]
         # Keys at positions <= i are filled; later slots are still zeros.
         self_mask = (jnp.arange(cache.max_length) <= i)[None, None, None, :]  # [1, 1, 1, L]

@@ -158,6 +158,15 @@ def test_bfloat16_computation_keeps_float32_params_and_logits():
     np.testing.assert_allclose(logits, forward(make(), src, tgt), atol=0.15)
 
 
+@pytest.mark.parametrize("positions", ["sinusoid", "sinusoid_halves", "table"])
+def test_a_programs_position_rows_are_the_whole_tables_first_rows(positions):
+    m = make(positions=positions)
+    whole = np.asarray(m.position_table_values())  # [max_len, D]
+    assert whole.shape == (64, 32)
+    for length in (1, 7, 64, 80):  # 80: past max_len, the whole table
+        np.testing.assert_array_equal(m.position_table_values(length), whole[: min(length, 64)])
+
+
 def test_tied_embeddings_share_one_table():
     tied = make()
     assert tied.tgt_embed is tied.src_embed and tied.unembed is None
