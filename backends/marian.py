@@ -51,12 +51,22 @@ def _rows(table: np.ndarray, fill: float = 0.0) -> np.ndarray:
 def _piece(text: str) -> str:
     """A vocabulary key as written: a quoted YAML scalar unquoted; a plain one as it
     stands (YAML would read `yes`, `null` or `1` as a boolean, None, a number)."""
+    text = text.strip()
+    if len(text) < 2 or text[0] != text[-1] or text[0] not in "\"'":
+        return text
+    inner = text[1:-1]
+    # Most keys quote printable text without escapes, which YAML reads as it stands ('' is
+    # one ' in single quotes): read so here, since YAML's parser, one key at a time, was
+    # most of an OPUS-MT import. Escapes and other characters (YAML folds some line
+    # separators, refuses some controls) go through YAML itself.
+    if inner.isprintable():
+        if text[0] == '"' and '"' not in inner and "\\" not in inner:
+            return inner
+        if text[0] == "'" and "'" not in inner.replace("''", ""):
+            return inner.replace("''", "'")
     import yaml
 
-    text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        return str(yaml.safe_load(text))
-    return text
+    return str(yaml.safe_load(text))
 
 
 def read_vocab(path: str) -> list[str]:

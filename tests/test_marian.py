@@ -105,6 +105,21 @@ def test_the_vocabulary_keeps_pieces_yaml_would_retype(tmp_path):
         marian.read_vocab(str(path))
 
 
+def test_quoted_pieces_read_as_yaml_reads_them(tmp_path):
+    # Printable text is read without YAML's parser; anything else goes through it.
+    pieces = [" lead", "trail ", "it's", "a#b", "- x", "[x]", "{x}", "&a", "*a", "!x", "%x",
+              "@x", "`x`", "|", ">", ",", "?", "é", "▁", "tab\there", 'say "hi"',
+              "back\\slash", "nbsp\xa0", "''", '"', "'", "line\u2028sep"]  # fmt: skip
+    double = [json.dumps(p, ensure_ascii=False) for p in pieces]
+    single = ["'" + p.replace("'", "''") + "'" for p in pieces]
+    keys = double + single
+    path = tmp_path / "v.yml"
+    path.write_text("".join(f"{k}: {i}\n" for i, k in enumerate(keys)), encoding="utf-8")
+    got = marian.read_vocab(str(path))
+    assert got == [str(yaml.safe_load(k)) for k in keys]
+    assert got[: len(pieces) - 1] == pieces[:-1]  # YAML folds a line separator
+
+
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
