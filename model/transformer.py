@@ -155,9 +155,8 @@ class Transformer(nnx.Module):
     # --- pieces -----------------------------------------------------------
 
     def position_table_values(self, length: int | None = None) -> jax.Array:
-        """What each of the first `length` positions (default: all max_len) adds to its
-        embedding: [length, D] in the compute dtype. A sinusoid's rows are constants of
-        the program that uses them, so a program holds only the rows it can reach."""
+        """[length, D] (default: max_len), what each position adds to its embedding, in the
+        compute dtype: a program holds (as constants) only the sinusoid rows it reaches."""
         cfg = self.config
         length = cfg.max_len if length is None else min(length, cfg.max_len)
         if self.position_table is not None:
