@@ -4,8 +4,9 @@
 12-token vocabulary and two decoder layers), `ragged_src` and `sources_of` their
 sources; `full_logp` gives log P(next | prefix) from a full forward pass (no cache),
 `PENALTIES` the length penalties of the reference searches, `as_list` a token row up to
-its EOS. `MARIAN` holds the model options a Marian / OPUS-MT model needs. `forward` and
-`cache_of` run any model's forward pass and cache set-up as one compiled program each.
+its EOS. `MARIAN` holds the model options a Marian / OPUS-MT model needs. `forward`,
+`cache_of` and `step_of` run any model's forward pass, cache set-up and decoding step as
+one compiled program each.
 """
 
 import functools
@@ -62,6 +63,16 @@ def cache_of(model: Transformer, src, max_decode_len: int):
 @functools.partial(jax.jit, static_argnums=3)
 def _cache_of(graphdef, state, src, max_decode_len):
     return nnx.merge(graphdef, state).init_cache(src, max_decode_len=max_decode_len)
+
+
+def step_of(model: Transformer, tokens, cache):
+    """`model.decode_step(tokens, cache)` as one compiled program (see `forward`)."""
+    return _step_of(*nnx.split(model), tokens, cache)
+
+
+@jax.jit
+def _step_of(graphdef, state, tokens, cache):
+    return nnx.merge(graphdef, state).decode_step(tokens, cache)
 
 
 def full_logp(model, src_row, prefix, width=32):

@@ -20,6 +20,7 @@ from attention_jax.search.decoding import translate_beams, translate_greedy
 from attention_jax.search.likelihood import score_ids
 from tests.decode_runs import run_decode
 from tests.digits import digit_pairs
+from tests.models import forward
 
 SRC = np.asarray([[5, 6, 7, 8, 1, 0], [9, 10, 1, 0, 0, 0], [11, 1, 0, 0, 0, 0]], np.int32)
 
@@ -34,17 +35,12 @@ def members() -> list[Transformer]:
     return [Transformer(a, rngs=nnx.Rngs(0)), Transformer(b, rngs=nnx.Rngs(1))]
 
 
-@nnx.jit
-def _logits(model, src, tgt):
-    return model(src, shift_right(tgt))
-
-
 def ensemble_log_probs(models, src: np.ndarray, tgt: np.ndarray) -> np.ndarray:
     """[B, T, V] float64: log_softmax of the mean of the members' log-probabilities, each
     from its own full forward pass over tgt [B, T] (shifted right)."""
     mean = 0.0
     for m in models:
-        z = np.asarray(_logits(m, src, tgt), np.float64)
+        z = np.asarray(forward(m, src, shift_right(tgt)), np.float64)
         mean = mean + (z - _logsumexp(z)) / len(models)
     return mean - _logsumexp(mean)
 

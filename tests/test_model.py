@@ -11,7 +11,7 @@ from flax import nnx
 from attention_jax import BOS_ID, KVCache, Transformer, TransformerConfig, shift_right
 from attention_jax.sharding import partition_specs
 from tests.conftest import model_fields, perturbed_model
-from tests.models import MARIAN, cache_of, forward
+from tests.models import MARIAN, cache_of, forward, step_of
 
 SMALL = model_fields(num_heads=4, num_encoder_layers=2, num_decoder_layers=2, max_len=64)
 
@@ -94,9 +94,8 @@ def test_cached_decoding_equals_full_forward(overrides):
     tgt = jnp.concatenate([jnp.full((3, 1), BOS_ID), random_tokens(5, (3, 6))], axis=1)
     full = forward(m, src, tgt)
     cache = cache_of(m, src, max_decode_len=10)
-    step = nnx.jit(lambda m, tok, c: m.decode_step(tok, c))
     for t in range(tgt.shape[1]):
-        logits, cache = step(m, tgt[:, t], cache)
+        logits, cache = step_of(m, tgt[:, t], cache)
         np.testing.assert_allclose(logits, full[:, t], atol=1e-5, rtol=1e-5)
     assert int(cache.index) == tgt.shape[1]
 

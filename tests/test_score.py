@@ -24,6 +24,7 @@ from attention_jax.search.likelihood import score_ids, token_log_probs
 from attention_jax.training.workdir import load_workdir
 from tests.decode_runs import run_decode, run_killed
 from tests.digits import digit_pairs, hostile_input
+from tests.models import cache_of, step_of
 from tests.parity import source_ids
 
 
@@ -43,25 +44,15 @@ def random_pairs(seed: int, n: int, most: int = 12) -> tuple[list[list[int]], li
     return sources, [ids() for _ in range(n)]
 
 
-@nnx.jit
-def _step(model, tokens, cache):
-    return model.decode_step(tokens, cache)
-
-
-@nnx.jit(static_argnums=2)
-def _cache(model, src, length):
-    return model.init_cache(src, length)
-
-
 def stepwise_log_probs(model, source, target) -> np.ndarray:
     """log P(target[t] | source, target[:t]) by feeding one token at a time through the
     decoder's cache (Transformer.decode_step), log-softmax in float64."""
     src = np.zeros((1, model.config.max_len), np.int32)  # one shape: one compile
     src[0, : len(source)] = source
-    cache = _cache(model, src, model.config.max_len)
+    cache = cache_of(model, src, model.config.max_len)
     out, prev = [], 2  # BOS
     for token in target:
-        logits, cache = _step(model, np.asarray([prev], np.int32), cache)
+        logits, cache = step_of(model, np.asarray([prev], np.int32), cache)
         z = np.asarray(logits[0], np.float64)
         out.append(z[token] - z.max() - np.log(np.exp(z - z.max()).sum()))
         prev = token
