@@ -144,11 +144,15 @@ def translate_sample(
 # --- beam search: a batch's whole search, one program ------------------------
 
 # A search whose self-attention caches (all layers, keys and values) hold at least
-# this many bytes is large: its loop steps two positions per iteration, and it grows
-# its room in stages. Two steps a loop iteration are faster on large caches but make
-# each program compile longer, which below a few MB is rarely won back
-# (docs/searching.md has the measurements).
+# this many bytes is large: it grows its room in stages, and on the platforms below
+# its loop steps two positions per iteration. Two steps a loop iteration are faster
+# on large caches but make each program compile longer, which below a few MB is
+# rarely won back (docs/searching.md has the measurements).
 LARGE_SEARCH_BYTES = 8 << 20
+# Where a large search takes two steps per iteration. Not on a CPU: there the second
+# copy of the step doubles what a program takes to compile and to load, and the copy
+# of the caches it spares costs little beside the step's matmuls.
+TWO_STEP_PLATFORMS = frozenset({"gpu", "tpu"})
 
 
 def _large(model: Transformer, rows: Any, room: Any) -> bool:
@@ -178,9 +182,10 @@ def step_until(
     model: Transformer, s: beam.BeamState, alpha: jax.Array, rule: Rule, until: Any = 0
 ) -> beam.BeamState:
     """search/beam.py `step_until` over the model's step: two steps a loop iteration in a large
-    search, until at most `until` sources are left or the room is full."""
+    search on a GPU or TPU, until at most `until` sources are left or the room is full."""
     rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
-    unroll = 2 if _large(model, rows, room) else 1
+    two_steps = jax.default_backend() in TWO_STEP_PLATFORMS and _large(model, rows, room)
+    unroll = 2 if two_steps else 1
     return beam.step_until(model.decode_step, s, alpha, rule, unroll, until)
 
 

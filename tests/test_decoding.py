@@ -89,10 +89,11 @@ def test_greedy_cached_equals_full_forward(model):
 
 @pytest.fixture
 def large_searches(monkeypatch):
-    """Every beam search counts as large (search/decoding.py `LARGE_SEARCH_BYTES`): two steps
-    per loop iteration, and stages of growing room in one program; programs compiled
-    before or after use their own rule."""
+    """Every beam search counts as large (search/decoding.py `LARGE_SEARCH_BYTES`), and the
+    CPU steps as a GPU does: two steps per loop iteration, and stages of growing room in
+    one program; programs compiled before or after use their own rule."""
     monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", 0)
+    monkeypatch.setattr(decoding, "TWO_STEP_PLATFORMS", frozenset({"cpu"}))
     jax.clear_caches()
     yield
     jax.clear_caches()
