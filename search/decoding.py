@@ -155,7 +155,7 @@ LARGE_SEARCH_BYTES = 8 << 20
 TWO_STEP_PLATFORMS = frozenset({"gpu", "tpu"})
 
 
-def _large(model: Transformer, rows: Any, room: Any) -> bool:
+def large_search(model: Transformer, rows: Any, room: Any) -> bool:
     """Whether a search of `rows` beam rows with room for `room` tokens is large; one of a
     symbolic batch size (an exported program, which serves batches of any size) is."""
     cfg = model.config
@@ -184,7 +184,7 @@ def step_until(
     """search/beam.py `step_until` over the model's step: two steps a loop iteration in a large
     search on a GPU or TPU, until at most `until` sources are left or the room is full."""
     rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
-    two_steps = jax.default_backend() in TWO_STEP_PLATFORMS and _large(model, rows, room)
+    two_steps = jax.default_backend() in TWO_STEP_PLATFORMS and large_search(model, rows, room)
     unroll = 2 if two_steps else 1
     return beam.step_until(model.decode_step, s, alpha, rule, unroll, until)
 
@@ -220,7 +220,7 @@ def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra
 def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):
     """The rooms `search_batch` grows a batch of `rows` sources of width `width` through:
     in stages (search/scoring.py `rooms`) for a large search, else all `length` at once."""
-    if _large(model, rows * beam_size, length):
+    if large_search(model, rows * beam_size, length):
         return tuple(rooms(width, length))
     return (length,)
 

@@ -116,8 +116,11 @@ class LiveSearch:
     ) -> tuple[jax.Array, ...]:
         """search/decoding.py `search_batch` of src [B, S] through `rooms`: tokens [B, n, C] and
         scores [B, n] (n = n_best), every source finished; with controls (prefixes and
-        phrases), also met [B, n, Q]."""
+        phrases), also met [B, n, Q]. A small search (`large_search`: a few rows) takes
+        the last room at once: its stages would save little and compile a loop each."""
         length, extra = decode_shape(self.model, src, None)
+        if not decoding.large_search(self.model, src.shape[0] * self.settings.beam_size, length):
+            rooms = rooms[-1:]
         return decoding.search_batch(
             self.model,
             src,
