@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import jax
 import ml_collections
@@ -63,12 +64,8 @@ def restore_model(
         model_cfg = model_config(config)  # attention resolved here, once, before tracing
     except ValueError as e:  # a hand-edited config.json
         raise UserError(f"{workdir}/{CONFIG_FILE}: {e}") from e
-    abstract_model = nnx.eval_shape(lambda: build_model(config, model_cfg))
-    graphdef, abstract_params, _ = nnx.split(abstract_model, nnx.Param, ...)
     device = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    abstract_params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params
-    )
+    graphdef, abstract_params, rngs = _fresh_model(config, model_cfg, device)
     directory = os.path.join(workdir, CHECKPOINT_DIR)
     if not os.path.isdir(directory):
         raise UserError(f"no complete checkpoint in {directory}; train the model first")
@@ -78,11 +75,25 @@ def restore_model(
             step = _best(checkpoints, best_metric, directory)
         step, chosen = _choose(checkpoints.all_steps(), step, average_last, directory)
         params = checkpoints.mean_params(chosen, abstract_params)
-    # Fresh dropout streams (a loaded model is for inference); XLA drops the unused params init.
-    rngs = jax.jit(
-        lambda: nnx.split(build_model(config, model_cfg), nnx.Param, ...)[2], out_shardings=device
-    )()
     return nnx.merge(graphdef, params, rngs), config, step
+
+
+def _fresh_model(
+    config: ml_collections.ConfigDict, model_cfg: Any, device: jax.sharding.Sharding
+) -> tuple[nnx.GraphDef, Any, nnx.State]:
+    """(graphdef, the params as ShapeDtypeStructs on `device`, fresh dropout streams) of the
+    model `config` builds: one trace of its construction, whose compiled program computes
+    the streams alone (XLA drops the unused params init; a loaded model is for inference)."""
+    traced = {}
+
+    def streams() -> nnx.State:
+        graphdef, params, rest = nnx.split(build_model(config, model_cfg), nnx.Param, ...)
+        as_shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+        traced.update(graphdef=graphdef, params=jax.tree.map(as_shape, params))
+        return rest
+
+    rngs = jax.jit(streams, out_shardings=device)()
+    return traced["graphdef"], traced["params"], rngs
 
 
 def _best(checkpoints: Checkpoints, best_metric: str, directory: str) -> int:
