@@ -47,7 +47,15 @@ def _batch(n: int, width: int, seed: int) -> np.ndarray:
     return src
 
 
-@pytest.mark.parametrize(("size", "room"), [(4, 13), (1, 13), (4, 24)])
+@pytest.mark.parametrize(
+    ("size", "room"),
+    [
+        (4, 13),  # pairs, then one step
+        # a few seconds each (two programs): make test-slow
+        pytest.param(1, 13, marks=pytest.mark.slow),
+        pytest.param(4, 24, marks=pytest.mark.slow),  # pairs only
+    ],
+)
 def test_two_steps_a_loop_iteration_give_the_same_tokens_and_scores(model, monkeypatch, size, room):
     """A large search takes two steps per loop iteration (search/beam.py `step_until`), then
     single steps for what is left of the room (odd rooms leave one): the same tokens, and
