@@ -302,19 +302,29 @@ def digit_export(workdir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Reversal pairs for the fault tests' runs (test_faults, test_restore_faults), as a
-    config.dataset."""
-    path = tmp_path_factory.mktemp("data") / "pairs.tsv"
-    return "tsv:" + write_reversal_tsv(path, num_pairs=600, max_words=4, seed=7)
+    config.dataset: one file per test session (the finished run's config names it)."""
+    from tests.digits import build_once
+
+    def write(building: str) -> None:
+        os.makedirs(building)
+        write_reversal_tsv(os.path.join(building, "pairs.tsv"), 600, max_words=4, seed=7)
+
+    shared = session_dir(tmp_path_factory, "fault-corpus")
+    build_once(shared, write)
+    return "tsv:" + os.path.join(shared, "pairs.tsv")
 
 
 @pytest.fixture(scope="module")
 def base(corpus, tmp_path_factory):
     """A finished 20-step run with checkpoints at steps 10 and 20 (tests/fault_runs.py
-    `cfg`), one per test module: test_faults and test_restore_faults damage and resume
-    copies of it."""
+    `cfg`), trained once per test session by the first xdist worker that needs it (the
+    others wait): test_faults and test_restore_faults damage and resume copies of it."""
+    import pathlib
+
     from attention_jax.training import train_and_evaluate
+    from tests.digits import build_once
     from tests.fault_runs import cfg
 
-    workdir = tmp_path_factory.mktemp("base")
-    train_and_evaluate(cfg(corpus), str(workdir))
-    return workdir
+    shared = session_dir(tmp_path_factory, "fault-base")
+    build_once(shared, lambda building: train_and_evaluate(cfg(corpus), building))
+    return pathlib.Path(shared)
