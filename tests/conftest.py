@@ -109,11 +109,21 @@ _SECONDS = {
 }
 
 
-def _count_compiles(event: str, seconds: float, **kwargs) -> None:
+# The same seconds by program (the jitted function's name): [compiles, compile s, trace s,
+# lower s] each.
+_BY_PROGRAM: dict[str, list[float]] = {}
+
+
+def _count_compiles(event: str, seconds: float, fun_name: str = "?", **kwargs) -> None:
+    if event not in _SECONDS:
+        return
+    name = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name  # jit(f) -> f
+    counts = _BY_PROGRAM.setdefault(name, [0, 0.0, 0.0, 0.0])
     if event == "/jax/core/compile/backend_compile_duration":  # a compile or a cache load
         _COUNTS["compiles"] += 1
-    if event in _SECONDS:
-        _COUNTS[_SECONDS[event]] += seconds
+        counts[0] += 1
+    _COUNTS[_SECONDS[event]] += seconds
+    counts[1 + list(_SECONDS).index(event)] += seconds
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -126,9 +136,11 @@ def _compile_listener():
 @pytest.fixture(autouse=True)
 def _costs(record_property, monkeypatch):
     """Each test's XLA compiles in this process (with their seconds, and tracing's and
-    lowering's) and the subprocesses it starts, as test properties
-    (`pytest -p tests.suite_profile --suite-profile=F` writes them, and sums them per module)."""
+    lowering's; also by program) and the subprocesses it starts, as test properties
+    (`pytest -p tests.suite_profile --suite-profile=F` writes them, and sums them per module
+    and per program)."""
     start = dict(_COUNTS)
+    programs = {name: list(counts) for name, counts in _BY_PROGRAM.items()}
     init = subprocess.Popen.__init__
 
     def counting_init(self, *args, **kwargs):
@@ -139,6 +151,12 @@ def _costs(record_property, monkeypatch):
     yield
     for name, value in _COUNTS.items():
         record_property(name, round(value - start[name], 3))
+    spent = {}
+    for name, counts in _BY_PROGRAM.items():
+        before = programs.get(name, [0, 0.0, 0.0, 0.0])
+        if counts != before:
+            spent[name] = [round(a - b, 3) for a, b in zip(counts, before, strict=True)]
+    record_property("programs", spent)
 
 
 @pytest.fixture(autouse=True)

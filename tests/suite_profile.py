@@ -5,9 +5,10 @@
 
 As a pytest plugin it writes one JSON line per test (setup, call and teardown
 seconds, and the `compiles`, their `compile_s`, `trace_s` and `lower_s` in the
-test's process, and the `subprocesses` that tests/conftest.py records for it;
-with xdist, from the controller). As a script it sums them per module,
-most expensive first, and lists the costliest tests.
+test's process, the same by program name (`programs`), and the `subprocesses`
+that tests/conftest.py records for it; with xdist, from the controller). As a
+script it sums them per module, most expensive first, and lists the costliest
+tests and programs.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("path")
     p.add_argument("--tests", type=int, default=20, help="how many of the costliest tests")
+    p.add_argument("--programs", type=int, default=15, help="how many of the costliest programs")
     args = p.parse_args(argv)
     with open(args.path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -88,7 +90,20 @@ def main(argv=None) -> None:
             f"| {r['nodeid']} | {seconds(r):.1f} | {r.get('compiles', 0)} | "
             f"{r.get('subprocesses', 0)} |"
         )
+    _programs(rows, args.programs)
     sys.stdout.flush()
+
+
+def _programs(rows: list[dict], count: int) -> None:
+    """The programs (jitted functions, by name) whose compiles, tracing and lowering cost
+    the most, summed over every test."""
+    sums: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for r in rows:
+        for name, counts in r.get("programs", {}).items():
+            sums[name] = [a + b for a, b in zip(sums[name], counts, strict=True)]
+    print("\n| program | compiles | compile s | trace s | lower s |\n|---|---|---|---|---|")
+    for name, (n, *jax_s) in sorted(sums.items(), key=lambda kv: -sum(kv[1][1:]))[:count]:
+        print(f"| {name} | {n:.0f} | " + " | ".join(f"{x:.1f}" for x in jax_s) + " |")
 
 
 if __name__ == "__main__":
