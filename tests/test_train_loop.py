@@ -11,6 +11,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from attention_jax.runtime.errors import UserError
 from attention_jax.training import checkpoints
@@ -163,6 +164,16 @@ def test_restore_model_loads_and_averages_checkpoints(uninterrupted):
         restore_model(workdir, step=7)
     with pytest.raises(UserError, match="does not exist"):
         restore_model(os.path.join(workdir, "nope"))
+
+    # Models restored in one process share the traced construction, not their variables:
+    # a dropout stream drawn from in one leaves the other's where it was.
+    def counts(m):
+        return [int(c) for c in jax.tree.leaves(nnx.state(m, nnx.RngCount))]
+
+    fresh = counts(model)
+    assert fresh and fresh == counts(at20) == [0] * len(fresh)
+    at20.decoder_layers[0].ffn_res.dropout.rngs()  # one draw
+    assert counts(model) == fresh and counts(at20) != fresh
 
 
 @pytest.mark.slow  # ~37 s of training

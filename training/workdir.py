@@ -78,12 +78,28 @@ def restore_model(
     return nnx.merge(graphdef, params, rngs), config, step
 
 
+# (model config, seed, device) -> `_fresh_model`'s answer: another restore in this process
+# (a second job, an ensemble's members) neither traces nor compiles the model's construction.
+_FRESH: dict[tuple, tuple[nnx.GraphDef, Any, nnx.State]] = {}
+
+
 def _fresh_model(
     config: ml_collections.ConfigDict, model_cfg: Any, device: jax.sharding.Sharding
 ) -> tuple[nnx.GraphDef, Any, nnx.State]:
     """(graphdef, the params as ShapeDtypeStructs on `device`, fresh dropout streams) of the
     model `config` builds: one trace of its construction, whose compiled program computes
     the streams alone (XLA drops the unused params init; a loaded model is for inference)."""
+    key = (model_cfg, config.seed, device)
+    if key not in _FRESH:
+        _FRESH[key] = _traced_model(config, model_cfg, device)
+    graphdef, params, rngs = _FRESH[key]
+    # Variables of their own (nnx.merge adopts them): the same arrays, other Variables.
+    return graphdef, params, jax.tree.map(lambda x: x, rngs)
+
+
+def _traced_model(
+    config: ml_collections.ConfigDict, model_cfg: Any, device: jax.sharding.Sharding
+) -> tuple[nnx.GraphDef, Any, nnx.State]:
     traced = {}
 
     def streams() -> nnx.State:
