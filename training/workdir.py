@@ -100,6 +100,8 @@ def _fresh_model(
 def _traced_model(
     config: ml_collections.ConfigDict, model_cfg: Any, device: jax.sharding.Sharding
 ) -> tuple[nnx.GraphDef, Any, nnx.State]:
+    """`_fresh_model`'s answer, traced and compiled (the graphdef and shapes noted as the
+    trace passes by)."""
     traced = {}
 
     def streams() -> nnx.State:
