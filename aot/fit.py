@@ -39,7 +39,7 @@ from attention_jax.aot.hardware import Target, abstract_devices, parse_target
 from attention_jax.aot.roofline import kernel_roofline
 from attention_jax.data.plans import length_buckets, rows_per_batch
 from attention_jax.runtime.errors import UserError
-from attention_jax.search.decoding import translate_beams
+from attention_jax.search.decoding import tracing_for, translate_beams
 from attention_jax.search.settings import default_batch_tokens
 from attention_jax.training import config as config_lib
 from attention_jax.training import steps
@@ -342,7 +342,8 @@ def _decode(ctx: Context) -> dict[str, Any]:
         model = nnx.merge(graphdef, params, rngs)
         return translate_beams(model, src)  # the search's defaults: beam 4, alpha 0.6
 
-    program = _compile(ctx, "beam_search", jax.jit(search), (params, rngs, src), (rows, width))
+    with tracing_for(ctx.target.platform):  # the steps the target's decode.py takes
+        program = _compile(ctx, "beam_search", jax.jit(search), (params, rngs, src), (rows, width))
     return analyse(
         ctx, program, state_bytes=per_device_bytes((params, rngs)),
         batch_bytes=per_device_bytes(src), model_flops=None, num_devices=1,

@@ -28,8 +28,10 @@ and scores are comparable.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -153,6 +155,21 @@ LARGE_SEARCH_BYTES = 8 << 20
 # copy of the step doubles what a program takes to compile and to load, and the copy
 # of the caches it spares costs little beside the step's matmuls.
 TWO_STEP_PLATFORMS = frozenset({"gpu", "tpu"})
+# The platform searches are traced for when it is not JAX's default backend's (a program
+# compiled ahead of time for another machine: aot/fit.py); None: the default backend's.
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "target_platform", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing_for(platform: str) -> Iterator[None]:
+    """Searches traced within step as they do on `platform` ('cpu', 'gpu' or 'tpu')."""
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
 
 
 def large_search(model: Transformer, rows: Any, room: Any) -> bool:
@@ -184,8 +201,8 @@ def step_until(
     """search/beam.py `step_until` over the model's step: two steps a loop iteration in a large
     search on a GPU or TPU, until at most `until` sources are left or the room is full."""
     rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
-    two_steps = jax.default_backend() in TWO_STEP_PLATFORMS and large_search(model, rows, room)
-    unroll = 2 if two_steps else 1
+    platform = _TARGET_PLATFORM.get() or jax.default_backend()
+    unroll = 2 if platform in TWO_STEP_PLATFORMS and large_search(model, rows, room) else 1
     return beam.step_until(model.decode_step, s, alpha, rule, unroll, until)
 
 

@@ -142,6 +142,20 @@ def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, li
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
 
+def test_a_search_traced_for_another_platform_steps_as_it_does_there(model, monkeypatch):
+    # Large searches take two steps a loop iteration on a GPU or TPU, one on a CPU; one
+    # compiled ahead of time for a GPU (train.py --compile_for) is the GPU's program.
+    monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", 0)  # every search is large
+    unrolls, step_until = [], beam.step_until
+    monkeypatch.setattr(beam, "step_until", lambda *a: unrolls.append(a[4]) or step_until(*a))
+    search = lambda src: decoding.translate_beams(model, src, beam_size=2, max_decode_len=9)
+    jax.eval_shape(search, jax.ShapeDtypeStruct((2, 6), jnp.int32))  # traced, not compiled
+    here, unrolls[:] = list(unrolls), []
+    with decoding.tracing_for("gpu"):
+        jax.eval_shape(search, jax.ShapeDtypeStruct((2, 7), jnp.int32))  # another program
+    assert here and set(here) == {1} and set(unrolls) == {2}
+
+
 @pytest.mark.slow  # ~27 s of compiles
 @pytest.mark.usefixtures("large_searches")
 def test_a_large_search_grows_its_room_in_stages_as_the_reference():
