@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Issue 23, point 5: configs/base.py trained on Ding for a fixed time on one GPU,
-# then dev and test BLEU/chrF (beam 4). Run on the device machine with .whl/
-# (bench/gpu/fetch_wheels.sh) and .data/de-en (the Ding file) carried along:
+# A config trained on Ding for a fixed time on one GPU, then dev and test BLEU/chrF
+# (beam 4). Needs .data/de-en (the Ding file) and, on a machine without network
+# access, .whl/ (bench/gpu/fetch_wheels.sh):
 #   [CONFIG=configs/ding.py] bash bench/gpu/ding.sh <seconds of training> <output dir> \
 #     [--config.X=Y ...]
 # (CONFIG: the config file, default configs/base.py; the flags after the output dir go
 # to train.py after the ones below, so they win)
-# Here, first: bash bench/gpu/fetch_wheels.sh; mkdir -p .data; cp /usr/share/trans/de-en .data/
-# Then run(carry=[".whl", ".data"]) with `bash bench/gpu/ding.sh 390 $OUT` (about 8 min
-# of the call on one H100; its results go to bench/results/). Draw the curve here:
-#   python tools/learning_curve.py --metrics=OUT/metrics.jsonl --output=curve.png
+# Before: bash bench/gpu/fetch_wheels.sh where PyPI is reachable, and mkdir -p .data &&
+# cp /usr/share/trans/de-en .data/ where Debian's trans-de-en is installed; copy both
+# folders with the checkout. E.g. `bash bench/gpu/ding.sh 390 out` takes about 8 min on
+# one H100 (its results go to bench/results/). Draw the curve:
+#   python tools/learning_curve.py --metrics=out/metrics.jsonl --output=curve.png
 set -u
 [[ $# -ge 2 ]] || { sed -n 5,7p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 secs=$1; out=$2; shift 2; mkdir -p "$out"

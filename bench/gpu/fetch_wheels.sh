@@ -4,15 +4,15 @@
 #
 #   bench/gpu/fetch_wheels.sh [DIR] [--tfds]      # DIR defaults to .whl/ (git-ignored)
 #
-# The GPU image (jax 0.11.2 on CUDA 13) already holds jax, flax, optax,
+# A GPU machine set up with jax 0.11.2 on CUDA 13 that holds jax, flax, optax,
 # orbax-checkpoint, numpy, absl-py, etils, cloudpickle, protobuf, psutil, PyYAML,
-# packaging, sentencepiece, sacrebleu, matplotlib, tqdm and pytest. Of what our code
-# imports at run time it lacks:
+# packaging, sentencepiece, sacrebleu, matplotlib, tqdm and pytest lacks, of what our
+# code imports at run time:
 #   grain          data/pipeline.py (imported by training/ and bench/train.py)
 #     array-record   imported by grain; portpicker, imported by grain
 #   ml-collections configs/*.py, train.py
 #   tensorboardX   training/metrics.py (optional there; small)
-# Each wheel's other Requires-Dist entries are on the image (unzip -p X.whl
+# Each wheel's other Requires-Dist entries are on such a machine (unzip -p X.whl
 # '*/METADATA' | grep ^Requires-Dist). Versions are the ones our CPU venv runs.
 # --tfds adds tensorflow-datasets and what it needs beyond the image (only
 # `tfds:` datasets import it, lazily; the suite does not).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The train step's MFU on one GPU, with A/Bs of cheaper passes, in one call:
+# The train step's MFU on one GPU, with A/Bs of cheaper passes, in one command:
 #   bash bench/gpu/mfu.sh <output dir>
-# Run on the device machine with .whl/ (bench/gpu/fetch_wheels.sh) carried along. Every
+# On a machine without network access it installs .whl/ (bench/gpu/fetch_wheels.sh). Every
 # run is bench/train.py on synthetic packed rows of 256 (the train step alone, batches
 # on the device ahead), 20 steps timed in 3 passes, in processes of their own:
 #   1. base, TOKENS-token batches (default 32768), as configured: threefry dropout
@@ -10,13 +10,13 @@
 #   3. the same with --loss_logits_dtype=bfloat16 (the loss's chunks read half the bytes)
 #   4. big, TOKENS-token batches, as configured
 # One JSON object and a table per run in <output dir>/mfu_*.log, written as each run ends:
-# give the device call's $OUT itself, so that a call stopped at its limit still returns
-# the runs before. On an H100 each base run takes 85-105 s (most of it compiling), so
-# the four need about 7 minutes of a call. A rehearsal on a CPU:
+# a run stopped by a time limit (e.g. timeout 600 bash bench/gpu/mfu.sh out) still leaves
+# the runs before it. On an H100 each base run takes 85-105 s (most of it compiling), so
+# the four need about 7 minutes. The same plumbing on a CPU:
 #   NO_WHEELS=1 PY=.venv/bin/python BASE=tiny BIG=tiny TOKENS=1024 bash bench/gpu/mfu.sh DIR
 set -u
 PY=${PY:-python3} BASE=${BASE:-base} BIG=${BIG:-big} TOKENS=${TOKENS:-32768}
-[[ $# -ge 1 ]] || { sed -n 2,2p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $# -ge 1 ]] || { sed -n 2,3p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 out=$1; mkdir -p "$out"
 t0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$out/steps.log"; }

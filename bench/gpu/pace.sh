@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# decode.py and train.py's evaluation at the accelerator's pace, on one GPU in one call:
+# decode.py and train.py's evaluation at the accelerator's pace, on one GPU in one command:
 #   bash bench/gpu/pace.sh <output dir> [seconds of train.py, default 180]
-# Run on the device machine with .whl/ (bench/gpu/fetch_wheels.sh) and .data/de-en (the
-# Ding file) carried along; here, first: bash bench/gpu/fetch_wheels.sh; mkdir -p .data;
-# cp /usr/share/trans/de-en .data/
+# Needs .data/de-en (the Ding file: mkdir -p .data && cp /usr/share/trans/de-en .data/
+# where Debian's trans-de-en is installed) and, without network access, .whl/
+# (bench/gpu/fetch_wheels.sh, run where PyPI is reachable), copied with the checkout.
 #   1. the compile time of one search program, A/B: bench/decode.py (base, random
 #      weights, beam 4, batch 128, no persistent cache) with XLA's default flags, whose
 #      log carries XLA's own phase timers (TF_CPP_VMODULE), and with
@@ -21,17 +21,17 @@
 # The train step's MFU is bench/gpu/mfu.sh's. Everything goes to the output dir, in 8
 # files: steps.log (the environment, each step's exit
 # status and time), compile_*.log, train.log, train_metrics.jsonl, decode_file.log and
-# .jsonl, constraints.log. A rehearsal on a CPU: NO_WHEELS=1 PY=.venv/bin/python \
+# .jsonl, constraints.log. The same plumbing on a CPU: NO_WHEELS=1 PY=.venv/bin/python \
 #   CONFIG=tiny LINES=1000 BATCHES=8 EVAL_EVERY=20 bash bench/gpu/pace.sh DIR 75
 set -u
 PY=${PY:-python3} CONFIG=${CONFIG:-base} LINES=${LINES:-100000} BATCHES=${BATCHES:-128}
 EVAL_EVERY=${EVAL_EVERY:-300} CONSTRAINTS_S=${CONSTRAINTS_S:-0} DECODE_FLAGS=${DECODE_FLAGS:-}
-[[ $# -ge 1 ]] || { sed -n 2,2p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $# -ge 1 ]] || { sed -n 2,3p "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 out=$1; secs=${2:-180}; mkdir -p "$out"
 rm -rf /tmp/w-pace /tmp/df /tmp/cons  # a rerun on a warm machine starts afresh too
 t0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$out/steps.log"; }
-if [[ -z "${NO_WHEELS:-}" ]]; then  # the rehearsal's venv has them
+if [[ -z "${NO_WHEELS:-}" ]]; then  # the CPU venv has them
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi

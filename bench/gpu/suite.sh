@@ -5,8 +5,8 @@
 #                      [--only STEP,STEP...]
 #   make gpu-suite OUT=OUTDIR
 #
-# Made for a bare GPU machine without network access (one H100/H200, jax 0.11.2 on
-# CUDA 13; see docs/PERFORMANCE.md, "GPU suite"), in under 10 minutes:
+# For a GPU machine with jax, even one without network access (one H100/H200, jax 0.11.2
+# on CUDA 13; see docs/PERFORMANCE.md, "GPU suite"), in under 10 minutes:
 #   1. setup   install, from DIR (default: .whl/, filled by bench/gpu/fetch_wheels.sh where
 #              PyPI is reachable), the wheels of packages this Python lacks, into a
 #              private folder put on PYTHONPATH; record versions, nvidia-smi and
@@ -22,10 +22,10 @@
 # OUTDIR gets summary.json (every step's status, rc and seconds; test counts),
 # env.json, pytest.jsonl, <device>-<yyyymmdd>-<commit>.jsonl (each benchmark's JSON
 # object, the form bench/results/ keeps) and logs/<step>.log (with --tar-logs,
-# logs.tar.gz instead: fewer files, for tools that bring back only a few).
+# logs.tar.gz instead: fewer files to copy back).
 # A step that fails or overruns its time budget is recorded and the suite goes
 # on; it exits 1 if any step failed. --only runs setup and the steps named (e.g.
-# --only pytest,train_base to rerun what failed, when device time is short). --dry-run runs the same steps on the CPU
+# --only pytest,train_base to rerun what failed). --dry-run runs the same steps on the CPU
 # with tiny settings (configs/tiny.py, a few steps), to test the plumbing here.
 #
 # Environment: PYTHON (default python3; .venv/bin/python in a dry run if present),
