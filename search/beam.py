@@ -207,8 +207,10 @@ def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamSta
     origin = jnp.take_along_axis(cand_beam, pos, axis=1)  # [B, K] previous beam
     live_seqs = _extend(s.live_seqs, origin, jnp.take_along_axis(cand_tok, pos, 1), t)
     rows = (jnp.arange(b)[:, None] * k + origin).reshape(b * k)  # [B, K] -> [B*K]
-    # Each live beam continues the self-attention cache of the beam it extends.
-    cache = reorder_rows(cache, rows)  # [B*K, ...], rows gathered
+    # Each live beam continues the self-attention cache of the beam it extends (with one
+    # beam a source, its own: a gather would copy the whole cache for nothing).
+    if k > 1:
+        cache = reorder_rows(cache, rows)  # [B*K, ...], rows gathered
 
     # Merge the newly finished with the K kept so far; with phrases, those that met them
     # all first (only the length limit ends one that has not).
