@@ -166,3 +166,53 @@ def test_greedy_and_sampling_over_a_step_function():
     np.testing.assert_array_equal(drawn, tokens)  # top_k 1 is greedy
     many = sample(step_fn, start_cache(2), jax.random.key(1), length=LENGTH, temperature=5.0)
     assert math.prod(many.shape) == 2 * LENGTH and set(np.asarray(many).ravel()) <= {0, 1, 3, 4}
+
+
+class _CountedCache(dict):
+    """The decoder's cache, as a `BeamCache` that counts its reorders."""
+
+    reorders = 0
+
+    def repeat(self, k):
+        return _CountedCache({n: jnp.repeat(x, k, axis=0) for n, x in self.items()})
+
+    def reorder(self, rows):
+        _CountedCache.reorders += 1
+        return _CountedCache({n: jnp.take(x, rows, axis=0) for n, x in self.items()})
+
+    def grow(self, capacity):
+        return self
+
+    def select(self, sources, k):
+        rows = (sources[:, None] * k + jnp.arange(k)).reshape(-1)
+        return _CountedCache({n: jnp.take(x, rows, axis=0) for n, x in self.items()})
+
+
+jax.tree_util.register_pytree_node(
+    _CountedCache,
+    lambda c: (tuple(c.values()), tuple(c.keys())),
+    lambda keys, values: _CountedCache(zip(keys, values, strict=True)),
+)
+
+
+def test_one_beam_never_reorders_the_cache_and_searches_as_greedy():
+    """With one beam a source every beam continues its own row: the step leaves the cache
+    as it is (a gather would copy all of it each step), and finds greedy search's output."""
+    step_fn = decoder(_table(2))
+
+    def counted(step_fn):
+        def step(tokens, cache):
+            logits, new = step_fn(tokens, dict(cache))
+            return logits, _CountedCache(new)
+
+        return step
+
+    outputs = {}
+    for k in (1, 2):
+        _CountedCache.reorders = 0  # counted as the loop's step is traced
+        outputs[k], _ = beam_search(
+            counted(step_fn), _CountedCache(start_cache(2)), length=LENGTH, beam_size=k
+        )
+        assert (_CountedCache.reorders > 0) == (k > 1)
+    greedy = greedy_search(step_fn, start_cache(2), length=LENGTH)
+    np.testing.assert_array_equal(np.asarray(outputs[1])[:, 0], np.asarray(greedy))
