@@ -6,10 +6,12 @@ Random weights of the config's size. For each batch of B sources (B*K beam rows,
 room for --room tokens) it times, each in one compiled loop of --steps iterations
 (so that no dispatch is counted), per step:
 
-- `step`: search/beam.py `step`, all of it;
+- `step`: search/beam.py `step`, all of it, as decode.py runs it on this platform;
 - `decoder`: the model's `decode_step` alone (embedding, layers, output projection);
 - `top_k`: picking the 2K best of the K x V candidates (search/scoring.py `top_k`);
-- `reorder`: the cache's gather of each beam's parent rows (`DecodeCache.reorder`);
+- `reorder`: the cache rows that take their parent's (search/beam.py `move_rows`), for
+  parents drawn at random within each source: on a CPU copied one at a time in place,
+  elsewhere a gather of every row;
 - `rest` = step - decoder - top_k - reorder: log-softmax, restrictions, bookkeeping
   (a difference of separate timings: within their noise it may even be negative).
 
@@ -47,7 +49,7 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
     import numpy as np
 
     from attention_jax import EOS_ID
-    from attention_jax.search import beam, scoring
+    from attention_jax.search import beam, decoding, scoring
     from attention_jax.search.settings import SearchSettings
 
     rng = np.random.default_rng(0)
@@ -59,13 +61,18 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
     state = beam.init(model.init_cache(jnp.asarray(src), room), limits, k, room)
     rows = sources * k
     cand = jnp.asarray(rng.standard_normal((sources, k * model.config.vocab_size)), jnp.float32)
-    parents = jnp.asarray(rng.permutation(rows) // k * k, jnp.int32)  # within each source
+    copies = jax.default_backend() in decoding.ROW_COPY_PLATFORMS
+    # Each row's new beam and its parent (drawn within its source), placed as a step does.
+    origin = rng.integers(0, k, (sources, k)).astype(np.int32)  # [B, K], best first
+    held = np.asarray(beam.places(jnp.asarray(origin)))
+    origin = jnp.asarray(np.take_along_axis(origin, held, 1))  # [B, K] by row
+    moving = origin != jnp.arange(k)
 
     def loop(body):
         return jax.jit(lambda c: jax.lax.fori_loop(0, steps, body, c))
 
     def step(_, s):
-        return beam.step(model.decode_step, s, alpha, rule)
+        return beam.step(model.decode_step, s, alpha, rule, copies)
 
     def decoder(i, c):
         logits, cache = model.decode_step(jnp.full((rows,), 4 + i % 7, jnp.int32), c[1])
@@ -76,7 +83,7 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
         return c + values[:, :1]
 
     def reorder(_, cache):
-        return cache.reorder(parents)
+        return beam.move_rows(cache, origin, moving, copies)
 
     cases = {
         "step": (step, state),

@@ -23,7 +23,7 @@ is its first member's, with the shortest `max_len` of them all.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,9 @@ class EnsembleCache:
 
     def reorder(self, rows: jax.Array) -> EnsembleCache:
         return EnsembleCache(tuple(c.reorder(rows) for c in self.members))
+
+    def map_rows(self, fn: Callable[[jax.Array], jax.Array]) -> EnsembleCache:
+        return EnsembleCache(tuple(c.map_rows(fn) for c in self.members))
 
     def select(self, sources: jax.Array, k: int) -> EnsembleCache:
         return EnsembleCache(tuple(c.select(sources, k) for c in self.members))

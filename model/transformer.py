@@ -13,13 +13,14 @@ pass segment ids (1, 2, ... per pair, 0 on padding) and per-pair positions.
 `decode`, `decode_step` and `cross_attention_weights` all run the decoder
 stack through one loop, `_decoder_stack`, which threads each layer's KV cache
 in and out (no state is captured) and rematerializes layers when `config.remat`.
-A `DecodeCache` is a pytree of per-layer `KVCache`s with the two batch
-operations beam search needs, `repeat` and `reorder`.
+A `DecodeCache` is a pytree of per-layer `KVCache`s with the batch operations
+beam search needs (`repeat`, `reorder`, `grow`, `select`, `map_rows`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -73,14 +74,19 @@ class DecodeCache:
         """The self-attention capacity L: tokens that can be fed before `grow`."""
         return self.self_kv[0].k.shape[2]
 
+    def map_rows(self, fn: Callable[[jax.Array], jax.Array]) -> DecodeCache:
+        """fn applied to each array that holds a row per beam: the self-attention caches
+        [R, N, L, H]. Only they depend on a hypothesis's history; the cross keys/values
+        and the source mask are the same for all of a source's beams."""
+        return self.replace(self_kv=jax.tree.map(fn, self.self_kv))
+
     def repeat(self, k: int) -> DecodeCache:
         """Give each source k beams: the self-attention caches [B, ...] -> [B*k, ...].
 
         Rows b*k .. b*k + k-1 are source b's beams, all equal to source b's row; the
         cross-attention keys/values and the source mask stay one per source.
         """
-        rep = lambda x: jnp.repeat(x, k, axis=0)  # [B, ...] -> [B*k, ...]
-        return self.replace(self_kv=jax.tree.map(rep, self.self_kv))
+        return self.map_rows(lambda x: jnp.repeat(x, k, axis=0))  # [B, ...] -> [B*k, ...]
 
     def grow(self, capacity: int) -> DecodeCache:
         """Room for `capacity` tokens: self-attention caches [R, N, L, H] -> [R, N, capacity, H]
@@ -88,18 +94,12 @@ class DecodeCache:
         extra = capacity - self.max_length
         if extra < 0:
             raise ValueError(f"cannot shrink a cache of {self.max_length} to {capacity}")
-        pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
-        return self.replace(self_kv=jax.tree.map(pad, self.self_kv))
+        return self.map_rows(lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0))))
 
     def reorder(self, rows: jax.Array) -> DecodeCache:
-        """Row r of the new self-attention caches is row rows[r] of the old: rows [B*K] int.
-
-        Only the self-attention caches depend on a hypothesis's history; the cross
-        keys/values and source mask are the same for all of a source's beams, so
-        they are left alone (rows must stay within each source's block of beams).
-        """
-        take = lambda x: jnp.take(x, rows, axis=0)  # [B*K, N, L, H] -> [B*K, N, L, H]
-        return self.replace(self_kv=jax.tree.map(take, self.self_kv))
+        """Row r of the new self-attention caches is row rows[r] of the old: rows [B*K] int
+        (within each source's block of beams: the cross-attention is one per source)."""
+        return self.map_rows(lambda x: jnp.take(x, rows, axis=0))  # [B*K, N, L, H]
 
     def select(self, sources: jax.Array, k: int) -> DecodeCache:
         """The cache of the sources `sources` [B'] (indices) alone, with their k beams each:

@@ -15,7 +15,8 @@ compiled as one program per batch shape, are search/decoding.py's.
 Search: K hypotheses per source, in B*K rows (rows b*K .. b*K + K-1 are source
 b's). Each step takes the 2K best extensions; an EOS among the first K finishes
 a hypothesis (so beam 1 with alpha 0 is greedy search); the K best others stay
-live and carry on the cache of the beam they extend. A source is done by `Rule.stop`
+live and carry on the cache of the beam they extend, in its row where they can
+(`places`). A source is done by `Rule.stop`
 (by default once its result can no longer change) and then gains no hypothesis, so
 stopping it earlier or later (stages, batches) gives the same results. Scores are
 log P / lp(len), len counting EOS (search/scoring.py).
@@ -42,7 +43,12 @@ StepFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 @runtime_checkable
 class BeamCache(Protocol):
     """A cache that handles its own rows (the Transformer's `DecodeCache`); any other
-    pytree has its rows on axis 0 of every leaf, repeated and gathered as such."""
+    pytree has its rows on axis 0 of every leaf, repeated and gathered as such.
+
+    One may also have `map_rows(fn)`: itself with fn applied to each array that holds
+    a row per beam on axis 0. A CPU's search then copies the rows that move one at a
+    time, in place (`move_rows`); without it, it gathers every row with `reorder`.
+    """
 
     def repeat(self, k: int) -> BeamCache: ...  # [B, ...] -> [B*K, ...]: K beams a source
 
@@ -129,6 +135,43 @@ def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     return s.fin_scores[:, rule.n_best - 1] >= best_live  # [B]
 
 
+def places(origin: jax.Array) -> jax.Array:
+    """origin [B, K] (each new beam's parent row, best first) -> held [B, K]: the new beam
+    that row r holds. A parent's first child stays in the parent's row; the others take,
+    best first, the rows (lowest first) of the beams that have no child. So no row whose
+    cache another row takes is written, and most rows keep theirs."""
+    k = origin.shape[1]
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [J, I]: i before j
+    first = ~jnp.any((origin[:, :, None] == origin[:, None, :]) & earlier, axis=2)  # [B, J]
+    rows = jnp.arange(k)
+    parent = jnp.any(origin[:, None, :] == rows[None, :, None], axis=2)  # [B, R]
+    free = jnp.cumsum(~parent, axis=1) - 1  # [B, R]: the rank of each childless row
+    later = jnp.cumsum(~first, axis=1) - 1  # [B, J]: the rank of each other child
+    taken = ~parent[:, None, :] & (free[:, None, :] == later[:, :, None])  # [B, J, R]
+    row = jnp.where(first, origin, jnp.argmax(taken, axis=2))  # [B, J]: a permutation
+    return jnp.argsort(row, axis=1).astype(jnp.int32)  # [B, R]
+
+
+def move_rows(cache: Any, origin: jax.Array, moving: jax.Array, copies: bool) -> Any:
+    """The cache with row r of source b a copy of its row origin[b, r] [B, K] where
+    moving[b, r] [B, K] (no such origin row is itself moving). With `copies`, only the
+    moving rows are copied, in place, one at a time (a `BeamCache` with `map_rows`, or a
+    plain pytree); else every row is gathered."""
+    b, k = origin.shape
+    src = (jnp.arange(b)[:, None] * k + origin).reshape(b * k)  # [B*K]
+    moving = moving.reshape(b * k)
+    if not copies or (isinstance(cache, BeamCache) and not hasattr(cache, "map_rows")):
+        return reorder_rows(cache, jnp.where(moving, src, jnp.arange(b * k)))
+    dst = jnp.argsort(~moving).astype(jnp.int32)  # the moving rows first (a stable sort)
+
+    def one(i: jax.Array, c: Any) -> Any:
+        row = lambda x: jax.lax.dynamic_slice_in_dim(x, src[dst[i]], 1, 0)
+        copy = lambda x: jax.lax.dynamic_update_slice_in_dim(x, row(x), dst[i], 0)
+        return c.map_rows(copy) if isinstance(c, BeamCache) else jax.tree.map(copy, c)
+
+    return jax.lax.fori_loop(0, jnp.sum(moving, dtype=jnp.int32), one, cache)
+
+
 def _extend(seqs: jax.Array, beam: jax.Array, token: jax.Array, t: jax.Array) -> jax.Array:
     """seqs [B, K, C] -> [B, M, C]: beam [B, M]'s sequence with token [B, M] at column t."""
     out = _gather_beams(seqs, beam)  # [B, K, C] -> [B, M, C]
@@ -161,8 +204,16 @@ def _logp(step_fn: StepFn, s: BeamState, rule: Rule) -> tuple[jax.Array, Any]:
     return logp, cache
 
 
-def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
-    """Feed every live beam its last token and keep the best extensions: one position on."""
+def step(
+    step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule, copies: bool = False
+) -> BeamState:
+    """Feed every live beam its last token and keep the best extensions: one position on.
+
+    A new beam takes its parent's row where it is the parent's first child, else the row
+    of a beam that has no child; the rows whose beam continues another row's cache take a
+    copy of it: with `copies`, those rows one at a time in place (a CPU's way: a gather
+    writes every row), else a gather (`move_rows`).
+    """
     b, k, _ = s.live_seqs.shape
     t = s.step
     stopped = done(s, alpha, rule)  # [B]: nothing is added to a done source's results
@@ -205,12 +256,16 @@ def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamSta
     if rule.stop == "heuristic":  # lp(next length) grows: keep done sources done
         live_logp = jnp.where(stopped[:, None], NEG_INF, live_logp)
     origin = jnp.take_along_axis(cand_beam, pos, axis=1)  # [B, K] previous beam
-    live_seqs = _extend(s.live_seqs, origin, jnp.take_along_axis(cand_tok, pos, 1), t)
-    rows = (jnp.arange(b)[:, None] * k + origin).reshape(b * k)  # [B, K] -> [B*K]
-    # Each live beam continues the self-attention cache of the beam it extends (with one
-    # beam a source, its own: a gather would copy the whole cache for nothing).
-    if k > 1:
-        cache = reorder_rows(cache, rows)  # [B*K, ...], rows gathered
+    token = jnp.take_along_axis(cand_tok, pos, axis=1)  # [B, K]
+    if k > 1:  # with one beam a source each row continues its own cache
+        held = places(origin)  # [B, K]: the new beam each row holds
+        origin, token, live_logp, progress = (
+            _gather_beams(x, held) for x in (origin, token, live_logp, progress)
+        )
+        # A row whose beam is dead (-inf) needs no cache.
+        moving = (origin != jnp.arange(k)) & jnp.isfinite(live_logp)  # [B, K]
+        cache = move_rows(cache, origin, moving, copies)
+    live_seqs = _extend(s.live_seqs, origin, token, t)
 
     # Merge the newly finished with the K kept so far; with phrases, those that met them
     # all first (only the length limit ends one that has not).
@@ -256,6 +311,7 @@ def step_until(
     rule: Rule,
     unroll: int = 1,
     until: jax.Array | int = 0,
+    copies: bool = False,
 ) -> BeamState:
     """Steps until at most `until` sources are unfinished (by default: every source is
     finished) or the room (C) is full: a `while_loop`.
@@ -266,7 +322,8 @@ def step_until(
     copies it back every step; with two, the first writes a fresh buffer and the second
     the loop's own. Single steps then fill what is left of the room. The loop may run a
     few steps more than needed: a done source gains nothing, and it never passes the
-    room.
+    room. `copies`: each step copies the rows that move in place instead of gathering
+    every row (`step`).
     """
     capacity = s.live_seqs.shape[2]
 
@@ -277,7 +334,7 @@ def step_until(
     def steps(n: int) -> Callable[[BeamState], BeamState]:
         def body(s: BeamState) -> BeamState:
             for _ in range(n):
-                s = step(step_fn, s, alpha, rule)
+                s = step(step_fn, s, alpha, rule, copies)
             return s
 
         return body
@@ -373,6 +430,7 @@ def beam_search(
     if prefixes is not None or constraints is not None:
         controls = Controls.fitted(prefixes or [], constraints or [], rows=limits.shape[0])
     s = init(cache, limits, rule.beam_size, length, controls)
-    s = step_until(step_fn, s, jnp.float32(search.alpha), rule)
+    cpu = jax.default_backend() == "cpu"
+    s = step_until(step_fn, s, jnp.float32(search.alpha), rule, copies=cpu)
     tokens, scores = results(s)
     return tokens[:, : rule.n_best], scores[:, : rule.n_best]

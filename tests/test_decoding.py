@@ -142,6 +142,20 @@ def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, li
         np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
 
 
+def test_rows_gathered_as_on_a_gpu_equal_the_reference(model, monkeypatch):
+    # A CPU copies the cache rows that move one at a time (the other tests); a GPU or TPU
+    # gathers every row (search/decoding.py ROW_COPY_PLATFORMS).
+    monkeypatch.setattr(decoding, "ROW_COPY_PLATFORMS", frozenset())
+    jax.clear_caches()
+    src = ragged_src(3, [6, 3, 5])
+    tokens, scores = decoding.translate_beams(model, src, beam_size=3, max_decode_len=7)
+    for b in range(3):
+        ref = reference_beam(model, src[b], 3, 0.6, 7)
+        assert [as_list(tokens[b, i]) for i in range(3)] == [list(s) for s, _ in ref]
+        np.testing.assert_allclose(scores[b], [sc for _, sc in ref], rtol=1e-4, atol=1e-4)
+    jax.clear_caches()
+
+
 def test_a_search_traced_for_another_platform_steps_as_it_does_there(model, monkeypatch):
     # Large searches take two steps a loop iteration on a GPU or TPU, one on a CPU; one
     # compiled ahead of time for a GPU (train.py --compile_for) is the GPU's program.

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from attention_jax import BOS_ID, EOS_ID
-from attention_jax.search.beam import beam_search
+from attention_jax.search.beam import beam_search, move_rows, places
 from attention_jax.search.sampling import greedy_search, sample
 
 V = 5  # 0 PAD, 1 EOS, 2 BOS, 3 and 4: the words
@@ -216,3 +216,35 @@ def test_one_beam_never_reorders_the_cache_and_searches_as_greedy():
         assert (_CountedCache.reorders > 0) == (k > 1)
     greedy = greedy_search(step_fn, start_cache(2), length=LENGTH)
     np.testing.assert_array_equal(np.asarray(outputs[1])[:, 0], np.asarray(greedy))
+
+
+def places_reference(origin: list[int]) -> list[int]:
+    """The row each new beam takes (best first): its parent's if it is the parent's first
+    child, else the next row, lowest first, of the beams that left no child."""
+    free = iter(r for r in range(len(origin)) if r not in origin)
+    return [p if p not in origin[:j] else next(free) for j, p in enumerate(origin)]
+
+
+def test_new_beams_stay_in_their_parents_rows_and_the_others_take_childless_ones():
+    rng = np.random.default_rng(0)
+    for k in (2, 3, 4, 5):
+        origin = rng.integers(0, k, (200, k))
+        held = np.asarray(places(jnp.asarray(origin, jnp.int32)))  # [B, R]: the beam row r holds
+        for b in range(len(origin)):
+            rows = places_reference(origin[b].tolist())
+            assert [rows[j] for j in held[b]] == list(range(k)), (origin[b], held[b])
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_moving_rows_take_their_parents_cache_by_copies_or_by_a_gather(copies):
+    rng = np.random.default_rng(1)
+    b, k = 6, 4
+    origin = rng.integers(0, k, (b, k))
+    held = np.asarray(places(jnp.asarray(origin, jnp.int32)))
+    by_row = np.take_along_axis(origin, held, 1)  # each row's parent row
+    moving = (by_row != np.arange(k)) & (rng.random((b, k)) < 0.8)  # some rows dead
+    cache = {"k": rng.normal(size=(b * k, 3, 5)).astype(np.float32), "n": np.arange(b * k)}
+    out = move_rows(jax.tree.map(jnp.asarray, cache), jnp.asarray(by_row), moving, copies)
+    src = np.where(moving, np.arange(b)[:, None] * k + by_row, np.arange(b * k).reshape(b, k))
+    for name, x in cache.items():
+        np.testing.assert_array_equal(np.asarray(out[name]), x[src.reshape(-1)])
