@@ -49,7 +49,7 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
     import numpy as np
 
     from attention_jax import EOS_ID
-    from attention_jax.search import beam, decoding, scoring
+    from attention_jax.search import beam, scoring
     from attention_jax.search.settings import SearchSettings
 
     rng = np.random.default_rng(0)
@@ -61,7 +61,6 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
     state = beam.init(model.init_cache(jnp.asarray(src), room), limits, k, room)
     rows = sources * k
     cand = jnp.asarray(rng.standard_normal((sources, k * model.config.vocab_size)), jnp.float32)
-    copies = jax.default_backend() in decoding.ROW_COPY_PLATFORMS
     # Each row's new beam and its parent (drawn within its source), placed as a step does.
     origin = rng.integers(0, k, (sources, k)).astype(np.int32)  # [B, K], best first
     held = np.asarray(beam.places(jnp.asarray(origin)))
@@ -72,7 +71,7 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
         return jax.jit(lambda c: jax.lax.fori_loop(0, steps, body, c))
 
     def step(_, s):
-        return beam.step(model.decode_step, s, alpha, rule, copies)
+        return beam.step(model.decode_step, s, alpha, rule)
 
     def decoder(i, c):
         logits, cache = model.decode_step(jnp.full((rows,), 4 + i % 7, jnp.int32), c[1])
@@ -83,7 +82,7 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
         return c + values[:, :1]
 
     def reorder(_, cache):
-        return beam.move_rows(cache, origin, moving, copies)
+        return beam.move_rows(cache, origin, moving)
 
     cases = {
         "step": (step, state),

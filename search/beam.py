@@ -152,16 +152,23 @@ def places(origin: jax.Array) -> jax.Array:
     return jnp.argsort(row, axis=1).astype(jnp.int32)  # [B, R]
 
 
-def move_rows(cache: Any, origin: jax.Array, moving: jax.Array, copies: bool) -> Any:
+# The platforms on which the rows that move are copied one at a time, in place: on a CPU
+# that costs less than a gather, which writes every row to a new buffer that a one-step
+# loop then copies back; on a GPU or TPU each copy would be a kernel of its own.
+ROW_COPY_PLATFORMS = ("cpu",)
+
+
+def move_rows(cache: Any, origin: jax.Array, moving: jax.Array) -> Any:
     """The cache with row r of source b a copy of its row origin[b, r] [B, K] where
-    moving[b, r] [B, K] (no such origin row is itself moving). With `copies`, only the
-    moving rows are copied, in place, one at a time (a `BeamCache` with `map_rows`, or a
-    plain pytree); else every row is gathered."""
+    moving[b, r] [B, K] (no such origin row is itself moving). Lowered for a platform of
+    `ROW_COPY_PLATFORMS`, only the moving rows are copied, one at a time in place (a
+    plain pytree, or a `BeamCache` with `map_rows`); elsewhere every row is gathered."""
     b, k = origin.shape
     src = (jnp.arange(b)[:, None] * k + origin).reshape(b * k)  # [B*K]
     moving = moving.reshape(b * k)
-    if not copies or (isinstance(cache, BeamCache) and not hasattr(cache, "map_rows")):
-        return reorder_rows(cache, jnp.where(moving, src, jnp.arange(b * k)))
+    gather = lambda c: reorder_rows(c, jnp.where(moving, src, jnp.arange(b * k)))
+    if isinstance(cache, BeamCache) and not hasattr(cache, "map_rows"):
+        return gather(cache)
     dst = jnp.argsort(~moving).astype(jnp.int32)  # the moving rows first (a stable sort)
 
     def one(i: jax.Array, c: Any) -> Any:
@@ -169,7 +176,10 @@ def move_rows(cache: Any, origin: jax.Array, moving: jax.Array, copies: bool) ->
         copy = lambda x: jax.lax.dynamic_update_slice_in_dim(x, row(x), dst[i], 0)
         return c.map_rows(copy) if isinstance(c, BeamCache) else jax.tree.map(copy, c)
 
-    return jax.lax.fori_loop(0, jnp.sum(moving, dtype=jnp.int32), one, cache)
+    copies = lambda c: jax.lax.fori_loop(0, jnp.sum(moving, dtype=jnp.int32), one, c)
+    # Chosen where the program is lowered: an export for several platforms holds both.
+    by_platform = {p: copies for p in ROW_COPY_PLATFORMS}
+    return jax.lax.platform_dependent(cache, **by_platform, default=gather)
 
 
 def _extend(seqs: jax.Array, beam: jax.Array, token: jax.Array, t: jax.Array) -> jax.Array:
@@ -204,15 +214,12 @@ def _logp(step_fn: StepFn, s: BeamState, rule: Rule) -> tuple[jax.Array, Any]:
     return logp, cache
 
 
-def step(
-    step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule, copies: bool = False
-) -> BeamState:
+def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamState:
     """Feed every live beam its last token and keep the best extensions: one position on.
 
     A new beam takes its parent's row where it is the parent's first child, else the row
     of a beam that has no child; the rows whose beam continues another row's cache take a
-    copy of it: with `copies`, those rows one at a time in place (a CPU's way: a gather
-    writes every row), else a gather (`move_rows`).
+    copy of it (`move_rows`).
     """
     b, k, _ = s.live_seqs.shape
     t = s.step
@@ -264,7 +271,7 @@ def step(
         )
         # A row whose beam is dead (-inf) needs no cache.
         moving = (origin != jnp.arange(k)) & jnp.isfinite(live_logp)  # [B, K]
-        cache = move_rows(cache, origin, moving, copies)
+        cache = move_rows(cache, origin, moving)
     live_seqs = _extend(s.live_seqs, origin, token, t)
 
     # Merge the newly finished with the K kept so far; with phrases, those that met them
@@ -311,7 +318,6 @@ def step_until(
     rule: Rule,
     unroll: int = 1,
     until: jax.Array | int = 0,
-    copies: bool = False,
 ) -> BeamState:
     """Steps until at most `until` sources are unfinished (by default: every source is
     finished) or the room (C) is full: a `while_loop`.
@@ -322,8 +328,7 @@ def step_until(
     copies it back every step; with two, the first writes a fresh buffer and the second
     the loop's own. Single steps then fill what is left of the room. The loop may run a
     few steps more than needed: a done source gains nothing, and it never passes the
-    room. `copies`: each step copies the rows that move in place instead of gathering
-    every row (`step`).
+    room.
     """
     capacity = s.live_seqs.shape[2]
 
@@ -334,7 +339,7 @@ def step_until(
     def steps(n: int) -> Callable[[BeamState], BeamState]:
         def body(s: BeamState) -> BeamState:
             for _ in range(n):
-                s = step(step_fn, s, alpha, rule, copies)
+                s = step(step_fn, s, alpha, rule)
             return s
 
         return body
@@ -430,7 +435,6 @@ def beam_search(
     if prefixes is not None or constraints is not None:
         controls = Controls.fitted(prefixes or [], constraints or [], rows=limits.shape[0])
     s = init(cache, limits, rule.beam_size, length, controls)
-    cpu = jax.default_backend() == "cpu"
-    s = step_until(step_fn, s, jnp.float32(search.alpha), rule, copies=cpu)
+    s = step_until(step_fn, s, jnp.float32(search.alpha), rule)
     tokens, scores = results(s)
     return tokens[:, : rule.n_best], scores[:, : rule.n_best]

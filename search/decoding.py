@@ -155,10 +155,6 @@ LARGE_SEARCH_BYTES = 8 << 20
 # copy of the step doubles what a program takes to compile and to load, and the copy
 # of the caches it spares costs little beside the step's matmuls.
 TWO_STEP_PLATFORMS = frozenset({"gpu", "tpu"})
-# Where a step copies the cache rows that move one at a time, in place (search/beam.py
-# `step`): on a CPU that costs less than a gather, which writes every row to a new
-# buffer that the loop then copies back; on a GPU or TPU each copy would be a kernel.
-ROW_COPY_PLATFORMS = frozenset({"cpu"})
 # The platform searches are traced for when it is not JAX's default backend's (a program
 # compiled ahead of time for another machine: aot/fit.py); None: the default backend's.
 _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -203,13 +199,11 @@ def step_until(
     model: Transformer, s: beam.BeamState, alpha: jax.Array, rule: Rule, until: Any = 0
 ) -> beam.BeamState:
     """search/beam.py `step_until` over the model's step: two steps a loop iteration in a large
-    search on a GPU or TPU, the moving cache rows copied in place on a CPU, until at most
-    `until` sources are left or the room is full."""
+    search on a GPU or TPU, until at most `until` sources are left or the room is full."""
     rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
     platform = _TARGET_PLATFORM.get() or jax.default_backend()
     unroll = 2 if platform in TWO_STEP_PLATFORMS and large_search(model, rows, room) else 1
-    copies = platform in ROW_COPY_PLATFORMS
-    return beam.step_until(model.decode_step, s, alpha, rule, unroll, until, copies)
+    return beam.step_until(model.decode_step, s, alpha, rule, unroll, until)
 
 
 def search_state(

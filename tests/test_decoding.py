@@ -144,8 +144,8 @@ def test_two_steps_per_iteration_equal_the_reference_up_to_an_odd_room(model, li
 
 def test_rows_gathered_as_on_a_gpu_equal_the_reference(model, monkeypatch):
     # A CPU copies the cache rows that move one at a time (the other tests); a GPU or TPU
-    # gathers every row (search/decoding.py ROW_COPY_PLATFORMS).
-    monkeypatch.setattr(decoding, "ROW_COPY_PLATFORMS", frozenset())
+    # gathers every row (search/beam.py ROW_COPY_PLATFORMS).
+    monkeypatch.setattr(beam, "ROW_COPY_PLATFORMS", ())
     jax.clear_caches()
     src = ragged_src(3, [6, 3, 5])
     tokens, scores = decoding.translate_beams(model, src, beam_size=3, max_decode_len=7)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from attention_jax import BOS_ID, EOS_ID
-from attention_jax.search.beam import beam_search, move_rows, places
+from attention_jax.search import beam
+from attention_jax.search.beam import beam_search, places
 from attention_jax.search.sampling import greedy_search, sample
 
 V = 5  # 0 PAD, 1 EOS, 2 BOS, 3 and 4: the words
@@ -235,8 +236,9 @@ def test_new_beams_stay_in_their_parents_rows_and_the_others_take_childless_ones
             assert [rows[j] for j in held[b]] == list(range(k)), (origin[b], held[b])
 
 
-@pytest.mark.parametrize("copies", [True, False])
-def test_moving_rows_take_their_parents_cache_by_copies_or_by_a_gather(copies):
+@pytest.mark.parametrize("platforms", [("cpu",), ()])  # rows copied on a CPU, or gathered
+def test_moving_rows_take_their_parents_cache_by_copies_or_by_a_gather(platforms, monkeypatch):
+    monkeypatch.setattr(beam, "ROW_COPY_PLATFORMS", platforms)
     rng = np.random.default_rng(1)
     b, k = 6, 4
     origin = rng.integers(0, k, (b, k))
@@ -244,7 +246,7 @@ def test_moving_rows_take_their_parents_cache_by_copies_or_by_a_gather(copies):
     by_row = np.take_along_axis(origin, held, 1)  # each row's parent row
     moving = (by_row != np.arange(k)) & (rng.random((b, k)) < 0.8)  # some rows dead
     cache = {"k": rng.normal(size=(b * k, 3, 5)).astype(np.float32), "n": np.arange(b * k)}
-    out = move_rows(jax.tree.map(jnp.asarray, cache), jnp.asarray(by_row), moving, copies)
+    out = beam.move_rows(jax.tree.map(jnp.asarray, cache), jnp.asarray(by_row), moving)
     src = np.where(moving, np.arange(b)[:, None] * k + by_row, np.arange(b * k).reshape(b, k))
     for name, x in cache.items():
         np.testing.assert_array_equal(np.asarray(out[name]), x[src.reshape(-1)])
