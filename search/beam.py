@@ -16,10 +16,10 @@ Search: K hypotheses per source, in B*K rows (rows b*K .. b*K + K-1 are source
 b's). Each step takes the 2K best extensions; an EOS among the first K finishes
 a hypothesis (so beam 1 with alpha 0 is greedy search); the K best others stay
 live and carry on the cache of the beam they extend, in its row where they can
-(`places`). A source is done by `Rule.stop`
-(by default once its result can no longer change) and then gains no hypothesis, so
-stopping it earlier or later (stages, batches) gives the same results. Scores are
-log P / lp(len), len counting EOS (search/scoring.py).
+(`places`). A source is done by `Rule.stop` (by default once its result can no
+longer change) and then gains no hypothesis, so stopping it earlier or later
+(stages, batches) gives the same results. Scores are log P / lp(len), len
+counting EOS (search/scoring.py).
 """
 
 from __future__ import annotations
