@@ -250,3 +250,22 @@ def test_moving_rows_take_their_parents_cache_by_copies_or_by_a_gather(platforms
     src = np.where(moving, np.arange(b)[:, None] * k + by_row, np.arange(b * k).reshape(b, k))
     for name, x in cache.items():
         np.testing.assert_array_equal(np.asarray(out[name]), x[src.reshape(-1)])
+
+
+def test_rows_are_copied_in_a_program_for_a_cpu_and_gathered_in_one_for_a_gpu():
+    # Chosen where the program is lowered, not by the backend that traces it: a GPU's
+    # program has no loop of row copies, even when a CPU exports it.
+    by_row = jnp.take_along_axis(ORIGIN, places(ORIGIN), 1)
+    move = jax.jit(lambda c: beam.move_rows(c, by_row, by_row != jnp.arange(4)))
+    cache = {"k": jnp.zeros((4, 3, 5), jnp.float32)}
+
+    def lowered(*platforms):
+        return jax.export.export(move, platforms=platforms)(cache).mlir_module()
+
+    ops = lambda text: ("stablehlo.while" in text, "stablehlo.gather" in text)  # copies, gather
+    assert ops(lowered("cpu")) == (True, False)
+    assert ops(lowered("cuda")) == ops(lowered("tpu")) == (False, True)
+    assert ops(lowered("cpu", "cuda")) == (True, True)
+
+
+ORIGIN = jnp.array([[0, 0, 1, 3]], jnp.int32)  # rows 1 and 2 take rows 0 and 1's caches
