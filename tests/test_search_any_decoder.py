@@ -255,7 +255,8 @@ def test_moving_rows_take_their_parents_cache_by_copies_or_by_a_gather(platforms
 def test_rows_are_copied_in_a_program_for_a_cpu_and_gathered_in_one_for_a_gpu():
     # Chosen where the program is lowered, not by the backend that traces it: a GPU's
     # program has no loop of row copies, even when a CPU exports it.
-    by_row = jnp.take_along_axis(ORIGIN, places(ORIGIN), 1)
+    origin = jnp.array([[0, 0, 1, 3]], jnp.int32)  # beam 1, row 0's second child: row 2
+    by_row = jnp.take_along_axis(origin, places(origin), 1)
     move = jax.jit(lambda c: beam.move_rows(c, by_row, by_row != jnp.arange(4)))
     cache = {"k": jnp.zeros((4, 3, 5), jnp.float32)}
 
@@ -266,6 +267,3 @@ def test_rows_are_copied_in_a_program_for_a_cpu_and_gathered_in_one_for_a_gpu():
     assert ops(lowered("cpu")) == (True, False)
     assert ops(lowered("cuda")) == ops(lowered("tpu")) == (False, True)
     assert ops(lowered("cpu", "cuda")) == (True, True)
-
-
-ORIGIN = jnp.array([[0, 0, 1, 3]], jnp.int32)  # rows 1 and 2 take rows 0 and 1's caches
