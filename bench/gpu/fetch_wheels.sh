@@ -14,7 +14,7 @@
 #   tensorboardX   training/metrics.py (optional there; small)
 # Each wheel's other Requires-Dist entries are on such a machine (unzip -p X.whl
 # '*/METADATA' | grep ^Requires-Dist). Versions are the ones our CPU venv runs.
-# --tfds adds tensorflow-datasets and what it needs beyond the image (only
+# --tfds adds tensorflow-datasets and what it needs beyond those packages (only
 # `tfds:` datasets import it, lazily; the suite does not).
 set -euo pipefail
 
