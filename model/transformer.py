@@ -108,10 +108,8 @@ class DecodeCache:
         fewer rows)."""
         rows = (sources[:, None] * k + jnp.arange(k)).reshape(-1)  # [B', k] -> [B'*k]
         by_source = lambda x: jnp.take(x, sources, axis=0)
-        return self.replace(
-            self_kv=jax.tree.map(lambda x: jnp.take(x, rows, axis=0), self.self_kv),
-            cross_kv=jax.tree.map(by_source, self.cross_kv),
-            src_valid=by_source(self.src_valid),
+        return self.reorder(rows).replace(
+            cross_kv=jax.tree.map(by_source, self.cross_kv), src_valid=by_source(self.src_valid)
         )
 
 

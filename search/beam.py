@@ -169,14 +169,17 @@ def move_rows(cache: Any, origin: jax.Array, moving: jax.Array) -> Any:
     gather = lambda c: reorder_rows(c, jnp.where(moving, src, jnp.arange(b * k)))
     if isinstance(cache, BeamCache) and not hasattr(cache, "map_rows"):
         return gather(cache)
-    dst = jnp.argsort(~moving).astype(jnp.int32)  # the moving rows first (a stable sort)
 
-    def one(i: jax.Array, c: Any) -> Any:
-        row = lambda x: jax.lax.dynamic_slice_in_dim(x, src[dst[i]], 1, 0)
-        copy = lambda x: jax.lax.dynamic_update_slice_in_dim(x, row(x), dst[i], 0)
-        return c.map_rows(copy) if isinstance(c, BeamCache) else jax.tree.map(copy, c)
+    def copies(c: Any) -> Any:
+        dst = jnp.argsort(~moving).astype(jnp.int32)  # the moving rows first (a stable sort)
 
-    copies = lambda c: jax.lax.fori_loop(0, jnp.sum(moving, dtype=jnp.int32), one, c)
+        def one(i: jax.Array, c: Any) -> Any:
+            row = lambda x: jax.lax.dynamic_slice_in_dim(x, src[dst[i]], 1, 0)
+            copy = lambda x: jax.lax.dynamic_update_slice_in_dim(x, row(x), dst[i], 0)
+            return c.map_rows(copy) if isinstance(c, BeamCache) else jax.tree.map(copy, c)
+
+        return jax.lax.fori_loop(0, jnp.sum(moving, dtype=jnp.int32), one, c)
+
     # Chosen where the program is lowered: an export for several platforms holds both.
     by_platform = {p: copies for p in ROW_COPY_PLATFORMS}
     return jax.lax.platform_dependent(cache, **by_platform, default=gather)
