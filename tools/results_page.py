@@ -64,7 +64,7 @@ GONE = {
 HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
     ("`make train` (tiny on Ding), then `make decode`", "cpu-zen5-20261127-602fe35-make-train",
      {"benchmark": "make train"}, None, "{wall_s} s; dev BLEU {dev_bleu}, test BLEU {test_bleu}"),
-    ("`make decode`, first run after `make train`", "cpu-xeon-20261128-4d437b5-make-decode",
+    ("`make decode`, first run after `make train`", "cpu-xeon-20261129-f836c81-make-train",
      {"benchmark": "make decode", "run": "first after make train"}, None,
      "{wall_s} s for {lines} lines"),
     ("`make decode`, again", "cpu-xeon-20261129-bbd5376-make-test",
