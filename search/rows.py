@@ -1,12 +1,13 @@
 """A batch's beam search in segments, its rows shrinking as its sources finish.
 
     row_ladder(256)                                       # [256, 64, 16, 4]
+    row_ladder(2048)                                      # [2048, 1024, 512, 256, 64, 16, 4]
     tokens, scores, met, counts = shrinking(search, src, rooms, beam_size=4, ...)
 
 A batch of B sources runs until all of them are finished, but most finish long
 before the slowest (on Ding, most within 16 steps past the width). So the
-search runs in segments, down a fixed ladder of row counts (`row_ladder`: B, B/4,
-..., 4). The first segment has room for rooms[0] tokens; it ends when the
+search runs in segments, down a fixed ladder of row counts (`row_ladder`: halves
+down to 256 rows, then quarters down to 4). The first segment has room for rooms[0] tokens; it ends when the
 unfinished sources fit the next rung, or when its room is full, and the search is
 then grown to its last room, the length every source ends by. Each later segment
 ends when the unfinished sources fit the next rung; its rows then go down the
@@ -74,6 +75,11 @@ FEWEST_ROWS = 4
 # run about as fast as halves (at most four times the rows needed, but for fewer steps)
 # with half the rungs, each a step loop to compile (docs/searching.md).
 RUNG_RATIO = 4
+# Above this many rows a rung has half the rows of the one above instead. There a
+# step's cost grows with its rows rather than being its fixed cost, so the rows that
+# halves save pay for their extra programs (docs/searching.md: the beam-row steps at
+# --batch_tokens=32768). Below it, the CPU's default batches keep their few programs.
+HALVE_ABOVE = 256
 # A batch of fewer rows (a request of a few lines) runs its whole search in one program
 # (search/stages.py): it has too few rows to gain back what more programs cost to compile.
 SHRINK_FROM = 16
@@ -86,11 +92,13 @@ def shrinks(search: Any, rows: int, devices: int = 1) -> bool:
 
 
 def row_ladder(rows: int) -> list[int]:
-    """The row counts a batch of `rows` sources shrinks through: each `RUNG_RATIO` times
-    fewer (rounded up), down to `FEWEST_ROWS`."""
+    """The row counts a batch of `rows` sources shrinks through: each half the one above
+    while that has more than `HALVE_ABOVE`, else `RUNG_RATIO` times fewer (rounded up),
+    down to `FEWEST_ROWS`."""
     ladder = [rows]
     while ladder[-1] > FEWEST_ROWS:
-        ladder.append(max(-(-ladder[-1] // RUNG_RATIO), FEWEST_ROWS))
+        ratio = 2 if ladder[-1] > HALVE_ABOVE else RUNG_RATIO
+        ladder.append(max(-(-ladder[-1] // ratio), FEWEST_ROWS))
     return ladder
 
 

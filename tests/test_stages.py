@@ -218,7 +218,9 @@ def test_an_exported_translator_translates_as_the_live_model(model, tmp_path):
 @pytest.mark.parametrize(
     ("count", "want"),
     [
-        (4096, [4096, 1024, 256, 64, 16, 4]),
+        (4096, [4096, 2048, 1024, 512, 256, 64, 16, 4]),
+        (300, [300, 150, 38, 10, 4]),  # halves above 256 rows, rounded up
+        (256, [256, 64, 16, 4]),
         (64, [64, 16, 4]),
         (8, [8, 4]),
         (4, [4]),
@@ -227,7 +229,7 @@ def test_an_exported_translator_translates_as_the_live_model(model, tmp_path):
         (17, [17, 5, 4]),  # quarters rounded up
     ],
 )
-def test_the_ladder_quarters_down_to_a_few_rows(count, want):
+def test_the_ladder_halves_then_quarters_down_to_a_few_rows(count, want):
     assert rows.row_ladder(count) == want
 
 
