@@ -44,6 +44,7 @@ from flax import nnx
 from attention_jax import Transformer
 from attention_jax.data.files import atomic_write, atomic_write_bytes, read_versioned_json
 from attention_jax.data.plans import inference_widths
+from attention_jax.search.decoding import tracing_for
 from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource
 from attention_jax.search.likelihood import score_pairs, token_log_probs
 from attention_jax.search.scoring import output_limit
@@ -70,8 +71,10 @@ def _score_name(width: int) -> str:
 
 
 def _serialize(fn, args, platforms) -> tuple[bytes, object]:
-    """jax.export of fn at args (abstract) -> (serialized program, abstract outputs)."""
-    exported = jax.export.export(jax.jit(fn), platforms=platforms)(*args)
+    """jax.export of fn at args (abstract) -> (serialized program, abstract outputs); its
+    searches step as they do on each of `platforms` (None: this backend)."""
+    with tracing_for(*(platforms or [jax.default_backend()])):
+        exported = jax.export.export(jax.jit(fn), platforms=platforms)(*args)
     return exported.serialize(), exported.out_avals
 
 

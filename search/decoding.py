@@ -151,25 +151,29 @@ def translate_sample(
 # on large caches but make each program compile longer, which below a few MB is
 # rarely won back (docs/searching.md has the measurements).
 LARGE_SEARCH_BYTES = 8 << 20
-# Where a large search takes two steps per iteration. Not on a CPU: there the second
-# copy of the step doubles what a program takes to compile and to load, and the copy
-# of the caches it spares costs little beside the step's matmuls.
-TWO_STEP_PLATFORMS = frozenset({"gpu", "tpu"})
-# The platform searches are traced for when it is not JAX's default backend's (a program
-# compiled ahead of time for another machine: aot/fit.py); None: the default backend's.
-_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "target_platform", default=None
+# Where a large search takes two steps per iteration (JAX's backend names and
+# `jax.export`'s). Not on a CPU: there the second copy of the step doubles what a
+# program takes to compile and to load, and the copy of the caches it spares costs
+# little beside the step's matmuls.
+TWO_STEP_PLATFORMS = frozenset({"gpu", "cuda", "rocm", "tpu"})
+# The platforms searches are traced for when they are not JAX's default backend's: a
+# program compiled ahead of time for another machine (aot/fit.py), or exported for
+# several (backends/stablehlo.py); None: the default backend's.
+_TARGET_PLATFORMS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "target_platforms", default=None
 )
 
 
 @contextlib.contextmanager
-def tracing_for(platform: str) -> Iterator[None]:
-    """Searches traced within step as they do on `platform` ('cpu', 'gpu' or 'tpu')."""
-    token = _TARGET_PLATFORM.set(platform)
+def tracing_for(*platforms: str) -> Iterator[None]:
+    """Searches traced within step as they do on `platforms` ('cpu', 'gpu', 'cuda', 'tpu',
+    ...; with several, each lowers its own loop). JAX keeps a trace per shape: a search
+    this process traced before with the same shapes keeps the loop it had."""
+    token = _TARGET_PLATFORMS.set(platforms)
     try:
         yield
     finally:
-        _TARGET_PLATFORM.reset(token)
+        _TARGET_PLATFORMS.reset(token)
 
 
 def large_search(model: Transformer, rows: Any, room: Any) -> bool:
@@ -201,9 +205,17 @@ def step_until(
     """search/beam.py `step_until` over the model's step: two steps a loop iteration in a large
     search on a GPU or TPU, until at most `until` sources are left or the room is full."""
     rows, room = s.live_seqs.shape[0] * rule.beam_size, s.live_seqs.shape[2]
-    platform = _TARGET_PLATFORM.get() or jax.default_backend()
-    unroll = 2 if platform in TWO_STEP_PLATFORMS and large_search(model, rows, room) else 1
-    return beam.step_until(model.decode_step, s, alpha, rule, unroll, until)
+    loop = lambda unroll: (
+        lambda s: beam.step_until(model.decode_step, s, alpha, rule, unroll, until)
+    )
+    platforms = _TARGET_PLATFORMS.get() or (jax.default_backend(),)
+    one = [p for p in platforms if p not in TWO_STEP_PLATFORMS]
+    if not large_search(model, rows, room) or len(one) == len(platforms):
+        return loop(1)(s)
+    if not one:
+        return loop(2)(s)
+    # Lowered for several platforms (an export): each compiles only its own loop.
+    return jax.lax.platform_dependent(s, **{p: loop(1) for p in one}, default=loop(2))
 
 
 def search_state(

@@ -15,6 +15,7 @@ from attention_jax import (
     PAD_ID,
     Transformer,
 )
+from attention_jax.backends import stablehlo
 from attention_jax.search import beam, decoding, scoring
 from tests.conftest import search_rule
 from tests.models import PENALTIES, as_list, forward, full_logp, make, ragged_src
@@ -168,6 +169,32 @@ def test_a_search_traced_for_another_platform_steps_as_it_does_there(model, monk
     with decoding.tracing_for("gpu"):
         jax.eval_shape(search, jax.ShapeDtypeStruct((2, 7), jnp.int32))  # another program
     assert here and set(here) == {1} and set(unrolls) == {2}
+
+
+def test_an_export_steps_on_each_platform_as_decode_py_does_there(model, monkeypatch):
+    # An export made on a CPU for a GPU holds the GPU's loop; one for both holds each
+    # platform's (chosen where it is compiled), and its CPU program gives the CPU's results.
+    monkeypatch.setattr(decoding, "LARGE_SEARCH_BYTES", 0)  # every search is large
+    unrolls, step_until = [], beam.step_until
+    monkeypatch.setattr(beam, "step_until", lambda *a: unrolls.append(a[4]) or step_until(*a))
+    search = lambda src: decoding.translate_beams(model, src, beam_size=2, max_decode_len=9)
+
+    def exported(width, *platforms):  # a width of its own: JAX keeps a trace per shape
+        unrolls.clear()
+        (b,) = jax.export.symbolic_shape("b")
+        args = (jax.ShapeDtypeStruct((b, width), jnp.int32),)
+        blob, _ = stablehlo._serialize(search, args, platforms)
+        return set(unrolls), jax.export.deserialize(blob)
+
+    assert exported(5, "cpu")[0] == {1}
+    assert exported(6, "cuda")[0] == {2}
+    steps, both = exported(7, "cpu", "cuda")
+    assert steps == {1, 2}
+    src = ragged_src(3, [6, 3, 5], width=7)
+    (tokens, scores), (want_tokens, want_scores) = both.call(src), search(src)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
+    # Another program (a symbolic batch) fuses, and so rounds, otherwise in the last bit.
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(want_scores), rtol=1e-6, atol=0)
 
 
 @pytest.mark.slow  # ~27 s of compiles
