@@ -23,21 +23,35 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _FLAGS = os.environ.get("XLA_FLAGS", "")  # a child's: its parent's, and e.g. a device count
 if "xla_backend_optimization_level" not in _FLAGS:
     _FLAGS = os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_backend_optimization_level=0".strip()
-# XLA:CPU's older code generator (one LLVM function per fusion, not the fusion emitters)
-# compiles a small program in about half the time; the programs compute the same
-# functions, rounded otherwise in the last bit where they fuse otherwise. A jaxlib whose
-# XLA no longer knows the flag would abort on it, so one child tries it first (once:
-# the workers and the children inherit $XLA_FLAGS with the answer in it).
-_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-if "xla_cpu_use_fusion_emitters" not in _FLAGS:
-    _probe = subprocess.run(
+# Two flags of XLA:CPU's that only make a compile cheaper:
+# - the older code generator (one LLVM function per fusion, not the fusion emitters)
+#   compiles a small program in about half the time; the programs compute the same
+#   functions, rounded otherwise in the last bit where they fuse otherwise;
+# - LLVM's code generated in one piece, not split over threads: the xdist workers
+#   already keep every core busy, so the split only adds its own work (docs/testing.md).
+# A jaxlib whose XLA no longer knows a flag would abort on it, so one child tries them
+# first (once: the workers and the children inherit $XLA_FLAGS with the answer in it).
+_CHEAPER_COMPILES = {
+    "xla_cpu_use_fusion_emitters": "--xla_cpu_use_fusion_emitters=false",
+    "xla_cpu_parallel_codegen_split_count": "--xla_cpu_parallel_codegen_split_count=1",
+}
+
+
+def _known(flags: list[str]) -> bool:
+    """Whether this jaxlib's XLA runs with `flags` added to $XLA_FLAGS."""
+    probe = subprocess.run(
         [sys.executable, "-c", "import jax; jax.jit(abs)(1.0)"],
-        env={**os.environ, "XLA_FLAGS": f"{_FLAGS} {_LEGACY_EMITTERS}"},
+        env={**os.environ, "XLA_FLAGS": " ".join([_FLAGS, *flags])},
         capture_output=True,
         timeout=120,
     )
-    if _probe.returncode == 0:
-        os.environ["XLA_FLAGS"] = f"{_FLAGS} {_LEGACY_EMITTERS}"
+    return probe.returncode == 0
+
+
+_missing = [flag for name, flag in _CHEAPER_COMPILES.items() if name not in _FLAGS]
+if _missing:
+    _kept = _missing if _known(_missing) else [f for f in _missing if _known([f])]
+    _FLAGS = os.environ["XLA_FLAGS"] = " ".join([_FLAGS, *_kept]).strip()
 
 
 # One compilation cache for the tests, kept between runs (most of a run is compiling:
