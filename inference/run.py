@@ -181,11 +181,12 @@ def run(options: DecodeOptions) -> None:
     if max_length < 2:
         raise UserError(f"--max_length must be >= 2, got {max_length}")
     split = split_lines(loaded.config, options.split) if options.split else None
+    sentences = sentence_splitter_of(options, loaded)
     if (options.prefix or options.constraints) and split is None and options.input != "-":
         check_files(
             loaded.tokenizer, options.input, options.prefix, options.constraints,
             max_length=max_length, max_len=max_len, settings=loaded.translator.settings,
-            sentences=sentence_splitter_of(options, loaded),
+            sentences=sentences,
         )  # fmt: skip
     job = describe_job(options, loaded, describe_inputs(options, loaded, split), max_length)
     out = processes.open_shared_output(options.output, job, options.restart)
@@ -199,7 +200,7 @@ def run(options: DecodeOptions) -> None:
         total = len(split[0])
     earlier = Totals.from_record(out.done)  # what an earlier run of the job did
     timing.mark("started")
-    totals = _translate(options, loaded, out, max_length, split, total)
+    totals = _translate(options, loaded, out, max_length, split, total, sentences)
     if not processes.is_main():
         return
     report(totals, loaded, options, max_length)
@@ -234,8 +235,10 @@ def _translate(
     max_length: int,
     split: tuple[list[str], list[str]] | None,
     total: int | None,
+    sentences: Any,
 ) -> Totals:
-    """The stream loop around `out`: finished when complete, kept for a resume otherwise."""
+    """The stream loop around `out`: finished when complete, kept for a resume otherwise.
+    sentences: `sentence_splitter_of`'s splitter (None: lines are not split)."""
     quiet = {} if processes.is_main() else {"stream": io.StringIO(), "bar": False}
     meter = Meter(total, out.done.get("lines", 0), **quiet)
     source = references = None
@@ -250,7 +253,7 @@ def _translate(
             read_lines=options.chunk_lines,
             max_length=max_length,
             long_lines=options.long_lines,
-            sentences=sentence_splitter_of(options, loaded),
+            sentences=sentences,
             output_format="scores" if options.score else options.output_format,
             references=references,
             prefixes=beside[0],
