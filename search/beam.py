@@ -356,8 +356,7 @@ def select_rows(cache: Any, sources: jax.Array, k: int) -> Any:
     """The cache of the sources `sources` [B'] (indices) alone, their K beams' rows each."""
     if isinstance(cache, BeamCache):
         return cache.select(sources, k)
-    rows = (sources[:, None] * k + jnp.arange(k)).reshape(-1)  # [B', K] -> [B'*K]
-    return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
+    return reorder_rows(cache, (sources[:, None] * k + jnp.arange(k)).reshape(-1))  # [B'*K]
 
 
 def select(s: BeamState, sources: jax.Array) -> BeamState:
