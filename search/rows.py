@@ -5,15 +5,15 @@
     tokens, scores, met, counts = shrinking(search, src, rooms, beam_size=4, ...)
 
 A batch of B sources runs until all of them are finished, but most finish long
-before the slowest (on Ding, most within 16 steps past the width). So the
-search runs in segments, down a fixed ladder of row counts (`row_ladder`: halves
-down to 256 rows, then quarters down to 4). The first segment has room for rooms[0]
-tokens; it ends when the unfinished sources fit the next rung, or when its room is
-full, and the search is then grown to its last room, the length every source ends by. Each later segment
-ends when the unfinished sources fit the next rung; its rows then go down the
-ladder, a rung at a time (search/beam.py `select`: the unfinished sources first,
-then filler), and the next segment goes on with them. A source's results do not
-depend on the others in its batch, so the results are the batch's as one program
+before the slowest (on Ding, most within 16 steps past the width). So the search
+runs in segments, down a fixed ladder of row counts (`row_ladder`: halves down to
+256 rows, then quarters down to 4). The first segment has room for rooms[0] tokens;
+it ends when the unfinished sources fit the next rung, or when its room is full, and
+the search is then grown to its last room, the length every source ends by. Each
+later segment ends when the unfinished sources fit the next rung; its rows then go
+down the ladder, a rung at a time (search/beam.py `select`: the unfinished sources
+first, then filler), and the next segment goes on with them. A source's results do
+not depend on the others in its batch, so the results are the batch's as one program
 would give them, while the beam-row steps run stay close to those the sources need.
 
 The programs of a batch shape are fixed: its start, the growth, and a step loop and a
