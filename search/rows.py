@@ -75,10 +75,10 @@ FEWEST_ROWS = 4
 # run about as fast as halves (at most four times the rows needed, but for fewer steps)
 # with half the rungs, each a step loop to compile (docs/searching.md).
 RUNG_RATIO = 4
-# Above this many rows a rung has half the rows of the one above instead. There a
-# step's cost grows with its rows rather than being its fixed cost, so the rows that
-# halves save pay for their extra programs (docs/searching.md: the beam-row steps at
-# --batch_tokens=32768). Below it, the CPU's default batches keep their few programs.
+# Above this many rows a rung has half the rows of the one above instead: a big batch
+# (an accelerator's) spends most of its steps with many sources left, so the rows that
+# halves save there pay for their extra programs (docs/searching.md: the beam-row steps
+# at --batch_tokens=32768). The CPU's default batches stay below it, on quarters.
 HALVE_ABOVE = 256
 # A batch of fewer rows (a request of a few lines) runs its whole search in one program
 # (search/stages.py): it has too few rows to gain back what more programs cost to compile.
