@@ -237,13 +237,18 @@ def search_state(
     return s
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "rule", "rooms", "length", "extra"))
-def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "rule", "rooms", "length", "extra", "counted")
+)
+def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra, counted):
     model = nnx.merge(graphdef, state)
     s = search_state(model, src, alpha, rule, rooms, length, extra, controls)
     tokens, scores = beam.results(s)  # [B, K, C], [B, K]
     n = rule.n_best
-    return tokens[:, :n], scores[:, :n], s.fin_met[:, :n]  # [B, K, ...] -> [B, n, ...]
+    out = tokens[:, :n], scores[:, :n], s.fin_met[:, :n]  # [B, K, ...] -> [B, n, ...]
+    if not counted:
+        return out
+    return *out, s.step, jnp.where(s.ended < 0, s.step, s.ended)  # [], [B]
 
 
 def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):
@@ -274,11 +279,13 @@ def search_batch(
     rooms: Sequence[int] | None = None,
     controls: Controls | None = None,
     call: Call = jit_call,
+    counted: bool = False,
 ) -> tuple[jax.Array, ...]:
     """A batch's whole beam search in one program: src [B, S] -> tokens [B, n, C] (no BOS,
     EOS-terminated, 0 after; all 0 in a slot never filled) and scores [B, n] (-inf in
     such a slot), best first, n = rule.n_best, C = `length`; with `controls`, also
-    met [B, n, Q] bool, the phrases each hypothesis contains.
+    met [B, n, Q] bool, the phrases each hypothesis contains. counted: also met, then
+    the steps the search ran [] and the step at which each source's search ended [B].
 
     length, extra: as `decode_shape` gives them (a source of n tokens may produce
       min(n + extra, length) tokens; extra None: length each).
@@ -301,9 +308,9 @@ def search_batch(
     if not isinstance(src, jax.ShapeDtypeStruct):  # a shape alone: the program is only prepared
         src = jnp.asarray(src, jnp.int32)
     args = state, src, jnp.float32(alpha), controls
-    static = dict(rule=rule, rooms=rooms, length=length, extra=extra)
+    static = dict(rule=rule, rooms=rooms, length=length, extra=extra, counted=counted)
     out = call(_search, graphdef, args, static)
-    return out if controls is not None or out is None else out[:2]  # None: only prepared
+    return out if controls is not None or counted or out is None else out[:2]  # None: prepared
 
 
 def translate_beams(

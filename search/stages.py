@@ -38,7 +38,7 @@ from attention_jax.runtime.errors import UserError
 from attention_jax.search import timing
 from attention_jax.search.constraints import Controls
 from attention_jax.search.hypothesis import hypotheses
-from attention_jax.search.rows import Found, shrinking, shrinks
+from attention_jax.search.rows import Found, RowCounts, shrinking, shrinks
 from attention_jax.search.scoring import FILLER, output_limit, prefix_room, rooms
 from attention_jax.search.settings import DEFAULTS, SearchSettings
 
@@ -142,7 +142,9 @@ class Search(Protocol):
     after) and scores [B, n_best] (-inf: a slot never filled), best first; with
     controls (each source's prefix and phrases), also met [B, n_best, Q] bool. A search
     may also have `prepare(rows, width, rooms, controls)` (controls as shapes): start
-    compiling or loading the program of that shape in the background.
+    compiling or loading the program of that shape in the background; and
+    `whole_counted`, run instead of `whole`: the same, with met always, then the steps
+    it ran [] and the step at which each source's search ended [B], for `--stats`.
     """
 
     def whole(
@@ -327,12 +329,18 @@ def run_stages(
                 search, src, rooms, controls=controls, place=put, fetch=fetch,
                 beam_size=search.settings.beam_size, sources=len(picked),
             )  # fmt: skip
+        counted = getattr(search, "whole_counted", None)  # a live model's search counts
         with timing.search_call() as call:
-            out = search.whole(put(src), rooms, controls)
+            out = (counted or search.whole)(put(src), rooms, controls)
             call.dispatched(out)
         with timing.phase("fetch"):
-            tokens, scores, *met = fetch(out)  # [B, n, C], [B, n], ([B, n, Q])
-        return tokens, scores, met[0] if met else None, None
+            tokens, scores, *met = fetch(out)  # [B, n, C], [B, n], ([B, n, Q], [], [B])
+        if counted is None:
+            return tokens, scores, met[0] if met else None, None
+        met, step, ended = met
+        k = search.settings.beam_size
+        counts = RowCounts(run=rows * int(step) * k, needed=int(ended[: len(picked)].sum()) * k)
+        return tokens, scores, met if controls is not None else None, counts
 
     def finish(found: Found, indices: list[int]) -> None:
         tokens, scores, met, counts = found

@@ -118,6 +118,18 @@ class LiveSearch:
         scores [B, n] (n = n_best), every source finished; with controls (prefixes and
         phrases), also met [B, n, Q]. A small search (`large_search`: a few rows) takes
         the last room at once: its stages would save little and compile a loop each."""
+        return self._whole(src, rooms, controls, counted=False)
+
+    def whole_counted(
+        self, src: jax.Array, rooms: Sequence[int], controls: Controls | None = None
+    ) -> tuple[jax.Array, ...]:
+        """`whole`, with met [B, n, Q] always, then the steps run [] and the step at which
+        each source's search ended [B] (search.stages counts beam-row steps with them)."""
+        return self._whole(src, rooms, controls, counted=True)
+
+    def _whole(
+        self, src: jax.Array, rooms: Sequence[int], controls: Controls | None, counted: bool
+    ) -> tuple[jax.Array, ...]:
         length, extra = decode_shape(self.model, src, None)
         if not decoding.large_search(self.model, src.shape[0] * self.settings.beam_size, length):
             rooms = rooms[-1:]
@@ -131,6 +143,7 @@ class LiveSearch:
             rooms=rooms,
             controls=controls,
             call=self.call,
+            counted=counted,
         )
 
     def start(
@@ -167,8 +180,8 @@ class LiveSearch:
         if not programs.enabled():
             return
         src = jax.ShapeDtypeStruct((rows, width), np.int32)
-        if not shrinks(self, rows):
-            dataclasses.replace(self, call=programs.prepare).whole(src, rooms, controls)
+        if not shrinks(self, rows):  # the program run_stages calls
+            dataclasses.replace(self, call=programs.prepare).whole_counted(src, rooms, controls)
             return
         segments.prepare_segments(
             self.model, src, alpha=self.settings.alpha, rule=self.rule, rooms=rooms,

@@ -109,9 +109,9 @@ class _Recording(LiveSearch):
         _SEEN.add(("start", src.shape[0], room))
         return super().start(src, room, controls, until)
 
-    def whole(self, src, rooms, controls=None):
+    def whole_counted(self, src, rooms, controls=None):  # run_stages' whole search
         _SEEN.add(("whole", *src.shape))
-        return super().whole(src, rooms, controls)
+        return super().whole_counted(src, rooms, controls)
 
     def grow(self, state, room):
         _SEEN.add(("grow", *state.live_seqs.shape[::2]))
@@ -255,6 +255,22 @@ def test_steps_needed_are_each_sources_own(model):
     # The rows ran at least what was needed, and fewer than the whole batch's 16 rows
     # for as many steps as its longest output.
     assert counts.needed <= counts.run < 16 * max(lengths)
+
+
+def test_a_whole_search_counts_the_steps_its_rows_ran_and_its_sources_needed(model, monkeypatch):
+    # A batch too small to shrink runs whole; --stats counts its beam-row steps too. With
+    # beam 1 (greedy), a source needs a step per output token, EOS included, and all 8
+    # rows (5 sources, 3 filler) run until the longest output ends.
+    counted = {}
+    count = lambda name, n=1: counted.update({name: counted.get(name, 0) + n})
+    monkeypatch.setattr(stages.timing, "count", count)
+    search = LiveSearch(model, SearchSettings(beam_size=1))
+    sources = sources_of(np.random.default_rng(5).integers(2, 9, 5), seed=5)
+    found = stages.run_stages(search, sources, max_len=96, batch_tokens=64)
+    assert not rows.shrinks(search, 8)
+    lengths = [len(h[0].tokens) + 1 for h in found]
+    assert counted["beam_row_steps_needed"] == sum(lengths)
+    assert counted["beam_row_steps_run"] == 8 * max(lengths)
 
 
 def test_a_shrinking_search_finds_what_the_whole_batch_finds(model):
