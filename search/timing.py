@@ -202,7 +202,8 @@ def breakdown(lines: int, tokens: int) -> dict[str, Any]:
     the critical path). device_busy_s + device_idle_s = work_s; host_bound_s: the
     device idle while no program was compiling or loading (waiting for the host), and
     host_share its share of work_s. beam_row_steps: the beam rows times steps the
-    searches ran, those the sources needed, and their ratio. Host phases by name
+    searches ran, those the sources needed, and their ratio (a live model's searches,
+    whole or shrinking; an export's programs do not report them). Host phases by name
     (read, tokenize, search_host: planning, filling and placing batches; fetch:
     waiting for results; detokenize, format, write). target_tokens_per_s: tokens over work_s;
     target_tokens_per_s_after_programs: over work_s less programs_critical_s (None
