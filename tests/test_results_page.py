@@ -1,5 +1,5 @@
-"""docs/results.md and the README's results table are generated from bench/results/
-(tools/results_page.py) and kept current."""
+"""docs/results.md, its pages per machine and the README's results table are generated
+from bench/results/ (tools/results_page.py) and kept current."""
 
 import json
 import os
@@ -9,9 +9,21 @@ import subprocess
 from tools import results_page
 
 
-def test_the_results_page_and_the_readme_table_are_up_to_date():
-    with open(results_page.PAGE, encoding="utf-8") as f:
-        assert f.read() == results_page.render(), "run: python tools/results_page.py"
+def _pages() -> dict[str, str]:
+    """The results pages as written: docs/results.md and docs/results/*.md, by path under
+    docs/."""
+    pages = {"results.md": results_page.PAGE}
+    folder = os.path.join(results_page.DOCS, "results")
+    pages |= {f"results/{n}": os.path.join(folder, n) for n in os.listdir(folder)}
+    out = {}
+    for name, path in pages.items():
+        with open(path, encoding="utf-8") as f:
+            out[name] = f.read()
+    return out
+
+
+def test_the_results_pages_and_the_readme_table_are_up_to_date():
+    assert _pages() == results_page.render(), "run: python tools/results_page.py"
     with open(results_page.README, encoding="utf-8") as f:
         readme = f.read()
     assert readme == results_page.with_table(readme, results_page.headline_table()), (
@@ -29,8 +41,13 @@ def test_every_results_file_is_named_machine_date_commit_and_shown(tmp_path):
     (tmp_path / "cpu-zen5-20261127-abcdef0-pace.jsonl").write_text(
         "\n".join(json.dumps(r) for r in rows) + "\n"
     )
-    page = results_page.render(str(tmp_path))
-    assert "## cpu-zen5" in page and "- 2026-11-27, abcdef0, pace:" in page
+    pages = results_page.render(str(tmp_path))
+    assert (
+        "- [cpu-zen5](results/cpu-zen5.md): 1 file, 2026-11-27 to 2026-11-27" in pages["results.md"]
+    )
+    page = pages["results/cpu-zen5.md"]
+    assert page.startswith("# Results on cpu-zen5") and "- 2026-11-27, abcdef0, pace:" in page
+    assert "](../../bench/results/cpu-zen5-20261127-abcdef0-pace.jsonl)" in page
     assert "**decode** `x`: tokens_per_s 12,346" in page
     assert "**make train** `make train`: wall_s 222" in page
 
@@ -66,12 +83,12 @@ def test_a_run_whose_script_is_gone_says_where_it_can_be_had(tmp_path):
     row = {"benchmark": "b", "command": "python bench/no_such_script.py --x && bench/train.py"}
     (tmp_path / "cpu-zen5-20261127-abcdef0-pace.jsonl").write_text(json.dumps(row) + "\n")
     (gone,) = re.findall(
-        r"\(no longer in the repository: ([^)]*)\)", results_page.render(str(tmp_path))
+        r"\(no longer in the repository: ([^)]*)\)",
+        results_page.render(str(tmp_path))["results/cpu-zen5.md"],
     )
     assert gone == "bench/no_such_script.py"  # bench/train.py is here
     # On the real page every gone script names a commit that holds it.
-    with open(results_page.PAGE, encoding="utf-8") as f:
-        named = set(results_page.SCRIPT.findall(f.read()))
+    named = set(results_page.SCRIPT.findall("".join(_pages().values())))
     gone = {p for p in named if not os.path.exists(os.path.join(results_page.ROOT, p))}
     assert gone <= set(results_page.GONE), (
         f"add to results_page.GONE: {gone - set(results_page.GONE)}"

@@ -1,17 +1,18 @@
-"""docs/results.md and the README's results table, both from bench/results/.
+"""docs/results.md, its pages and the README's results table, all from bench/results/.
 
-    python tools/results_page.py            # writes docs/results.md and the README's table
-    python tools/results_page.py --check    # exit 1 if either is out of date
+    python tools/results_page.py            # writes docs/results*, the README's table
+    python tools/results_page.py --check    # exit 1 if any is out of date
 
 A results file is named MACHINE-YYYYMMDD-COMMIT[-LABEL].{jsonl,json}: a benchmark's
 JSON lines (one object a run, its rows under "results" when it has several), a
 train run's metrics.jsonl (summed up: steps, losses, throughput, BLEU), or a GPU
 suite's summary (its steps and their outcome).
 
-docs/results.md shows every file, grouped by machine, newest first: one line per
-run, its rows inline. The README's table shows the `HEADLINES` below, each a value
-picked from one file, with the file's command, hardware, commit and date.
-tests/test_results_page.py keeps both current.
+docs/results/MACHINE.md shows every file of a machine, newest first: one line per
+run, its rows inline; docs/results.md lists the machines (so that no page grows
+past what a reader takes in as results accumulate). The README's table shows the
+`HEADLINES` below, each a value picked from one file, with the file's command,
+hardware, commit and date. tests/test_results_page.py keeps them all current.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
-PAGE = os.path.join(ROOT, "docs", "results.md")
+DOCS = os.path.join(ROOT, "docs")
+PAGE = os.path.join(DOCS, "results.md")  # the index; a page per machine in docs/results/
 README = os.path.join(ROOT, "README.md")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 NAME = re.compile(
@@ -40,13 +42,17 @@ MACHINE_ORDER = ("nvidia", "cpu-zen5")  # GPUs first, then the CPU box of CI, th
 HEADER = """# Results
 
 Every number measured for this project, generated from the JSON lines in
-`bench/results/` by `python tools/results_page.py` (do not edit by hand). Files
-are grouped by machine, newest first; each line is one run: its benchmark, its
-command, then what it measured (several rows separated by `·`). The machine,
+`bench/results/` by `python tools/results_page.py` (do not edit by hand). Each
+machine has a page, its files newest first; each line is one run: its benchmark,
+its command, then what it measured (several rows separated by `·`). The machine,
 date, commit and label are in the file's name, which each entry links. A command
 whose script is no longer in the repository says so, with the `git show` that
 gives the script as it ran.
 """
+MACHINE_HEADER = (
+    "Generated from `bench/results/` by `python tools/results_page.py` (do not edit by "
+    "hand); [every machine](../results.md)."
+)
 # A script a command runs: bench/, tools/ or tests/ code.
 SCRIPT = re.compile(r"(?<![\w./-])((?:bench|tools|tests)/[\w./-]+\.(?:py|sh))\b")
 # Scripts that results ran and that are gone: the last commit that holds each (the
@@ -187,9 +193,9 @@ def entry(path: str) -> list[str]:
     one sub-bullet per run."""
     base = os.path.basename(path)
     m = NAME.match(_stem(base))
-    when = f"{m['date'][:4]}-{m['date'][4:6]}-{m['date'][6:]}, {m['commit']}" if m else base
+    when = f"{_dashed(m['date'])}, {m['commit']}" if m else base
     label = f", {m['label']}" if m and m["label"] else ""
-    lines = [f"- {when}{label}: [`{base}`](../bench/results/{base})"]
+    lines = [f"- {when}{label}: [`{base}`](../../bench/results/{base})"]
     with open(path, encoding="utf-8") as f:
         if base.endswith(".json"):
             return lines + _suite(json.load(f))
@@ -206,26 +212,36 @@ def _machine_key(machine: str) -> tuple[int, str]:
     return len(MACHINE_ORDER), machine
 
 
-def render(directory: str = RESULTS) -> str:
-    """The whole page: a section per machine, its files newest first."""
+def render(directory: str = RESULTS) -> dict[str, str]:
+    """The pages, by path under docs/: results.md (the machines, each with its count of
+    files and their dates) and results/MACHINE.md per machine (its files newest first)."""
     by_machine: dict[str, list[str]] = {}
     for name in os.listdir(directory):
         if name.endswith((".jsonl", ".json")):
             m = NAME.match(_stem(name))
             by_machine.setdefault(m["machine"] if m else "other", []).append(name)
-    parts = [HEADER]
+    pages, index = {}, [HEADER, "## Machines", ""]
     for machine in sorted(by_machine, key=_machine_key):
         names = sorted(by_machine[machine], key=lambda n: (_date(n), n), reverse=True)
-        lines = [f"## {machine}", ""]
+        dates = sorted({_dashed(_date(n)) for n in names if _date(n)})
+        span = f", {dates[0]} to {dates[-1]}" if dates else ""
+        files = f"{len(names)} file{'s' if len(names) > 1 else ''}"
+        index.append(f"- [{machine}](results/{machine}.md): {files}{span}")
+        lines = [f"# Results on {machine}", "", MACHINE_HEADER, ""]
         for name in names:
             lines += entry(os.path.join(directory, name))
-        parts.append("\n".join(lines) + "\n")
-    return "\n".join(parts)
+        pages[f"results/{machine}.md"] = "\n".join(lines) + "\n"
+    return {"results.md": "\n".join(index) + "\n", **pages}
 
 
 def _date(name: str) -> str:
     m = NAME.match(_stem(name))
     return m["date"] if m else ""
+
+
+def _dashed(date: str) -> str:
+    """YYYYMMDD -> YYYY-MM-DD."""
+    return f"{date[:4]}-{date[4:6]}-{date[6:]}"
 
 
 # --- The README's table ----------------------------------------------------------------
@@ -250,7 +266,7 @@ def headline_table(directory: str = RESULTS) -> str:
         m = NAME.match(stem)
         result = fmt.format(**{k: _cell(v) for k, v in row.items()})
         machine = _cell(row.get("machine") or row.get("device") or m["machine"])
-        date = f"{m['date'][:4]}-{m['date'][4:6]}-{m['date'][6:]}"
+        date = _dashed(m["date"])
         command = _cell(row.get("command", "")).replace("`", "")
         command = f"`{command}`" if command else ""
         link = f"[{m['commit']}, {date}](bench/results/{stem}.jsonl)"
@@ -266,24 +282,33 @@ def with_table(readme: str, table: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if either is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if any is stale")
     args = parser.parse_args()
     with open(README, encoding="utf-8") as f:
         readme = f.read()
-    wanted = {PAGE: render(), README: with_table(readme, headline_table())}
-    stale = []
+    wanted = {os.path.join(DOCS, *name.split("/")): text for name, text in render().items()}
+    wanted[README] = with_table(readme, headline_table())
+    pages = os.path.join(DOCS, "results")
+    kept = {os.path.join(pages, n) for n in os.listdir(pages)} if os.path.isdir(pages) else set()
+    stale = sorted(kept - set(wanted))  # the page of a machine no file names any more
     for path, text in wanted.items():
-        with open(path, encoding="utf-8") as f:
-            if f.read() != text:
-                stale.append(path)
-        if not args.check:
+        old = None
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                old = f.read()
+        if old != text:
+            stale.append(path)
+        if not args.check and old != text:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
     if args.check:
         for path in stale:
             print(f"{os.path.relpath(path, ROOT)} is out of date: run python tools/results_page.py")
         return int(bool(stale))
-    print(f"wrote {os.path.relpath(PAGE, ROOT)} and the table in README.md")
+    for path in kept - set(wanted):
+        os.remove(path)
+    print(f"wrote {os.path.relpath(PAGE, ROOT)}, its pages and the table in README.md")
     return 0
 
 
