@@ -314,6 +314,12 @@ def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     return done(s, alpha, rule) | (s.step >= s.limits)
 
 
+def steps_taken(s: BeamState) -> jax.Array:
+    """[B] int32: the steps each source's search ran (one still unfinished, or finished
+    by the last step: all of them so far)."""
+    return jnp.where(s.ended < 0, s.step, s.ended)
+
+
 def step_until(
     step_fn: StepFn,
     s: BeamState,

@@ -248,7 +248,7 @@ def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra
     out = tokens[:, :n], scores[:, :n], s.fin_met[:, :n]  # [B, K, ...] -> [B, n, ...]
     if not counted:
         return out
-    return *out, s.step, jnp.where(s.ended < 0, s.step, s.ended)  # [], [B]
+    return *out, s.step, beam.steps_taken(s)  # [], [B]
 
 
 def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):

@@ -40,8 +40,7 @@ def segment_results(s: beam.BeamState, alpha: jax.Array, rule: Rule) -> tuple[ja
     tokens, scores = beam.results(s)  # [B, K, C], [B, K]
     n = rule.n_best
     left = ~beam.finished(s, alpha, rule)
-    ended = jnp.where(s.ended < 0, s.step, s.ended)  # finished at the last step: now
-    return left, s.step, tokens[:, :n], scores[:, :n], s.fin_met[:, :n], ended
+    return left, s.step, tokens[:, :n], scores[:, :n], s.fin_met[:, :n], beam.steps_taken(s)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule", "room", "length", "extra"))
