@@ -32,7 +32,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,26 @@ from attention_jax.search.settings import DEFAULTS, EXTRA_DECODE_LEN, Rule, Sear
 from attention_jax.transformer import Transformer
 
 
-def decode_shape(model: Transformer, src: jax.Array, max_decode_len: int | None):
+class Parts(NamedTuple):
+    """A model split once (`nnx.split`) for the many programs of one job: a split walks
+    the whole module graph on the host, at every call. It stands for the model wherever
+    a search reads only its config."""
+
+    graphdef: Any
+    state: Any
+    config: Any  # the model's TransformerConfig
+
+    @classmethod
+    def of(cls, model: Transformer) -> Parts:
+        return cls(*nnx.split(model), model.config)
+
+
+def split(model: Transformer | Parts) -> tuple[Any, Any]:
+    """(graphdef, state) of a model, or of one split already."""
+    return model[:2] if isinstance(model, Parts) else nnx.split(model)
+
+
+def decode_shape(model: Transformer | Parts, src: jax.Array, max_decode_len: int | None):
     """(L, extra): output columns, and per-row extra length (None = every row gets L)."""
     max_len = model.config.max_len
     s = src.shape[1]
@@ -176,7 +195,7 @@ def tracing_for(*platforms: str) -> Iterator[None]:
         _TARGET_PLATFORMS.reset(token)
 
 
-def large_search(model: Transformer, rows: Any, room: Any) -> bool:
+def large_search(model: Transformer | Parts, rows: Any, room: Any) -> bool:
     """Whether a search of `rows` beam rows with room for `room` tokens is large; one of a
     symbolic batch size (an exported program, which serves batches of any size) is."""
     cfg = model.config
@@ -251,7 +270,7 @@ def _search(graphdef, state, src, alpha, controls, *, rule, rooms, length, extra
     return *out, s.step, beam.steps_taken(s)  # [], [B]
 
 
-def search_rooms(model: Transformer, rows: int, width: int, length: int, beam_size: int):
+def search_rooms(model: Transformer | Parts, rows: int, width: int, length: int, beam_size: int):
     """The rooms `search_batch` grows a batch of `rows` sources of width `width` through:
     in stages (search/scoring.py `rooms`) for a large search, else all `length` at once."""
     if large_search(model, rows * beam_size, length):
@@ -269,7 +288,7 @@ def jit_call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
 
 
 def search_batch(
-    model: Transformer,
+    model: Transformer | Parts,
     src: jax.Array,
     *,
     alpha: float | jax.Array,
@@ -304,7 +323,7 @@ def search_batch(
     rooms = tuple(min(int(r), length) for r in rooms)
     if list(rooms) != sorted(set(rooms)) or rooms[-1] != length:
         raise ValueError(f"rooms must increase to the length {length}, got {rooms}")
-    graphdef, state = nnx.split(model)
+    graphdef, state = split(model)
     if not isinstance(src, jax.ShapeDtypeStruct):  # a shape alone: the program is only prepared
         src = jnp.asarray(src, jnp.int32)
     args = state, src, jnp.float32(alpha), controls

@@ -175,10 +175,27 @@ def _model_text(graphdef: Any) -> str:
 
 
 def _key(fn: Any, graphdef: Any, leaves: list, treedef: Any, static: dict) -> str:
-    avals = [(tuple(x.shape), str(x.dtype)) for x in leaves]
+    """The digest naming fn's program for these arguments. A job calls a few programs
+    many times: a digest is made once per (fn, model, shapes, static) and looked up after,
+    the model by identity (hashing a graphdef walks the module graph)."""
+    shapes = tuple((tuple(x.shape), x.dtype) for x in leaves)
+    memo = (fn, id(graphdef), treedef, shapes, tuple(sorted(static.items())))
+    held = _keys.get(memo)
+    if held is not None and held[0] is graphdef:
+        return held[1]
+    avals = [(shape, str(dtype)) for shape, dtype in shapes]
     model = _model_text(graphdef)
     what = (_environment(), fn.__module__, fn.__qualname__, model, sorted(static.items()))
-    return hashlib.sha256(repr((*what, treedef, avals)).encode()).hexdigest()
+    key = hashlib.sha256(repr((*what, treedef, avals)).encode()).hexdigest()
+    if len(_keys) >= _KEYS_HELD:
+        _keys.clear()
+    _keys[memo] = (graphdef, key)  # the graphdef held: its id names no other while held
+    return key
+
+
+# (fn, id(graphdef), treedef, shapes, static) -> (graphdef, key): `_key`'s digests
+_keys: dict[tuple, tuple[Any, str]] = {}
+_KEYS_HELD = 1024
 
 
 def _single_device(leaves: list) -> bool:

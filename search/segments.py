@@ -74,7 +74,7 @@ def _advance(graphdef, state, s, alpha, until, *, rule) -> Segment:
 
 
 def start_segment(
-    model: Transformer,
+    model: Transformer | decoding.Parts,
     src: jax.Array,
     *,
     alpha: float,
@@ -87,7 +87,7 @@ def start_segment(
     """The first segment of src [B, S]'s beam search (`_start`); a `ShapeDtypeStruct` src
     only prepares its program (None). Sources may produce min(n + 50, max_len) tokens."""
     length, extra = decoding.decode_shape(model, src, None)
-    graphdef, state = nnx.split(model)
+    graphdef, state = decoding.split(model)
     if not isinstance(src, jax.ShapeDtypeStruct):
         src = jnp.asarray(src, jnp.int32)
     args = state, src, jnp.float32(alpha), jnp.int32(until), controls
@@ -110,7 +110,7 @@ def select_segment(
 
 
 def advance_segment(
-    model: Transformer,
+    model: Transformer | decoding.Parts,
     s: beam.BeamState,
     *,
     alpha: float,
@@ -119,13 +119,13 @@ def advance_segment(
     call: decoding.Call = decoding.jit_call,
 ) -> Segment:
     """The search `s` on until at most `until` sources are left or its room is full."""
-    graphdef, state = nnx.split(model)
+    graphdef, state = decoding.split(model)
     args = state, s, jnp.float32(alpha), jnp.int32(until)
     return call(_advance, graphdef, args, dict(rule=rule))
 
 
 def prepare_segments(
-    model: Transformer,
+    model: Transformer | decoding.Parts,
     src: jax.ShapeDtypeStruct,
     *,
     alpha: float,
@@ -142,7 +142,7 @@ def prepare_segments(
     first, last = min(rooms[0], length), rooms[-1]
     start_segment(model, src, alpha=alpha, rule=rule, room=first, until=0, controls=controls,
                   call=call)  # fmt: skip
-    graphdef, state = nnx.split(model)
+    graphdef, state = decoding.split(model)
     shape = lambda src, controls: decoding.first_state(
         nnx.merge(graphdef, state), src, rule, first, length, extra, controls
     )

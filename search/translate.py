@@ -111,6 +111,11 @@ class LiveSearch:
         """The compiled search's static settings (made once, not per batch)."""
         return self.settings.rule(self.vocab_limit)
 
+    @functools.cached_property
+    def parts(self) -> decoding.Parts:
+        """The model split once for every program of this search's job."""
+        return decoding.Parts.of(self.model)
+
     def whole(
         self, src: jax.Array, rooms: Sequence[int], controls: Controls | None = None
     ) -> tuple[jax.Array, ...]:
@@ -130,11 +135,11 @@ class LiveSearch:
     def _whole(
         self, src: jax.Array, rooms: Sequence[int], controls: Controls | None, counted: bool
     ) -> tuple[jax.Array, ...]:
-        length, extra = decode_shape(self.model, src, None)
-        if not decoding.large_search(self.model, src.shape[0] * self.settings.beam_size, length):
+        length, extra = decode_shape(self.parts, src, None)
+        if not decoding.large_search(self.parts, src.shape[0] * self.settings.beam_size, length):
             rooms = rooms[-1:]
         return decoding.search_batch(
-            self.model,
+            self.parts,
             src,
             alpha=self.settings.alpha,
             rule=self.rule,
@@ -151,7 +156,7 @@ class LiveSearch:
     ) -> segments.Segment | None:
         """The first segment of src [B, S]'s search (search/rows.py `SegmentedSearch`)."""
         return segments.start_segment(
-            self.model, src, alpha=self.settings.alpha, rule=self.rule, room=room,
+            self.parts, src, alpha=self.settings.alpha, rule=self.rule, room=room,
             until=until, controls=controls, call=self.call,
         )  # fmt: skip
 
@@ -166,7 +171,7 @@ class LiveSearch:
     def advance(self, state: Any, until: int) -> segments.Segment:
         """The search `state`'s next segment (search/rows.py)."""
         return segments.advance_segment(
-            self.model, state, alpha=self.settings.alpha, rule=self.rule, until=until,
+            self.parts, state, alpha=self.settings.alpha, rule=self.rule, until=until,
             call=self.call,
         )  # fmt: skip
 
@@ -184,7 +189,7 @@ class LiveSearch:
             dataclasses.replace(self, call=programs.prepare).whole_counted(src, rooms, controls)
             return
         segments.prepare_segments(
-            self.model, src, alpha=self.settings.alpha, rule=self.rule, rooms=rooms,
+            self.parts, src, alpha=self.settings.alpha, rule=self.rule, rooms=rooms,
             controls=controls, call=programs.prepare,
         )  # fmt: skip
 

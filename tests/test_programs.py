@@ -269,6 +269,24 @@ def test_programs_differ_by_shape_and_settings(model, kept):
     assert len(os.listdir(kept)) > n  # another beam size: other programs, other files
 
 
+def test_a_key_names_the_model_by_its_structure_however_often_asked(model):
+    """Keys are made once per model object and shapes, then looked up: the lookup must
+    give what a fresh digest gives, the same for an equal model, another for another."""
+    from flax import nnx
+
+    from attention_jax.search import segments
+
+    leaves, treedef = jax.tree.flatten((np.zeros((2, 3), np.int32),))
+    key = lambda m: programs._key(segments._advance, nnx.split(m)[0], leaves, treedef, {})
+    first = key(model)
+    assert [key(model) for _ in range(3)] == [first] * 3
+    assert key(make(seed=4, vocab_size=40, max_len=96)) == first  # equal structure
+    other = make(seed=3, vocab_size=41, max_len=96)
+    assert key(other) != first and key(other) == key(other)
+    programs._keys.clear()
+    assert key(model) == first and key(other) != first
+
+
 def test_an_unusable_directory_only_loses_the_speed_up(model, tmp_path, monkeypatch):
     monkeypatch.setattr(programs, "_loaded", {})
     blocker = tmp_path / "a_file"
