@@ -31,9 +31,15 @@ This file only starts the process; its flags are inference/cli.py's, parsed into
 
 from __future__ import annotations
 
+import gc
 import time
 
 _STARTED = time.perf_counter()  # --stats counts start-up from here
+if __name__ == "__main__":
+    # Start-up (JAX, Flax, Orbax) creates a great many objects that live as long as the
+    # process, and no garbage: collections meanwhile would only walk them, again and
+    # again. `main` freezes them out of the collector's generations, then turns it on.
+    gc.disable()
 
 import sys  # noqa: E402
 
@@ -80,6 +86,9 @@ def main(argv: list[str]) -> None:
         from attention_jax.search import programs
 
         programs.enable_beside(cache)  # the search programs whole: a new process loads them
+        if not gc.isenabled():  # run as a program, its start-up done
+            gc.freeze()
+            gc.enable()
 
         (write_translator if options.export or options.export_ct2 else run)(options)
     except UserError as e:
