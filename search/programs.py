@@ -41,6 +41,7 @@ compile, this is most of a first run's start.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -176,26 +177,31 @@ def _model_text(graphdef: Any) -> str:
 
 def _key(fn: Any, graphdef: Any, leaves: list, treedef: Any, static: dict) -> str:
     """The digest naming fn's program for these arguments. A job calls a few programs
-    many times: a digest is made once per (fn, model, shapes, static) and looked up after,
-    the model by identity (hashing a graphdef walks the module graph)."""
+    many times: the digest of each (fn, shapes, static) is kept with the graphdef it was
+    made for, and reused while the same graphdef object asks (hashing a graphdef walks
+    the module graph; another graphdef object, even an equal one, gets a fresh digest)."""
     shapes = tuple((tuple(x.shape), x.dtype) for x in leaves)
-    memo = (fn, id(graphdef), treedef, shapes, tuple(sorted(static.items())))
-    held = _keys.get(memo)
-    if held is not None and held[0] is graphdef:
-        return held[1]
+    memo = (fn, treedef, shapes, tuple(sorted(static.items())))
+    with _lock:
+        held = _keys.get(memo)
+        if held is not None and held[0] is graphdef:
+            _keys.move_to_end(memo)
+            return held[1]
     avals = [(shape, str(dtype)) for shape, dtype in shapes]
     model = _model_text(graphdef)
     what = (_environment(), fn.__module__, fn.__qualname__, model, sorted(static.items()))
     key = hashlib.sha256(repr((*what, treedef, avals)).encode()).hexdigest()
-    if len(_keys) >= _KEYS_HELD:
-        _keys.clear()
-    _keys[memo] = (graphdef, key)  # the graphdef held: its id names no other while held
+    with _lock:
+        _keys[memo] = (graphdef, key)
+        _keys.move_to_end(memo)
+        if len(_keys) > _KEYS_HELD:  # the least recently used goes, with its graphdef
+            _keys.popitem(last=False)
     return key
 
 
-# (fn, id(graphdef), treedef, shapes, static) -> (graphdef, key): `_key`'s digests
-_keys: dict[tuple, tuple[Any, str]] = {}
-_KEYS_HELD = 1024
+# (fn, treedef, shapes, static) -> (graphdef, key): `_key`'s digests, most recent last
+_keys: collections.OrderedDict[tuple, tuple[Any, str]] = collections.OrderedDict()
+_KEYS_HELD = 128
 
 
 def _single_device(leaves: list) -> bool:

@@ -269,22 +269,28 @@ def test_programs_differ_by_shape_and_settings(model, kept):
     assert len(os.listdir(kept)) > n  # another beam size: other programs, other files
 
 
-def test_a_key_names_the_model_by_its_structure_however_often_asked(model):
-    """Keys are made once per model object and shapes, then looked up: the lookup must
-    give what a fresh digest gives, the same for an equal model, another for another."""
+def test_a_key_names_the_model_by_its_structure_however_often_asked(model, monkeypatch):
+    """A key is digested once per (program, shapes) and graphdef object, then looked up:
+    the lookup must give what a fresh digest gives, the same for an equal model, another
+    for another, whichever asked last."""
     from flax import nnx
 
     from attention_jax.search import segments
 
+    monkeypatch.setattr(programs, "_keys", type(programs._keys)())
+    digests = []
+    text = programs._model_text
+    monkeypatch.setattr(programs, "_model_text", lambda g: digests.append(g) or text(g))
     leaves, treedef = jax.tree.flatten((np.zeros((2, 3), np.int32),))
-    key = lambda m: programs._key(segments._advance, nnx.split(m)[0], leaves, treedef, {})
-    first = key(model)
-    assert [key(model) for _ in range(3)] == [first] * 3
-    assert key(make(seed=4, vocab_size=40, max_len=96)) == first  # equal structure
-    other = make(seed=3, vocab_size=41, max_len=96)
+    key = lambda g: programs._key(segments._advance, g, leaves, treedef, {})
+    mine = nnx.split(model)[0]
+    first = key(mine)
+    assert [key(mine) for _ in range(3)] == [first] * 3 and len(digests) == 1  # looked up
+    assert key(nnx.split(make(seed=4, vocab_size=40, max_len=96))[0]) == first  # equal
+    other = nnx.split(make(seed=3, vocab_size=41, max_len=96))[0]
     assert key(other) != first and key(other) == key(other)
-    programs._keys.clear()
-    assert key(model) == first and key(other) != first
+    assert key(mine) == first  # after another graphdef took the entry
+    assert len(digests) == 4
 
 
 def test_an_unusable_directory_only_loses_the_speed_up(model, tmp_path, monkeypatch):
