@@ -1,6 +1,7 @@
 """Where a beam-search step's time goes: the whole step and its pieces, per batch size.
 
     python bench/decode_step.py [--config=tiny] [--sources=4,16,64] [--beam_size=4]
+    python bench/decode_step.py --sources=32 --trace_dir=/tmp/step   # + time by operation
 
 Random weights of the config's size. For each batch of B sources (B*K beam rows,
 room for --room tokens) it times, each in one compiled loop of --steps iterations
@@ -16,7 +17,9 @@ room for --room tokens) it times, each in one compiled loop of --steps iteration
   (a difference of separate timings: within their noise it may even be negative).
 
 Then fits the step's time to a + b x rows (the fixed cost per step, and the cost
-per beam row). Prints one JSON object, then a table.
+per beam row). Prints one JSON object, then a table. With --trace_dir, one loop of the
+whole step at the last batch size is also recorded (`jax.profiler.trace`) and summed
+by XLA operation, on a CPU too (tools/trace_summary.py: ms for the loop's --steps steps).
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ def _model(name: str):
     return Transformer(TransformerConfig.from_dict(fields), rngs=nnx.Rngs(0))
 
 
-def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, float]:
-    """Seconds per step of each piece, for `sources` sources of width 16."""
+def _pieces(
+    model, sources: int, k: int, room: int, steps: int, trace_dir: str | None = None
+) -> dict[str, float]:
+    """Seconds per step of each piece, for `sources` sources of width 16; with trace_dir,
+    one more loop of the whole step is recorded there."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -95,6 +101,11 @@ def _pieces(model, sources: int, k: int, room: int, steps: int) -> dict[str, flo
         fn = loop(body)
         out[name] = harness.time_fn(lambda fn=fn, carry=carry: fn(carry), warmup=1, iters=7) / steps
     out["rest"] = out["step"] - out["decoder"] - out["top_k"] - out["reorder"]
+    if trace_dir:
+        fn, carry = loop(step), state
+        jax.block_until_ready(fn(carry))
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(fn(carry))
     return out
 
 
@@ -105,6 +116,7 @@ def main(argv=None) -> None:
     p.add_argument("--beam_size", type=int, default=4)
     p.add_argument("--room", type=int, default=48, help="the caches' room for tokens")
     p.add_argument("--steps", type=int, default=32, help="steps per timed loop (<= room)")
+    p.add_argument("--trace_dir", help="record the last batch size's step loop here")
     args = p.parse_args(argv)
     if args.steps > args.room:
         p.error("--steps must be at most --room (a step writes one more cache slot)")
@@ -116,8 +128,11 @@ def main(argv=None) -> None:
     model = _model(args.config)
     k = args.beam_size
     rows = []
-    for b in (int(x) for x in args.sources.split(",")):
-        ms = {name: 1000 * s for name, s in _pieces(model, b, k, args.room, args.steps).items()}
+    sizes = [int(x) for x in args.sources.split(",")]
+    for b in sizes:
+        trace = args.trace_dir if b == sizes[-1] else None
+        pieces = _pieces(model, b, k, args.room, args.steps, trace)
+        ms = {name: 1000 * s for name, s in pieces.items()}
         rows.append(
             {"sources": b, "beam_rows": b * k, **{f"{n}_ms": round(v, 4) for n, v in ms.items()}}
         )
@@ -142,6 +157,10 @@ def main(argv=None) -> None:
         print(f"{r['sources']:>7} {r['beam_rows']:>5} {shares}")
     if fit:
         print(f"step = {fit['fixed_ms']:.3f} ms + {fit['per_row_ms']:.4f} ms per beam row")
+    if args.trace_dir:
+        from tools import trace_summary
+
+        trace_summary.main([args.trace_dir, "--top=15"])
 
 
 if __name__ == "__main__":

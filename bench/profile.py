@@ -12,8 +12,8 @@ differences between nested pieces give each part's share. --step_only times
 the train step alone (a quick A/B). XLA's own FLOP count of the compiled step
 is printed beside `training.metrics.train_flops` (on a GPU it leaves out the
 cuBLAS and cuDNN calls, so it is far lower). With --trace_dir, one step is
-also recorded with `jax.profiler.trace` and, on a GPU or TPU, summarized by
-`tools/trace_summary.py` (kernel time by kind; open the trace itself in
+also recorded with `jax.profiler.trace` and summarized by `tools/trace_summary.py`
+(kernel time by kind; on a CPU, by XLA operation; open the trace itself in
 TensorBoard's profile plugin or Perfetto). Prints JSON objects and tables.
 
 --host times the host's work per train step, outside the device's: copying the batch
@@ -143,7 +143,7 @@ def pieces(args: argparse.Namespace) -> None:
         "model_tflops_per_s": model_flops / step / 1e12,
     }
     harness.report("profile", meta, rows, ["piece", "ms", "share_of_step"])
-    if args.trace_dir and jax.default_backend() != "cpu":
+    if args.trace_dir:
         from tools import trace_summary
 
         trace_summary.main([args.trace_dir, "--top=15"])

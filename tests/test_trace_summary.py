@@ -1,6 +1,7 @@
-"""tools/trace_summary.py: kernel kinds from names seen in a real H100 trace, busy and idle
-time as the union of kernel intervals (checked by hand), and clear errors for traces
-that hold no device plane."""
+"""tools/trace_summary.py: kernel kinds from names seen in real H100 and CPU traces, busy
+and idle time as the union of kernel intervals and an operation's own time without the
+ones it runs (checked by hand), a CPU trace summed by XLA operation, and a clear error
+for a folder without a trace."""
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,11 @@ from tools import trace_summary
         ("wrapped_add", "elementwise"),
         ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "collective"),
         ("some_new_kernel", "other"),
+        ("ynn_fusion.4", "ynnpack"),
+        ("dot.184", "gemm"),
+        ("dynamic_update_slice.8", "copy"),
+        ("select_dynamic-slice_fusion.3", "copy"),
+        ("add_bitcast_fusion.1", "elementwise"),
     ],
 )
 def test_kernel_kinds(name, want):
@@ -59,11 +65,38 @@ def test_no_kernels_is_an_error():
         trace_summary.summarize([])
 
 
-def test_a_cpu_trace_or_an_empty_folder_gives_one_clear_message(tmp_path):
+def test_an_operation_counts_its_own_time_without_those_it_runs():
+    ms = 1_000_000  # ns
+    events = [
+        ("while.1", 0, 10 * ms),  # [0, 10) runs a [1, 3) and b [4, 8), which runs c [5, 6)
+        ("a", 1 * ms, 2 * ms),
+        ("b", 4 * ms, 4 * ms),
+        ("c", 5 * ms, 1 * ms),
+        ("d", 12 * ms, 1 * ms),  # after the loop: its own
+    ]
+    own = {name: t / ms for name, _, t in trace_summary.own_times(reversed(events))}
+    assert own == {"while.1": 4, "a": 2, "b": 3, "c": 1, "d": 1}
+
+
+def test_an_empty_folder_gives_one_clear_message(tmp_path):
     with pytest.raises(SystemExit, match=r"no \*\.xplane\.pb under"):
         trace_summary.main([str(tmp_path)])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU trace's host plane")
+def test_a_cpu_trace_is_summed_by_xla_operation(tmp_path):
+    body = lambda _, x: jnp.tanh(x @ x)
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, 8, body, x))
+    x = jnp.eye(64) / 2
+    jax.block_until_ready(loop(x))
     with jax.profiler.trace(str(tmp_path)):
-        jax.block_until_ready(jax.jit(lambda x: x * 2)(jnp.ones(8)))
-    if jax.default_backend() == "cpu":
-        with pytest.raises(SystemExit, match="no GPU or TPU plane"):
-            trace_summary.main([str(tmp_path)])
+        jax.block_until_ready(loop(x))
+    plane, events = trace_summary.device_events(str(tmp_path))
+    assert plane == "/host:CPU"
+    names = [name for name, _, _ in events]
+    assert all(trace_summary._XLA_OP.fullmatch(n) for n in names)
+    loops = [t for name, _, t in events if name.startswith("while")]
+    inside = sum(t for name, _, t in events if not name.startswith("while"))
+    assert loops and inside > 0  # the loop's body ran as operations of their own
+    summary = trace_summary.summarize(events)
+    assert summary["busy_ms"] <= summary["span_ms"]

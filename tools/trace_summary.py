@@ -3,13 +3,16 @@
     python tools/trace_summary.py TRACE_DIR [--top=25]
 
 Reads the newest `*.xplane.pb` under TRACE_DIR (as `bench/profile.py
---trace_dir` or `jax.profiler.trace` write it) with `jax.profiler.ProfileData`
-and sums the kernels of the first GPU or TPU plane by kind: collectives (NCCL),
-GEMMs (cuBLAS), attention (cuDNN), reductions (XLA input fusions), elementwise
-fusions, copies (with concatenations and transposes). Also the span from the
-first kernel's start to the last one's end, and how much of it no kernel ran
-(time the device waited for the host). Prints JSON objects and tables. A CPU
-trace has no device plane: it says so and exits 1.
+--trace_dir`, `bench/decode_step.py --trace_dir` or `jax.profiler.trace` write it)
+with `jax.profiler.ProfileData` and sums the kernels of the first GPU or TPU plane by
+kind: collectives (NCCL), GEMMs (cuBLAS), attention (cuDNN), reductions (XLA input
+fusions), elementwise fusions, copies (with concatenations and transposes). A CPU
+trace has no device plane: there the kernels are the XLA operations its runtime
+recorded on the host's threads (`ynn_fusion`: YNNPACK's fused dots and their
+elementwise neighbours). An operation that runs others (a `while` loop, its body's)
+counts only its own time. Also the span from the first kernel's start to the last
+one's end, and how much of it no kernel ran (time the device waited for the host).
+Prints JSON objects and tables.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import sys
 from collections.abc import Iterable
 
@@ -28,8 +32,9 @@ from tools.report import report
 KINDS = (
     ("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "all-to-all")),
     ("attention", ("sdpa", "fmha", "flash", "cudnn")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "convolution")),
-    ("copy", ("memcpy", "memset", "copy", "concatenate", "transpose")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "convolution", "dot.")),
+    ("ynnpack", ("ynn_",)),
+    ("copy", ("memcpy", "memset", "copy", "concatenate", "transpose", "dynamic")),
     ("reduction", ("input_", "reduce")),
     ("elementwise", ("loop_", "fusion", "wrapped_")),
 )
@@ -81,19 +86,52 @@ def summarize(events: Iterable[tuple[str, int, int]], top: int = 25) -> dict:
     }
 
 
+def own_times(events: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """events (name, start_ns, duration_ns) of one thread -> the same with each duration
+    less the events it encloses (an XLA:CPU `while` runs its body's operations as events
+    of their own: counted whole, they would count twice)."""
+    out: list[list] = []
+    open_: list[list] = []  # the enclosing events of the one at hand, innermost last
+    for name, start, dur in sorted(events, key=lambda e: (e[1], -e[2])):
+        while open_ and start >= open_[-1][1] + open_[-1][3]:
+            open_.pop()
+        if open_:
+            open_[-1][2] -= min(dur, open_[-1][1] + open_[-1][3] - start)
+        event = [name, start, dur, dur]  # [name, start, own, whole]
+        out.append(event)
+        open_.append(event)
+    return [(name, start, max(own, 0)) for name, start, own, _ in out]
+
+
+# An XLA operation on a CPU trace's host plane: an HLO instruction's name ("dot.184",
+# "ynn_fusion.4", "while.111"), not the runtime's ("ThunkExecutor::Execute", "end: ..."),
+# Python's ("$api.py:2479 block_until_ready") or JAX's ("PjitFunction(f)").
+_XLA_OP = re.compile(r"[a-z_][\w.\-]*")
+
+
 def device_events(trace_dir: str) -> tuple[str, list[tuple[str, int, int]]]:
-    """(plane name, kernel events) of the first device plane of the newest trace in trace_dir."""
+    """(plane name, kernel events) of the first device plane of the newest trace in
+    trace_dir; in a CPU trace, of the host plane's XLA operations (own times)."""
     from jax.profiler import ProfileData
 
     found = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not found:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}")
     data = ProfileData.from_file(max(found, key=os.path.getmtime))
-    for plane in data.planes:
+    planes = list(data.planes)
+    for plane in planes:
         if plane.name.startswith(("/device:GPU", "/device:TPU")):
             evs = [(e.name, e.start_ns, e.duration_ns) for line in plane.lines for e in line.events]
             return plane.name, evs
-    raise ValueError(f"{trace_dir}: no GPU or TPU plane (a CPU trace?): nothing to summarize")
+    for plane in planes:
+        if plane.name == "/host:CPU":
+            evs = []
+            for line in plane.lines:
+                ops = [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+                evs += own_times(op for op in ops if _XLA_OP.fullmatch(op[0]))
+            if evs:
+                return plane.name, evs
+    raise ValueError(f"{trace_dir}: no GPU or TPU plane, nor XLA operations on the host's")
 
 
 def main(argv=None) -> None:
