@@ -68,9 +68,9 @@ GONE = {
 
 # The README's table: (what, file stem, the run's fields to match, result index, format).
 HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
-    ("`make train` (tiny on Ding), then `make decode`", "cpu-zen5-20261127-602fe35-make-train",
+    ("`make train` (tiny on Ding), then `make decode`", "cpu-zen5-20261129-9df134c-make-train",
      {"benchmark": "make train"}, None, "{wall_s} s; dev BLEU {dev_bleu}, test BLEU {test_bleu}"),
-    ("`make decode`, first run after `make train`", "cpu-xeon-20261129-f836c81-make-train",
+    ("`make decode`, first run after `make train`", "cpu-zen5-20261129-9df134c-make-train",
      {"benchmark": "make decode", "run": "first after make train"}, None,
      "{wall_s} s for {lines} lines"),
     ("`make decode`, again", "cpu-zen5-20261129-d58d05f-decode",
