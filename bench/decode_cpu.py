@@ -2,13 +2,15 @@
 
     python bench/decode_cpu.py --workdir=workdir/tiny            # Ding test set, beam 4
     python bench/decode_cpu.py --workdir=workdir/tiny --repeats=3 --threads=2 \
-        --backends=jax,jax-heuristic,jax-average,jax-average-heuristic,ct2-float32,ct2-int8
+        --backends=jax,jax-average-count,ct2-float32     # ours, ours as CTranslate2, it
     python bench/decode_cpu.py --workdir=workdir/tiny --score --backends=jax,ct2-float32
 
 Each backend is decode.py as a user runs it, in a fresh process, on the Ding
 test split's 1,000 sources with their references: `--workdir` (our decoder;
-`jax` with its default GNMT length penalty, `-average` with CTranslate2's,
-`-heuristic` with `--stop=heuristic`), or `--ct2` on a directory `--export_ct2`
+`jax` with its default GNMT length penalty and exact stop, `-average` with
+CTranslate2's penalty, `-heuristic` with `--stop=heuristic`, `-count` with
+CTranslate2's stop, `--stop=count`: `jax-average-count` searches by CTranslate2's rules,
+the same search problem), or `--ct2` on a directory `--export_ct2`
 wrote from the same checkpoint (`ct2-float32`, `ct2-int8`, ...; exported once
 into --scratch). Runs are interleaved (backend by backend, repeat after repeat)
 so that load from other processes falls on all of them alike; the median is kept.
@@ -17,8 +19,8 @@ Per backend: decode.py's own summary rates (translation only: no start-up), the
 process's wall and CPU seconds (CPU seconds of all its threads: the measure to
 compare when other processes share the cores; `uptime`'s load is recorded
 before and after), BLEU and chrF, and the share of output lines identical to
-`jax-average`'s (CTranslate2's length penalty; its stopping rule is like
-`-heuristic`'s). JAX runs use decode.py's persistent compilation cache (or
+`jax-average-count`'s when it runs, else to `jax-average`'s (CTranslate2's length
+penalty, our stop). JAX runs use decode.py's persistent compilation cache (or
 --compilation_cache=DIR|off), filled by --warmup rounds that are not counted:
 what a user's second run of a model costs.
 
@@ -75,14 +77,17 @@ def cpu_seconds_of(fn) -> tuple[dict, float]:
 
 def backend_flags(name: str, args: argparse.Namespace, ct2_dirs: dict[str, str]) -> list[str]:
     kind, *parts = name.split("-")
-    if kind == "jax" and set(parts) <= {"average", "heuristic"}:
+    stops = [x for x in parts if x in ("heuristic", "count")]
+    if kind == "jax" and set(parts) <= {"average", "heuristic", "count"} and len(stops) < 2:
         flags = [f"--workdir={args.workdir}"]
         flags += ["--length_penalty=average"] if "average" in parts else []
-        flags += ["--stop=heuristic"] if "heuristic" in parts else []
+        flags += [f"--stop={stops[0]}"] if stops else []
     elif name.startswith("ct2-"):
         flags = [f"--ct2={ct2_dirs[name]}", f"--threads={args.threads}"]
     else:
-        raise SystemExit(f"unknown backend {name!r} (jax[-average][-heuristic], ct2-QUANTIZATION)")
+        raise SystemExit(
+            f"unknown backend {name!r} (jax[-average][-heuristic|-count], ct2-QUANTIZATION)"
+        )
     if name.startswith("jax") and args.compilation_cache:
         flags.append(f"--compilation_cache={args.compilation_cache}")
     return flags
@@ -135,7 +140,7 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default="workdir/tiny")
     p.add_argument(
         "--backends",
-        default="jax,jax-heuristic,jax-average,jax-average-heuristic,ct2-float32,ct2-int8",
+        default="jax,jax-heuristic,jax-average,jax-average-count,ct2-float32,ct2-int8",
     )
     p.add_argument("--beam_size", type=int, default=4)
     p.add_argument("--threads", type=int, default=2, help="CTranslate2's --threads")
@@ -178,6 +183,7 @@ def main(argv=None) -> None:
             if repeat >= 0:
                 runs[name].append(result)
     rows = []
+    reference = next((n for n in ("jax-average-count", "jax-average") if n in names), None)
     for name in names:
         row = {"backend": name}
         for key in runs[name][0]:
@@ -189,10 +195,10 @@ def main(argv=None) -> None:
                 os.path.join(args.scratch, f"{name}.out"),
                 os.path.join(args.scratch, f"{names[0]}.out"),
             )
-        elif "jax-average" in names:
+        elif reference is not None:
             row["same_lines_pct"] = agreement(
                 os.path.join(args.scratch, f"{name}.out"),
-                os.path.join(args.scratch, "jax-average.out"),
+                os.path.join(args.scratch, f"{reference}.out"),
             )
         rows.append(row)
     meta = {
