@@ -133,7 +133,12 @@ class LiveSearch:
         return self._whole(src, rooms, controls, counted=True)
 
     def _whole(
-        self, src: jax.Array, rooms: Sequence[int], controls: Controls | None, counted: bool
+        self,
+        src: jax.Array,
+        rooms: Sequence[int],
+        controls: Controls | None,
+        counted: bool,
+        call: decoding.Call | None = None,
     ) -> tuple[jax.Array, ...]:
         length, extra = decode_shape(self.parts, src, None)
         if not decoding.large_search(self.parts, src.shape[0] * self.settings.beam_size, length):
@@ -147,7 +152,7 @@ class LiveSearch:
             extra=extra,
             rooms=rooms,
             controls=controls,
-            call=self.call,
+            call=call or self.call,
             counted=counted,
         )
 
@@ -186,7 +191,7 @@ class LiveSearch:
             return
         src = jax.ShapeDtypeStruct((rows, width), np.int32)
         if not shrinks(self, rows):  # the program run_stages calls
-            dataclasses.replace(self, call=programs.prepare).whole_counted(src, rooms, controls)
+            self._whole(src, rooms, controls, counted=True, call=programs.prepare)
             return
         segments.prepare_segments(
             self.parts, src, alpha=self.settings.alpha, rule=self.rule, rooms=rooms,
