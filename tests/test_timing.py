@@ -10,7 +10,6 @@ work, shares <= 1, critical path <= the wall time of programs <= their sum.
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from attention_jax.search import timing
@@ -126,11 +125,34 @@ def test_programs_on_other_threads_never_make_a_share_above_one(fresh):
     assert b["target_tokens_per_s_after_programs"] == pytest.approx(5 / b["work_s"], rel=1e-2)
 
 
-def test_no_rate_after_programs_when_they_took_all_the_time(fresh):
+class _Clock:
+    """A clock that moves only when told: a rate's threshold is tested exactly, however
+    loaded the machine is."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("other_s", "rate"),
+    [(0.0, None), (0.0009, None), (0.002, 5 / 0.002), (0.05, 5 / 0.05)],
+)
+def test_no_rate_after_programs_when_they_took_all_the_time(fresh, monkeypatch, other_s, rate):
+    clock = _Clock()
+    monkeypatch.setattr(timing, "time", clock)
+    fresh.origin = clock.now
     timing.mark("started")
     with timing.phase("programs"):  # on the main thread: on the critical path
-        time.sleep(0.1)
+        clock.now += 0.1
+    clock.now += other_s  # the rest of the job: under 1% of it leaves no rate
     b = timing.breakdown(lines=1, tokens=5)
-    assert b["programs_critical_s"] == pytest.approx(b["work_s"], abs=0.01)
-    assert b["target_tokens_per_s_after_programs"] is None
-    assert np.isfinite(b["target_tokens_per_s"])
+    assert b["programs_critical_s"] == pytest.approx(0.1)
+    assert b["work_s"] == pytest.approx(0.1 + other_s, abs=1e-3)  # rounded to ms
+    if rate is None:
+        assert b["target_tokens_per_s_after_programs"] is None
+    else:
+        assert b["target_tokens_per_s_after_programs"] == pytest.approx(rate, rel=1e-3)
+    assert b["target_tokens_per_s"] == pytest.approx(5 / (0.1 + other_s), rel=1e-3)
