@@ -36,7 +36,9 @@ known once a chunk is read and planned) compile side by side, on as many cores a
 the host has, while the first ones already run. A call of a program being prepared
 waits for it; one of a program still queued takes it from the queue and compiles it
 on its own thread. On a GPU, where a search program of base's size takes seconds to
-compile, this is most of a first run's start.
+compile, this is most of a first run's start. A program a job rarely runs is prepared
+with `load=False`: compiled and kept if it is not kept yet, else left on disk until a
+call needs it: loading takes the cores the searches beside it would use.
 """
 
 from __future__ import annotations
@@ -348,10 +350,13 @@ def call(fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     return compiled(*args)
 
 
-def prepare(fn: Any, graphdef: Any, args: tuple, static: dict) -> None:
+def prepare(fn: Any, graphdef: Any, args: tuple, static: dict, *, load: bool = True) -> None:
     """Start loading or compiling the program `call(fn, graphdef, args, static)` will run,
     in a background thread; args may hold `jax.ShapeDtypeStruct`s for the arrays.
-    Nothing is done when programs are not kept, or for arrays on several devices."""
+    Nothing is done when programs are not kept, or for arrays on several devices.
+    load=False (a program a job rarely runs): one kept on disk already stays there until
+    its first call loads it; one not kept yet is compiled and kept now, as any other, so
+    that a later job never compiles it."""
     global _pool
     if _directory is None:
         return
@@ -360,6 +365,9 @@ def prepare(fn: Any, graphdef: Any, args: tuple, static: dict) -> None:
     if not _single_device(concrete):
         return
     key = _key(fn, graphdef, leaves, treedef, static)
+    kept = lambda suffix: os.path.exists(os.path.join(_directory, key + suffix))
+    if not load and (kept(SUFFIX) or kept(UNKEPT)):
+        return
     with _lock:
         if _pool is None:
             workers = max(1, min(8, usable_cpus() - 1))

@@ -133,11 +133,14 @@ def prepare_segments(
     rooms: Sequence[int],
     controls: Any = None,
     call: decoding.Call,
+    rarely: decoding.Call | None = None,
 ) -> None:
     """Prepare (`call`: search/programs.py `prepare`) every program a batch of src's shape
     [B, S] can run in segments down its ladder (search/rows.py `shrinking`): its start at
     rooms[0], its growth to rooms[-1], and per rung its steps and the selection of the
-    next rung's rows. Their states' shapes are traced, not computed."""
+    next rung's rows. Their states' shapes are traced, not computed. `rarely` (default
+    `call`) prepares the steps of the first rung after the growth: a batch runs them only
+    when its first room fills before most of its sources are finished."""
     length, extra = decoding.decode_shape(model, src, None)
     first, last = min(rooms[0], length), rooms[-1]
     start_segment(model, src, alpha=alpha, rule=rule, room=first, until=0, controls=controls,
@@ -150,8 +153,9 @@ def prepare_segments(
     if first < last:
         grow_segment(s, last, call)
         s = jax.eval_shape(functools.partial(beam.grow, capacity=last), s)
-    for fewer in [*row_ladder(src.shape[0])[1:], None]:
-        advance_segment(model, s, alpha=alpha, rule=rule, until=0, call=call)
+    for rung, fewer in enumerate([*row_ladder(src.shape[0])[1:], None]):
+        steps = call if rung or rarely is None else rarely
+        advance_segment(model, s, alpha=alpha, rule=rule, until=0, call=steps)
         if fewer is not None:
             keep = jax.ShapeDtypeStruct((fewer,), jnp.int32)
             select_segment(s, keep, call)

@@ -196,6 +196,7 @@ class LiveSearch:
         segments.prepare_segments(
             self.parts, src, alpha=self.settings.alpha, rule=self.rule, rooms=rooms,
             controls=controls, call=programs.prepare,
+            rarely=functools.partial(programs.prepare, load=False),
         )  # fmt: skip
 
 

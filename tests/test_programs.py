@@ -5,14 +5,17 @@ serialize (or that XLA's cache handed back) must go through `jax.jit` later, JAX
 own cache must stay on, and a directory that cannot be used must cost nothing but
 the speed-up."""
 
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
@@ -95,12 +98,57 @@ def test_every_program_a_shrinking_batch_may_run_is_prepared(model, kept, monkey
     assert len(kept_files(kept)) == len(want)
 
     # As a new process would, on other sources (whose segments may end elsewhere):
-    # every program is loaded, none compiled.
+    # every program is loaded, none compiled; the steps at 16 rows after the growth (a
+    # batch runs them only if its first room fills first) are loaded at their first
+    # call, on the search's thread, not ahead on the compiling ones.
     monkeypatch.setattr(programs, "_loaded", {})
+    monkeypatch.setattr(programs, "_pending", {})
     compiled.clear()
+    loaded, ran = [], []
+    real_obtain = programs._obtain
+
+    def obtain(key, fn, graphdef, args, static):
+        rows = args[1].live_seqs.shape[0] if fn.__name__ == "_advance" else None
+        loaded.append((fn.__name__, rows, threading.current_thread().name))
+        program = real_obtain(key, fn, graphdef, args, static)
+        return lambda *a: ran.append((fn.__name__, rows)) or program(*a)
+
+    monkeypatch.setattr(programs, "_obtain", obtain)
     translate_ids(model, sources_of(lengths[1], seed=8), settings)
     _settle()
     assert compiled == []
+    rarely = [thread for name, rows, thread in loaded if (name, rows) == ("_advance", 16)]
+    assert ("_advance", 16) in ran  # this batch's first room filled: the steps ran
+    assert len(rarely) == 1 and not rarely[0].startswith("compile")
+    assert len(loaded) == len(want)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _twice(graphdef, x):
+    return 2 * x
+
+
+def test_a_program_prepared_not_to_load_is_kept_but_loaded_at_its_first_call(kept, monkeypatch):
+    shape, x = jax.ShapeDtypeStruct((3,), jnp.float32), jnp.arange(3.0)
+    loaded = []
+    real_obtain = programs._obtain
+    monkeypatch.setattr(
+        programs, "_obtain", lambda key, *a: loaded.append(key) or real_obtain(key, *a)
+    )
+    programs.prepare(_twice, None, (shape,), {}, load=False)  # not kept yet: compiled now
+    _settle()
+    assert len(loaded) == 1 and len(kept_files(kept)) == 1
+
+    monkeypatch.setattr(programs, "_loaded", {})  # a new process: kept, so left on disk
+    monkeypatch.setattr(programs, "_pending", {})
+    programs.prepare(_twice, None, (shape,), {}, load=False)
+    _settle()
+    assert len(loaded) == 1 and programs._pending == {}
+    np.testing.assert_array_equal(programs.call(_twice, None, (x,), {}), 2 * np.arange(3.0))
+    assert len(loaded) == 2 and loaded[1] == loaded[0]  # loaded by the call
+    programs.prepare(_twice, None, (shape,), {}, load=False)  # loaded: nothing to do
+    programs.prepare(_twice, None, (shape,), {})
+    assert len(loaded) == 2 and programs._pending == {}
 
 
 def test_the_code_digest_ignores_comments_and_docstrings(tmp_path):
