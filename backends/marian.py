@@ -392,7 +392,8 @@ def load_marian(directory: str) -> tuple[Transformer, list[str]]:
 def opus_tokenizer(directory: str) -> MarianTokenizer:
     """The tokenizer of an OPUS-MT directory: source.spm, target.spm and its vocabulary
     (data/tokenizer.py `load_tokenizer` reads the one a workdir or an export holds)."""
-    return MarianTokenizer(*read_sentencepiece_models(directory), read_pieces(directory), directory)
+    pieces = read_pieces(directory)
+    return MarianTokenizer(*read_sentencepiece_models(directory), pieces, directory)
 
 
 def load_directory(directory: str, sharding: Any = None) -> tuple[Transformer, MarianTokenizer]:
