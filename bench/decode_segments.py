@@ -1,0 +1,111 @@
+"""Where a job's search time goes, program by program: each segment call timed to its end.
+
+    python bench/decode_segments.py --workdir=workdir/tiny          # the Ding test set
+    taskset -c 0 python bench/decode_segments.py --workdir=workdir/tiny   # on one core
+
+Translates --split's sources with the library (`attention_jax.Translator`, beam
+--beam_size) on one search stream, so that no two calls overlap, twice: the first
+prepares the programs, the second is timed. Every call of a shrinking batch's programs
+(search/segments.py: start, grow, select, advance) and of a small batch's whole search
+is timed until its outputs are ready. Per program and the shape of the state it
+returns (beam rows, room; a whole search: its rows): calls, seconds, the beam-row
+steps it ran (rows x steps) and the time per beam-row step (a start's includes its
+encoder). Blocking on each call serializes the host and the device, so the sum is the
+search with nothing overlapped; `bench/decode_step.py` times one step loop alone.
+Prints one JSON object, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+
+from bench import harness
+from bench.translate_python import source_lines
+from tools.report import report
+
+
+def _timed(table: dict, name: str, fn: Any) -> Any:
+    """fn, each call timed until its outputs are ready, into table[(name, rows, room)]:
+    the beam rows and room of the state it returns (a whole search: its sources' rows)."""
+
+    def call(*args: Any, **kw: Any) -> Any:
+        step0 = int(args[1].step) if name == "advance" else 0
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kw))
+        seconds = time.perf_counter() - t0
+        steps = 0
+        if name == "whole":
+            key = (name, args[1].shape[0] * kw["rule"].beam_size, None)
+        else:
+            state = out[0] if name in ("start", "advance") else out
+            b, k, room = state.live_seqs.shape
+            key = (name, b * k, room)
+            if name in ("start", "advance"):
+                steps = int(out[1][1]) - step0
+        entry = table[key]
+        entry["calls"] += 1
+        entry["seconds"] += seconds
+        entry["beam_row_steps"] += key[1] * steps
+        return out
+
+    return call
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True, help="a training workdir")
+    p.add_argument("--input", default=None, help="source lines (default: --split's)")
+    p.add_argument("--split", default="test", choices=["train", "dev", "test"])
+    p.add_argument("--beam_size", type=int, default=4)
+    args = p.parse_args(argv)
+
+    from attention_jax import Translator
+    from attention_jax.search import decoding, segments, stages
+
+    stages.search_streams = lambda sharding: 1  # one call at a time
+    lines = source_lines(args)
+    translator = Translator(args.workdir)
+    translator.translate(lines, beam_size=args.beam_size)  # programs compiled or loaded
+
+    table: dict = collections.defaultdict(lambda: {"calls": 0, "seconds": 0.0, "beam_row_steps": 0})
+    for name in ("start", "grow", "select", "advance"):
+        real = getattr(segments, f"{name}_segment")
+        setattr(segments, f"{name}_segment", _timed(table, name, real))
+    decoding.search_batch = _timed(table, "whole", decoding.search_batch)
+    t0 = time.perf_counter()
+    translator.translate(lines, beam_size=args.beam_size)
+    wall = time.perf_counter() - t0
+
+    rows = []
+    for (name, beam_rows, room), e in sorted(table.items(), key=lambda kv: -kv[1]["seconds"]):
+        per = e["seconds"] / e["beam_row_steps"] * 1e6 if e["beam_row_steps"] else None
+        rows.append(
+            {"program": name, "beam_rows": beam_rows, "room": room, "calls": e["calls"],
+             "seconds": round(e["seconds"], 3), "beam_row_steps": e["beam_row_steps"],
+             "us_per_beam_row_step": None if per is None else round(per, 1)}
+        )  # fmt: skip
+    meta = {
+        "workdir": args.workdir,
+        "lines": len(lines),
+        "beam_size": args.beam_size,
+        "cpus": len(os.sched_getaffinity(0)),
+        "translate_s": round(wall, 3),
+        "timed_s": round(sum(r["seconds"] for r in rows), 3),
+        **harness.device_info(),
+    }
+    columns = ["program", "beam_rows", "room", "calls", "seconds", "beam_row_steps",
+               "us_per_beam_row_step"]  # fmt: skip
+    report("decode_segments", meta, rows, columns)
+
+
+if __name__ == "__main__":
+    main()

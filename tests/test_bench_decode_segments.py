@@ -1,0 +1,29 @@
+"""bench/decode_segments.py on the digit workdir: every segment program a job runs is
+timed, with the beam-row steps it ran, and together they are the search's time."""
+
+import json
+
+import pytest
+
+from bench import decode_segments
+
+
+def test_each_program_of_a_job_is_timed_with_its_beam_row_steps(workdir, capsys):
+    decode_segments.main([f"--workdir={workdir}", "--split=test", "--beam_size=2"])
+    report = json.loads(capsys.readouterr().out.splitlines()[0])
+    rows = report["results"]
+    assert report["benchmark"] == "decode_segments" and report["lines"] > 0
+    assert 0 < report["timed_s"] <= report["translate_s"]
+    # each rounded to the millisecond
+    assert report["timed_s"] == pytest.approx(
+        sum(r["seconds"] for r in rows), abs=0.001 * len(rows)
+    )
+    assert {r["program"] for r in rows} >= {"start", "advance", "grow", "select"}
+    for r in rows:
+        assert r["calls"] > 0 and r["beam_rows"] % 2 == 0
+        if r["program"] in ("start", "advance"):  # rows x the steps of each call
+            assert r["beam_row_steps"] % r["beam_rows"] == 0
+        else:
+            assert r["beam_row_steps"] == 0 and r["us_per_beam_row_step"] is None
+    stepped = [r for r in rows if r["program"] == "advance"]
+    assert all(r["beam_row_steps"] > 0 and r["us_per_beam_row_step"] > 0 for r in stepped)
