@@ -76,7 +76,7 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
     ("`make decode`, again", "cpu-zen5-20261129-d58d05f-decode",
      {"benchmark": "make decode", "run": "again"}, None, "{wall_s} s for {lines} lines"),
     ("decode.py against CTranslate2 float32, Ding test, beam 4, 2 cores",
-     "cpu-zen5-20261129-19c227f-decode-cpu", {"benchmark": "decode_cpu"}, None,
+     "cpu-zen5-20261129-bbe3052-decode-cpu", {"benchmark": "decode_cpu"}, None,
      "CTranslate2 is {ct2_over_jax_same_rules}x as fast searching by its rules, "
      "{ct2_over_jax}x against our defaults (goal: 1.5x)"),
     ("decode.py on 10,000 lines, programs compiled", "cpu-zen5-20261127-144cd11-programs",
