@@ -5,14 +5,14 @@
 
 Translates --split's sources with the library (`attention_jax.Translator`, beam
 --beam_size) on one search stream, so that no two calls overlap, twice: the first
-prepares the programs, the second is timed. Every call of a shrinking batch's programs
-(search/segments.py: start, grow, select, advance) and of a small batch's whole search
-is timed until its outputs are ready. Per program and the shape of the state it
-returns (beam rows, room; a whole search: its rows): calls, seconds, the beam-row
-steps it ran (rows x steps) and the time per beam-row step (a start's includes its
-encoder). Blocking on each call serializes the host and the device, so the sum is the
-search with nothing overlapped; `bench/decode_step.py` times one step loop alone.
-Prints one JSON object, then a table.
+prepares the programs (kept and loaded as decode.py keeps them), the second is timed.
+Every call of a shrinking batch's programs (search/segments.py: start, grow, select,
+advance) and of a small batch's whole search is timed until its outputs are ready.
+Per program and the shape of the state it returns (beam rows, room; a whole search:
+its rows): calls, seconds, the beam-row steps it ran (rows x steps) and the time per
+beam-row step (a start's includes its encoder). Blocking on each call serializes the
+host and the device, so the sum is the search with nothing overlapped;
+`bench/decode_step.py` times one step loop alone. Prints one JSON object, then a table.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ def _timed(table: dict, name: str, fn: Any) -> Any:
     the beam rows and room of the state it returns (a whole search: its sources' rows)."""
 
     def call(*args: Any, **kw: Any) -> Any:
+        shapes = jax.tree.leaves(args, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in shapes):
+            return fn(*args, **kw)  # a program prepared (from shapes), not run
         step0 = int(args[1].step) if name == "advance" else 0
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args, **kw))
@@ -66,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input", default=None, help="source lines (default: --split's)")
     p.add_argument("--split", default="test", choices=["train", "dev", "test"])
     p.add_argument("--beam_size", type=int, default=4)
+    p.add_argument(
+        "--compilation_cache",
+        default="default",
+        help="where programs are kept, as decode.py keeps them (default: its directory); off",
+    )
     args = p.parse_args(argv)
 
     from attention_jax import Translator
@@ -73,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
 
     stages.search_streams = lambda sharding: 1  # one call at a time
     lines = source_lines(args)
-    translator = Translator(args.workdir)
+    cache = None if args.compilation_cache == "off" else args.compilation_cache
+    translator = Translator(args.workdir, compilation_cache=cache)
     translator.translate(lines, beam_size=args.beam_size)  # programs compiled or loaded
 
     table: dict = collections.defaultdict(lambda: {"calls": 0, "seconds": 0.0, "beam_row_steps": 0})
