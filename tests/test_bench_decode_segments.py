@@ -1,15 +1,23 @@
 """bench/decode_segments.py on the digit workdir: every segment program a job runs is
-timed, with the beam-row steps it ran, and together they are the search's time."""
+timed, with the beam-row steps it ran, together they are the search's time, and what
+it replaced to time them is put back."""
 
 import json
 
 import pytest
 
+from attention_jax.search import decoding, programs, segments, stages
 from bench import decode_segments
 
 
-def test_each_program_of_a_job_is_timed_with_its_beam_row_steps(workdir, capsys):
+def test_each_program_of_a_job_is_timed_with_its_beam_row_steps(workdir, capsys, monkeypatch):
+    # the bench keeps programs, as decode.py does: the store is put back after the test
+    monkeypatch.setattr(programs, "_directory", programs._directory)
+    monkeypatch.setattr(programs, "_loaded", {})
+    monkeypatch.setattr(programs, "_pending", {})
+    patched = [segments.start_segment, decoding.search_batch, stages.search_streams]
     decode_segments.main([f"--workdir={workdir}", "--split=test", "--beam_size=2"])
+    assert [segments.start_segment, decoding.search_batch, stages.search_streams] == patched
     report = json.loads(capsys.readouterr().out.splitlines()[0])
     rows = report["results"]
     assert report["benchmark"] == "decode_segments" and report["lines"] > 0
