@@ -35,7 +35,7 @@ from tools.report import report
 
 def _timed(table: dict, name: str, fn: Any) -> Any:
     """fn, each call timed until its outputs are ready, into table[(name, rows, room)]:
-    the beam rows and room of the state it returns (a whole search: its sources' rows)."""
+    the beam rows and room of the state it returns (a whole search: its beam rows)."""
 
     def call(*args: Any, **kw: Any) -> Any:
         shapes = jax.tree.leaves(args, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
