@@ -110,7 +110,7 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
      {"benchmark": "marian_import", "commit": "64a0a45"}, 2, "{load_s} s"),
     ("`make test` (the fast suite), empty caches", "cpu-zen5-20261129-f1e5482-make-test",
      {"benchmark": "make test"}, None, "{test_s} s: {tests}"),
-    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261129-47c494c-ci",
+    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261129-bbe3052-ci",
      {"benchmark": ".ci/run"}, None, "{wall_s} s"),
 ]  # fmt: skip
 
