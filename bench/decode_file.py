@@ -312,21 +312,27 @@ def resume_flags(p: argparse.ArgumentParser) -> None:
 
 
 def lines_done(output: str) -> int:
-    """Lines the output's record counts, plus the sources its journal holds."""
+    """Lines the output's record counts, plus the sources its journal holds for the chunk
+    after them. decode.py replaces the record before it empties the journal, so a journal
+    read just after the record may still hold the chunk the record already counts; those
+    entries (another chunk's `at`) are not counted twice, as a resume does not use them."""
     done = 0
     try:
         with open(output + ".partial.json") as f:
             done = json.load(f).get("done", {}).get("lines", 0)
     except (OSError, ValueError):
         pass
+    journal = 0
     try:
         with open(output + ".partial.journal") as f:
             for line in f:
-                with contextlib.suppress(ValueError, KeyError):  # a torn line
-                    done += len(json.loads(line)["i"])
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn line
+                    entry = json.loads(line)
+                    if entry["at"] == done:
+                        journal += len(entry["i"])
     except OSError:
         pass
-    return done
+    return done + journal
 
 
 def killed_run(flags: list[str], kill_at: int, output: str) -> float:

@@ -33,6 +33,28 @@ def test_pace_reports_where_the_time_went_cold_and_warm(workdir, tmp_path, capsy
     assert header and header[0][-1] == "host_share"  # then the table
 
 
+def test_lines_done_counts_a_chunk_once_while_its_journal_is_being_emptied(tmp_path):
+    # decode.py replaces the record, then empties the journal: between the two, the
+    # journal still holds the chunk the record counts. Polling there killed a job before
+    # the share asked for (a CI run: 360 lines counted as 400).
+    out = str(tmp_path / "out.txt")
+    record, journal = out + ".partial.json", out + ".partial.journal"
+    assert decode_file.lines_done(out) == 0
+
+    def entry(at, indices):
+        return json.dumps({"at": at, "i": indices, "h": [[[[5, 6], -1.0]]] * len(indices)})
+
+    with open(journal, "w") as f:  # the first chunk: no record yet, two batches done
+        f.write(entry(0, list(range(16))) + "\n" + entry(0, list(range(16, 30))) + "\n")
+    assert decode_file.lines_done(out) == 30
+    with open(record, "w") as f:  # the chunk of 40 committed, its journal not yet emptied
+        json.dump({"version": 1, "job": {}, "done": {"lines": 40, "output_bytes": 99}}, f)
+    assert decode_file.lines_done(out) == 40
+    with open(journal, "w") as f:  # the next chunk's batch, and a torn line after it
+        f.write(entry(40, list(range(8))) + "\n" + entry(40, [8, 9])[:20])
+    assert decode_file.lines_done(out) == 48
+
+
 @pytest.mark.slow  # ~8 s: the resume itself is test_decode_stream's (make test)
 def test_resume_kills_the_job_and_its_rerun_gives_the_same_output(workdir, tmp_path, capsys):
     at = 0.5
