@@ -4,12 +4,13 @@
     python bench/decode_cpu.py --workdir=workdir/tiny --repeats=3 --threads=2 \
         --backends=jax,jax-average-count,ct2-float32     # ours, ours as CTranslate2, it
     python bench/decode_cpu.py --workdir=workdir/tiny --score --backends=jax,ct2-float32
+    python bench/decode_cpu.py --workdir=workdir/tiny --splits=test,dev ...  # 2,000 sentences
 
 Each backend is decode.py as a user runs it, in a fresh process, on the Ding
-test split's 1,000 sources with their references: `--workdir` (our decoder;
-`jax` with its default GNMT length penalty and exact stop, `-average` with
-CTranslate2's penalty, `-heuristic` with `--stop=heuristic`, `-count` with
-CTranslate2's stop, `--stop=count`: `jax-average-count` searches by CTranslate2's rules,
+test split's 1,000 sources with their references (--splits=test,dev: 2,000):
+`--workdir` (our decoder; `jax` with its default GNMT length penalty and exact stop,
+`-average` with CTranslate2's penalty, `-heuristic` with `--stop=heuristic`, `-count`
+with CTranslate2's stop, `--stop=count`: `jax-average-count` searches by CTranslate2's rules,
 the same search problem), or `--ct2` on a directory `--export_ct2`
 wrote from the same checkpoint (`ct2-float32`, `ct2-int8`, ...; exported once
 into --scratch). Runs are interleaved (backend by backend, repeat after repeat)
@@ -149,6 +150,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=1, help="uncounted rounds first")
     p.add_argument("--scratch", default=None, help="inputs, exports, outputs (default: tmp)")
     p.add_argument("--score", action="store_true", help="score the references instead")
+    p.add_argument("--splits", default="test", help="Ding splits, comma-separated, in order")
     args = p.parse_args(argv)
     args.workdir = os.path.abspath(args.workdir)
     args.scratch = args.scratch or tempfile.mkdtemp(prefix="decode_cpu_")
@@ -157,7 +159,10 @@ def main(argv=None) -> None:
 
     from attention_jax.data.corpora import prepare_ding
 
-    pairs = prepare_ding()["test"]
+    ding, splits = prepare_ding(), args.splits.split(",")
+    if unknown := [x for x in splits if x not in ("train", "dev", "test")]:
+        raise SystemExit(f"--splits: {unknown} are not Ding splits (train, dev, test)")
+    pairs = [pair for split in splits for pair in ding[split]]
     src, ref = os.path.join(args.scratch, "test.de"), os.path.join(args.scratch, "test.en")
     with open(src, "w") as f:
         f.writelines(de.replace("\n", " ") + "\n" for de, _ in pairs)
@@ -202,7 +207,7 @@ def main(argv=None) -> None:
             )
         rows.append(row)
     meta = {
-        "input": f"ding test split, {len(pairs)} sentences",
+        "input": f"ding {'+'.join(splits)} split, {len(pairs)} sentences",
         "workdir": args.workdir,
         "job": "score the references" if args.score else "translate",
         "beam_size": args.beam_size,
