@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -215,7 +214,7 @@ def main(argv=None) -> None:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "cpus": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
+        "machine": harness.host_cpu(),
         "scratch": args.scratch,
     }
     columns = ["backend", "tokens_per_s", "sentences_per_s", "translate_s", "wall_s", "cpu_s",

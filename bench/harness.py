@@ -4,6 +4,7 @@ decode.py runs, and the JSON + table it prints."""
 from __future__ import annotations
 
 import os
+import platform
 import re
 import statistics
 import subprocess
@@ -45,6 +46,31 @@ def build_train_step(config):
     return mesh, setup, steps.init_train_state(setup), steps.make_train_step(setup)
 
 
+def host_cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The host's CPU as a result row states it: its model name, the widest x86 vector
+    extension it has, and the cores this process may use, e.g. "AMD EPYC, AVX-512, 2
+    cores" (Linux; elsewhere the platform's word for the processor)."""
+    from attention_jax.runtime.cpus import usable_cpus
+
+    name, flags = "", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    isa = next((label for flag, label in _ISA if flag in flags), None)
+    return ", ".join([name, *([isa] if isa else []), f"{usable_cpus()} cores"])
+
+
+_ISA = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"))  # widest first
+
+
 def device_info() -> dict[str, Any]:
     import jax
 
@@ -52,6 +78,7 @@ def device_info() -> dict[str, Any]:
     return {
         "platform": d.platform,
         "device_kind": d.device_kind,
+        "host_cpu": host_cpu(),
         "num_devices": jax.device_count(),
         "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
