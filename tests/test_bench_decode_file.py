@@ -35,8 +35,8 @@ def test_pace_reports_where_the_time_went_cold_and_warm(workdir, tmp_path, capsy
 
 def test_lines_done_counts_a_chunk_once_while_its_journal_is_being_emptied(tmp_path):
     # decode.py replaces the record, then empties the journal: between the two, the
-    # journal still holds the chunk the record counts. Polling there killed a job before
-    # the share asked for (a CI run: 360 lines counted as 400).
+    # journal still holds the chunk the record counts: counted twice, a job polled there
+    # was killed before the share asked for.
     out = str(tmp_path / "out.txt")
     record, journal = out + ".partial.json", out + ".partial.journal"
     assert decode_file.lines_done(out) == 0
