@@ -64,7 +64,6 @@ decode_resume.py), so that new results line up with the old ones in bench/result
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -314,25 +313,20 @@ def resume_flags(p: argparse.ArgumentParser) -> None:
 def lines_done(output: str) -> int:
     """Lines the output's record counts, plus the sources its journal holds for the chunk
     after them. decode.py replaces the record before it empties the journal, so a journal
-    read just after the record may still hold the chunk the record already counts; those
-    entries (another chunk's `at`) are not counted twice, as a resume does not use them."""
+    read just after the record may still hold the chunk the record already counts: only
+    the entries a resume would use (inference/output.py `Journal.read`) are counted."""
+    from attention_jax.inference.output import JOURNAL, RECORD, Journal
+
     done = 0
     try:
-        with open(output + ".partial.json") as f:
+        with open(output + RECORD) as f:
             done = json.load(f).get("done", {}).get("lines", 0)
     except (OSError, ValueError):
         pass
-    journal = 0
     try:
-        with open(output + ".partial.journal") as f:
-            for line in f:
-                with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn line
-                    entry = json.loads(line)
-                    if entry["at"] == done:
-                        journal += len(entry["i"])
-    except OSError:
-        pass
-    return done + journal
+        return done + len(Journal(output + JOURNAL, done).read())
+    except OSError:  # replaced while read
+        return done
 
 
 def killed_run(flags: list[str], kill_at: int, output: str) -> float:
