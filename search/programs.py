@@ -293,10 +293,15 @@ def _new_cache_key() -> dict[str, int]:
 _listening = False
 
 
+def _file(key: str, suffix: str) -> str:
+    """The file of `key` in the directory: its program (SUFFIX), or that it has none (UNKEPT)."""
+    return os.path.join(_directory, key + suffix)
+
+
 def _obtain(key: str, fn: Any, graphdef: Any, args: tuple, static: dict) -> Any:
     """The executable of `key`: kept on disk, or compiled now (and kept)."""
-    path = os.path.join(_directory, key + SUFFIX)
-    if os.path.exists(os.path.join(_directory, key + UNKEPT)):
+    path = _file(key, SUFFIX)
+    if os.path.exists(_file(key, UNKEPT)):
         return functools.partial(fn, graphdef, **static)  # as before: jax.jit
     with timing.phase("programs"):
         compiled = _load(path) if os.path.exists(path) else None
@@ -365,8 +370,7 @@ def prepare(fn: Any, graphdef: Any, args: tuple, static: dict, *, load: bool = T
     if not _single_device(concrete):
         return
     key = _key(fn, graphdef, leaves, treedef, static)
-    kept = lambda suffix: os.path.exists(os.path.join(_directory, key + suffix))
-    if not load and (kept(SUFFIX) or kept(UNKEPT)):
+    if not load and any(os.path.exists(_file(key, suffix)) for suffix in (SUFFIX, UNKEPT)):
         return
     with _lock:
         if _pool is None:
