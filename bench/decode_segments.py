@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     from attention_jax import Translator
+    from attention_jax.runtime.cpus import usable_cpus
     from attention_jax.search import decoding, segments, stages
 
     lines = source_lines(args)
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         "workdir": args.workdir,
         "lines": len(lines),
         "beam_size": args.beam_size,
-        "cpus": len(os.sched_getaffinity(0)),
+        "cpus": usable_cpus(),
         "translate_s": round(wall, 3),
         "timed_s": round(sum(r["seconds"] for r in rows), 3),
         **harness.device_info(),
