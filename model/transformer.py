@@ -53,12 +53,17 @@ def _position_table(length: int, d_model: int, halves: bool = False) -> np.ndarr
 class DecodeCache:
     """Everything incremental decoding carries from one step to the next (a pytree).
 
-    self_kv: per decoder layer, keys/values [R, N, L, H] of the first `index` tokens
-      (heads first: the layout decoding attention reads; L = the capacity).
+    self_kv: per decoder layer, keys/values [R, N, L, H] (heads first: the layout
+      decoding attention reads; L = the capacity), a ring: the token fed at step g
+      is in slot g mod L.
     cross_kv: per decoder layer, the encoder output's keys/values [B, N, S, H],
       computed once per source.
     src_valid: [B, S] bool, False on source padding.
-    index: [] int32, position of the next token to be fed.
+    index: [] int32, the step g of the next token to be fed (every row's).
+    start: [B] int32, the step at which each source's first token was fed: a source
+      that takes over a finished one's rows (search/pool.py) starts later. A row
+      attends over its own source's tokens alone, at positions index - start, so at
+      most L of them.
 
     R = B, or B*K when each source has K beams (`repeat`): rows b*K .. b*K + K-1
     are source b's, and share its cross-attention keys/values.
@@ -68,6 +73,7 @@ class DecodeCache:
     cross_kv: tuple[KVCache, ...]
     src_valid: jax.Array
     index: jax.Array
+    start: jax.Array
 
     @property
     def max_length(self) -> int:
@@ -109,7 +115,9 @@ class DecodeCache:
         rows = (sources[:, None] * k + jnp.arange(k)).reshape(-1)  # [B', k] -> [B'*k]
         by_source = lambda x: jnp.take(x, sources, axis=0)
         return self.reorder(rows).replace(
-            cross_kv=jax.tree.map(by_source, self.cross_kv), src_valid=by_source(self.src_valid)
+            cross_kv=jax.tree.map(by_source, self.cross_kv),
+            src_valid=by_source(self.src_valid),
+            start=by_source(self.start),
         )
 
 
@@ -400,10 +408,11 @@ class Transformer(nnx.Module):
             cross_kv=self.cross_cache(encoded),
             src_valid=src != PAD_ID,
             index=jnp.zeros((), jnp.int32),
+            start=jnp.zeros((src.shape[0],), jnp.int32),
         )
 
     def decode_step(self, tokens: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
-        """Feed one token per row at position `cache.index`.
+        """Feed one token per row at step `cache.index`: position index - start of its source.
 
         Args:
           tokens: [R] int32, the previous output token (BOS at the first step); R = B,
@@ -412,15 +421,19 @@ class Transformer(nnx.Module):
         Returns:
           logits [R, V] float32 for the next token, and the updated cache.
         """
-        i = cache.index
-        table = self.position_table_values(cache.max_length)  # [L, D]: i < L, the cache's room
-        pe = jax.lax.dynamic_slice_in_dim(table, i, 1)[None]  # [1, 1, D]
+        i, room = cache.index, cache.max_length
+        per_source = tokens.shape[0] // cache.start.shape[0]  # K
+        pos = jnp.repeat(i - cache.start, per_source)  # [B] -> [R], each row's position
+        table = self.position_table_values(room)  # [L, D]: a position < L, the cache's room
+        pe = jnp.take(table, pos, axis=0)[:, None]  # [R, 1, D]
         y = self._start(tokens[:, None], self.tgt_embed(tokens[:, None])) + pe  # [R, 1, D]
-        # Keys at positions <= i are filled; later slots are still zeros.
-        self_mask = (jnp.arange(cache.max_length) <= i)[None, None, None, :]  # [1, 1, 1, L]
+        # Slot j holds the token fed `age` steps ago: a row sees its own source's tokens,
+        # this one included (with start 0, slots not written yet are the oldest).
+        age = (i - jnp.arange(room)) % room  # [L]
+        self_mask = (age[None, :] <= pos[:, None])[:, None, None, :]  # [R, 1, 1, L]
         cross_mask = cache.src_valid[:, None, None, :]  # [B, 1, 1, S]
         y, self_kv, _ = self._decoder_stack(
-            y, cache.cross_kv, self_mask, cross_mask, cache.self_kv, i
+            y, cache.cross_kv, self_mask, cross_mask, cache.self_kv, i % room
         )
         logits = self.project(self._final(y))[:, 0]  # [B, 1, V] -> [B, V]
         return logits, cache.replace(self_kv=self_kv, index=i + 1)

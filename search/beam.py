@@ -76,7 +76,7 @@ def reorder_rows(cache: Any, rows: jax.Array) -> Any:
 class BeamState(NamedTuple):
     """One batch of B sources between steps (a pytree); C = the room for tokens."""
 
-    step: jax.Array  # [] int32, index of the output token produced next
+    step: jax.Array  # [] int32, steps taken (a source's next column: step - start)
     live_seqs: jax.Array  # [B, K, C] int32, hypotheses without EOS yet
     live_logp: jax.Array  # [B, K] float32, their log-probabilities (-inf = empty slot)
     fin_seqs: jax.Array  # [B, K, C] int32, EOS-terminated hypotheses, best first
@@ -86,7 +86,8 @@ class BeamState(NamedTuple):
     controls: Controls  # per source: its prefix [B, P] and phrases [B, Q, T] (constraints.py)
     progress: jax.Array  # [B, K, Q] int32, tokens of each phrase each live beam has produced
     fin_met: jax.Array  # [B, K, Q] bool, the phrases each finished hypothesis has met
-    ended: jax.Array  # [B] int32, the step at which each source was finished (-1: not yet)
+    ended: jax.Array  # [B] int32, the column at which each source was finished (-1: not yet)
+    start: jax.Array  # [B] int32, the step at which each source's search began (search/pool.py)
 
 
 def _gather_beams(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -116,7 +117,13 @@ def init(
         progress=jnp.zeros((b, k, q), jnp.int32),
         fin_met=jnp.zeros((b, k, q), bool),
         ended=jnp.full((b,), -1, jnp.int32),
+        start=jnp.zeros((b,), jnp.int32),
     )
+
+
+def columns(s: BeamState) -> jax.Array:
+    """[B] int32: each source's next output column, the steps its search has taken."""
+    return s.step - s.start
 
 
 def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
@@ -130,7 +137,7 @@ def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     if rule.stop == "count":  # the K slots hold every hypothesis finished so far until full
         return jnp.isfinite(s.fin_scores[:, -1])
     # alpha >= 0: a live beam's best is log P (only falls) / lp(limit); see above.
-    length = s.step + 1 if rule.stop == "heuristic" else s.limits
+    length = columns(s) + 1 if rule.stop == "heuristic" else s.limits
     best_live = normalized_score(jnp.max(s.live_logp, axis=1), length, alpha, rule.length_penalty)
     return s.fin_scores[:, rule.n_best - 1] >= best_live  # [B]
 
@@ -186,9 +193,11 @@ def move_rows(cache: Any, origin: jax.Array, moving: jax.Array) -> Any:
 
 
 def _extend(seqs: jax.Array, beam: jax.Array, token: jax.Array, t: jax.Array) -> jax.Array:
-    """seqs [B, K, C] -> [B, M, C]: beam [B, M]'s sequence with token [B, M] at column t."""
+    """seqs [B, K, C] -> [B, M, C]: beam [B, M]'s sequence with token [B, M] at column
+    t [B] (its source's)."""
     out = _gather_beams(seqs, beam)  # [B, K, C] -> [B, M, C]
-    return jax.lax.dynamic_update_slice_in_dim(out, token[:, :, None].astype(jnp.int32), t, 2)
+    at = jnp.arange(seqs.shape[2]) == t[:, None, None]  # [B, 1, C]
+    return jnp.where(at, token[:, :, None].astype(jnp.int32), out)
 
 
 def _logp(step_fn: StepFn, s: BeamState, rule: Rule) -> tuple[jax.Array, Any]:
@@ -196,22 +205,23 @@ def _logp(step_fn: StepFn, s: BeamState, rule: Rule) -> tuple[jax.Array, Any]:
     the limit, the minimum length, the prefix's tokens, EOS before every phrase is met),
     and the decoder's cache one position on."""
     b, k, _ = s.live_seqs.shape
-    t = s.step
+    t = columns(s)  # [B]
     # [B, K, C] -> [B, K]: the token each beam fed last (column t-1; BOS at t = 0).
-    prev_col = jax.lax.dynamic_index_in_dim(s.live_seqs, jnp.maximum(t - 1, 0), 2, False)
-    prev = jnp.where(t == 0, BOS_ID, prev_col).reshape(b * k)  # [B, K] -> [B*K]
+    last = jnp.maximum(t - 1, 0)[:, None, None]  # [B, 1, 1]
+    prev_col = jnp.take_along_axis(s.live_seqs, last, axis=2)[:, :, 0]
+    prev = jnp.where((t == 0)[:, None], BOS_ID, prev_col).reshape(b * k)  # [B, K] -> [B*K]
     logits, cache = step_fn(prev, s.cache)  # [B*K] -> [B*K, V]
     v = logits.shape[-1]
     logp = jax.nn.log_softmax(logits).reshape(b, k, v)  # [B*K, V] -> [B, K, V]
     force_eos = jnp.broadcast_to((t >= s.limits - 1)[:, None], (b, k))  # [B] -> [B, K]
     prefix = s.controls.prefix  # [B, P]
     plen = jnp.sum(prefix != 0, axis=1, dtype=jnp.int32)  # [B]
-    ban_eos = jnp.broadcast_to(t < rule.min_length, (b, k))  # [B, K] (the prefix counts)
+    ban_eos = jnp.broadcast_to((t < rule.min_length)[:, None], (b, k))  # the prefix counts
     if s.progress.shape[2]:  # EOS only once every phrase is met
         ban_eos = ban_eos | jnp.any(s.progress < s.controls.lengths[:, None, :], axis=2)
     logp = restrict(logp, force_eos, rule.vocab_limit, ban_eos)
     if prefix.shape[1]:  # the prefix's token at no cost: the search ranks what follows it
-        forced = jax.lax.dynamic_index_in_dim(prefix, jnp.minimum(t, prefix.shape[1] - 1), 1)
+        forced = jnp.take_along_axis(prefix, jnp.minimum(t, prefix.shape[1] - 1)[:, None], 1)
         pinned = jnp.where(jnp.arange(v) == forced, 0.0, NEG_INF)  # [B, V]
         logp = jnp.where((t < plen)[:, None, None], pinned[:, None, :], logp)
     return logp, cache
@@ -225,7 +235,7 @@ def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamSta
     copy of it (`move_rows`).
     """
     b, k, _ = s.live_seqs.shape
-    t = s.step
+    t = columns(s)  # [B]
     stopped = done(s, alpha, rule)  # [B]: nothing is added to a done source's results
     ended = jnp.where((s.ended < 0) & (stopped | (t >= s.limits)), t, s.ended)  # [B]
     logp, cache = _logp(step_fn, s, rule)  # [B, K, V]
@@ -279,7 +289,7 @@ def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamSta
 
     # Merge the newly finished with the K kept so far; with phrases, those that met them
     # all first (only the length limit ends one that has not).
-    new_scores = normalized_score(end_logp, t + 1, alpha, rule.length_penalty)  # [B, K]
+    new_scores = normalized_score(end_logp, t[:, None] + 1, alpha, rule.length_penalty)
     ends = (end_tok == EOS_ID) & ~stopped[:, None]  # [B, K]
     if s.controls.prefix.shape[1]:  # right after a prefix only the best may end (as CTranslate2)
         plen = jnp.sum(s.controls.prefix != 0, axis=1)  # [B]
@@ -293,7 +303,7 @@ def step(step_fn: StepFn, s: BeamState, alpha: jax.Array, rule: Rule) -> BeamSta
     _, fin_pos = jax.lax.top_k(rank, k)  # [B, K]
     all_seqs = jnp.concatenate([s.fin_seqs, _extend(s.live_seqs, end_beam, end_tok, t)], 1)
     return s._replace(
-        step=t + 1,
+        step=s.step + 1,
         live_seqs=live_seqs,
         live_logp=live_logp,
         fin_seqs=_gather_beams(all_seqs, fin_pos),  # [B, 2K, C] -> [B, K, C]
@@ -311,13 +321,13 @@ _UNMET = 1e9
 
 def finished(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     """[B] bool: sources whose results are final (done, or at their length limit)."""
-    return done(s, alpha, rule) | (s.step >= s.limits)
+    return done(s, alpha, rule) | (columns(s) >= s.limits)
 
 
 def steps_taken(s: BeamState) -> jax.Array:
     """[B] int32: the steps each source's search ran (one still unfinished, or finished
     by the last step: all of them so far)."""
-    return jnp.where(s.ended < 0, s.step, s.ended)
+    return jnp.where(s.ended < 0, columns(s), s.ended)
 
 
 def step_until(

@@ -100,6 +100,32 @@ def test_cached_decoding_equals_full_forward(overrides):
     assert int(cache.index) == tgt.shape[1]
 
 
+@pytest.mark.parametrize("overrides", [{}, {**MARIAN, "positions": "table", "norm": "pre"}])
+def test_a_source_that_starts_late_in_a_wrapped_ring_sees_only_its_own_tokens(overrides):
+    # Row 0's source starts at step 0; row 1's source takes over row 1 after 5 steps of
+    # another source's tokens, in a room of 8 slots, so its tokens wrap around the ring
+    # over slots that still hold the old ones; row 0 then takes a new source too. Each
+    # must equal its own full pass.
+    m = perturbed_model(2, **{**SMALL, **overrides})
+    src = random_tokens(6, (2, 5)).at[1, 4:].set(0)
+    tgt = jnp.concatenate([jnp.full((2, 1), BOS_ID), random_tokens(7, (2, 7))], axis=1)
+    full = forward(m, src, tgt)  # [2, 8, V]
+    cache = cache_of(m, src, max_decode_len=8)
+    late = 5
+    for g in range(late + tgt.shape[1]):
+        t1 = g - late
+        tok1 = tgt[1, t1] if t1 >= 0 else jnp.int32(4 + g)  # the old source's tokens
+        if g in (late, tgt.shape[1]):
+            start0 = 0 if g < tgt.shape[1] else g
+            cache = cache.replace(start=jnp.array([start0, late], jnp.int32))
+        tok0 = tgt[0, g] if g < tgt.shape[1] else jnp.int32(5)
+        logits, cache = step_of(m, jnp.stack([tok0, tok1]).astype(jnp.int32), cache)
+        if g < tgt.shape[1]:
+            np.testing.assert_allclose(logits[0], full[0, g], atol=1e-5, rtol=1e-5)
+        if t1 >= 0:
+            np.testing.assert_allclose(logits[1], full[1, t1], atol=1e-5, rtol=1e-5)
+
+
 def test_packed_rows_equal_separate_rows():
     m = make()
     s1, s2 = random_tokens(6, (1, 4)), random_tokens(7, (1, 3))
