@@ -1,18 +1,21 @@
-"""Where a job's search time goes, program by program: each segment call timed to its end.
+"""Where a job's search time goes, program by program: each search call timed to its end.
 
     python bench/decode_segments.py --workdir=workdir/tiny          # the Ding test set
     taskset -c 0 python bench/decode_segments.py --workdir=workdir/tiny   # on one core
+    python bench/decode_segments.py --workdir=workdir/tiny --batched  # as on a GPU
 
 Translates --split's sources with the library (`attention_jax.Translator`, beam
 --beam_size) on one search stream, so that no two calls overlap, twice: the first
 prepares the programs (kept and loaded as decode.py keeps them), the second is timed.
-Every call of a shrinking batch's programs (search/segments.py: start, grow, select,
-advance) and of a small batch's whole search is timed until its outputs are ready.
-Per program and the shape of the state it returns (beam rows, room; a whole search:
-its rows): calls, seconds, the beam-row steps it ran (rows x steps) and the time per
-beam-row step (a start's includes its encoder). Blocking on each call serializes the
-host and the device, so the sum is the search with nothing overlapped;
-`bench/decode_step.py` times one step loop alone. Prints one JSON object, then a table.
+Every call of a pooled batch's search (search/pool.py, a CPU's) or, with --batched,
+of a shrinking batch's programs (search/segments.py: start, grow, select, advance)
+and of a small batch's whole search is timed until its outputs are ready. Per
+program and the shape of the state it returns (beam rows, room; a pool: its slots'
+rows; a whole search: its rows): calls, seconds, the beam-row steps it ran (rows x
+steps) and the time per beam-row step (a start's and a pool's include the encoder).
+Blocking on each call serializes the host and the device, so the sum is the search
+with nothing overlapped; `bench/decode_step.py` times one step loop alone. Prints one
+JSON object, then a table.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def _timed(table: dict, name: str, fn: Any) -> Any:
         steps = 0
         if name == "whole":
             key = (name, args[1].shape[0] * kw["rule"].beam_size, None)
+        elif name == "pool":
+            key = (name, kw["slots"] * kw["rule"].beam_size, kw["length"])
+            steps = int(out[3])
         else:
             state = out[0] if name in ("start", "advance") else out
             b, k, room = state.live_seqs.shape
@@ -70,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--split", default="test", choices=["train", "dev", "test"])
     p.add_argument("--beam_size", type=int, default=4)
     p.add_argument(
+        "--batched", action="store_true", help="search as on a GPU, not pooled as on a CPU"
+    )
+    p.add_argument(
         "--compilation_cache",
         default="default",
         help="where programs are kept, as decode.py keeps them (default: its directory); off",
@@ -78,16 +87,20 @@ def main(argv: list[str] | None = None) -> None:
 
     from attention_jax import Translator
     from attention_jax.runtime.cpus import usable_cpus
-    from attention_jax.search import decoding, segments, stages
+    from attention_jax.search import decoding, pool, segments, stages
 
     lines = source_lines(args)
     cache = None if args.compilation_cache == "off" else args.compilation_cache
     table: dict = collections.defaultdict(lambda: {"calls": 0, "seconds": 0.0, "beam_row_steps": 0})
     timed = {(segments, f"{n}_segment"): n for n in ("start", "grow", "select", "advance")}
     timed[(decoding, "search_batch")] = "whole"
-    real = {where: getattr(*where) for where in [*timed, (stages, "search_streams")]}
+    timed[(pool, "pool_search")] = "pool"
+    patched = [*timed, (stages, "search_streams"), (pool, "POOL_PLATFORMS")]
+    real = {where: getattr(*where) for where in patched}
     try:
         stages.search_streams = lambda sharding: 1  # one call at a time
+        if args.batched:
+            pool.POOL_PLATFORMS = ()
         translator = Translator(args.workdir, compilation_cache=cache)
         translator.translate(lines, beam_size=args.beam_size)  # programs compiled or loaded
         for (module, attr), name in timed.items():
@@ -111,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         "workdir": args.workdir,
         "lines": len(lines),
         "beam_size": args.beam_size,
+        "search": "batched" if args.batched else "pooled where the platform pools",
         "cpus": usable_cpus(),
         "translate_s": round(wall, 3),
         "timed_s": round(sum(r["seconds"] for r in rows), 3),

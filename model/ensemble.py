@@ -62,6 +62,10 @@ class EnsembleCache:
     def select(self, sources: jax.Array, k: int) -> EnsembleCache:
         return EnsembleCache(tuple(c.select(sources, k) for c in self.members))
 
+    def take_over(self, b: jax.Array, queue: EnsembleCache, i: jax.Array) -> EnsembleCache:
+        pairs = zip(self.members, queue.members, strict=True)
+        return EnsembleCache(tuple(c.take_over(b, q, i) for c, q in pairs))
+
 
 class Ensemble(nnx.Module):
     """Transformers of one vocabulary decoding as one (see the module docstring).

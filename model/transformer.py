@@ -120,6 +120,17 @@ class DecodeCache:
             start=by_source(self.start),
         )
 
+    def take_over(self, b: jax.Array, queue: DecodeCache, i: jax.Array) -> DecodeCache:
+        """Source slot b [] int32 holds source i [] of `queue` (another cache, e.g. of
+        room 1) from the next step on: its cross keys/values and source mask; its rows'
+        self-attention slots need no clearing, the mask hides what came before `index`."""
+        take = lambda x, q: jax.lax.dynamic_update_index_in_dim(x, q[i], b, 0)
+        return self.replace(
+            cross_kv=jax.tree.map(take, self.cross_kv, queue.cross_kv),
+            src_valid=take(self.src_valid, queue.src_valid),
+            start=jax.lax.dynamic_update_index_in_dim(self.start, self.index, b, 0),
+        )
+
 
 class Transformer(nnx.Module):
     """Encoder-decoder Transformer; see the module docstring for the calling convention."""

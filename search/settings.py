@@ -26,12 +26,12 @@ LENGTH_PENALTIES = ("gnmt", "average")
 BEAM_STOPS = ("bound", "heuristic", "count")
 # A source of n tokens may produce at most n + this many output tokens (paper 6.1).
 EXTRA_DECODE_LEN = 50
-# Padded source tokens per batch, by platform. A CPU's batches stay small: a search
-# step's time grows with its rows, and a batch runs until its slowest source is done.
-# An accelerator's are made big enough to keep it busy (beam search holds K x as many
-# tokens, each with a key and a value per layer in its cache). docs/searching.md has the
-# measurements.
-BATCH_TOKENS = {"cpu": 512, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
+# Padded source tokens per batch, by platform. A CPU's batch is the queue of a pooled
+# search (search/pool.py): a few slots search its sources in turn, so a bigger batch
+# wastes no steps, and costs only the encoding of its filler. An accelerator's are made
+# big enough to keep it busy (beam search holds K x as many tokens, each with a key and
+# a value per layer in its cache). docs/searching.md has the measurements.
+BATCH_TOKENS = {"cpu": 2048, "gpu": 32768, "cuda": 32768, "rocm": 32768, "tpu": 32768}
 # CTranslate2's (decode.py --ct2: its max_batch_size, batch_type "tokens"), by --device.
 CT2_BATCH_TOKENS = {"cpu": 4096, "cuda": 32768}
 

@@ -142,9 +142,11 @@ class Search(Protocol):
     after) and scores [B, n_best] (-inf: a slot never filled), best first; with
     controls (each source's prefix and phrases), also met [B, n_best, Q] bool. A search
     may also have `prepare(rows, width, rooms, controls)` (controls as shapes): start
-    compiling or loading the program of that shape in the background; and
+    compiling or loading the program of that shape in the background;
     `whole_counted`, run instead of `whole`: the same, with met always, then the steps
-    it ran [] and the step at which each source's search ended [B], for `--stats`.
+    it ran [] and the step at which each source's search ended [B], for `--stats`; and
+    `slots(rows, width)` with `pooled(src, slots, controls)`: a batch searched as a
+    queue in that many slots (search/pool.py), counted as `whole_counted`.
     """
 
     def whole(
@@ -324,6 +326,12 @@ def run_stages(
         if targets is not None:
             controls = put(targets.batch(picked, rows, width, max_len))
         rooms = stage_rooms(width, max_len)
+        slots = search.slots(rows, width) if multiple == 1 and hasattr(search, "slots") else 0
+        if slots:
+            with timing.search_call() as call:
+                out = search.pooled(put(src), slots, controls)
+                call.dispatched(out)
+            return _read_back(out, slots, picked, search.settings.beam_size, controls)
         if shrinks(search, rows, multiple):
             return shrinking(
                 search, src, rooms, controls=controls, place=put, fetch=fetch,
@@ -333,14 +341,11 @@ def run_stages(
         with timing.search_call() as call:
             out = (counted or search.whole)(put(src), rooms, controls)
             call.dispatched(out)
+        if counted is not None:
+            return _read_back(out, rows, picked, search.settings.beam_size, controls)
         with timing.phase("fetch"):
-            tokens, scores, *met = fetch(out)  # [B, n, C], [B, n], ([B, n, Q], [], [B])
-        if counted is None:
-            return tokens, scores, met[0] if met else None, None
-        met, step, ended = met
-        k = search.settings.beam_size
-        counts = RowCounts(run=rows * int(step) * k, needed=int(ended[: len(picked)].sum()) * k)
-        return tokens, scores, met if controls is not None else None, counts
+            tokens, scores, *met = fetch(out)  # [B, n, C], [B, n], ([B, n, Q])
+        return tokens, scores, met[0] if met else None, None
 
     def finish(found: Found, indices: list[int]) -> None:
         tokens, scores, met, counts = found
@@ -360,6 +365,18 @@ def run_stages(
     streams = search_streams(sharding) if streams is None else streams
     run_batches(plan, nonempty, search_one, finish, streams, "search")
     return results
+
+
+def _read_back(
+    out: tuple[jax.Array, ...], rows: int, picked: list[int], k: int, controls: Any
+) -> Found:
+    """A counted search's results on the host: tokens [B, n, C], scores [B, n], met [B, n, Q]
+    (None without controls), and its beam-row steps, of `rows` rows (a batch's, or a
+    pool's slots) for the steps it ran."""
+    with timing.phase("fetch"):
+        tokens, scores, met, steps, took = fetch(out)  # ..., [], [B]
+    counts = RowCounts(run=rows * int(steps) * k, needed=int(took[: len(picked)].sum()) * k)
+    return tokens, scores, met if controls is not None else None, counts
 
 
 def run_batches(

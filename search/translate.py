@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from attention_jax import Transformer
-from attention_jax.search import decoding, likelihood, programs, segments
+from attention_jax.search import decoding, likelihood, pool, programs, segments
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import decode_shape
 from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource, hypotheses
@@ -156,6 +156,22 @@ class LiveSearch:
             counted=counted,
         )
 
+    def slots(self, rows: int, width: int) -> int:
+        """The slots a batch of `rows` sources of width `width` is searched in, the batch
+        their queue (search/pool.py), or 0: searched as one batch, whole or in segments."""
+        return pool.pool_slots(rows, width)
+
+    def pooled(
+        self, src: jax.Array, slots: int, controls: Controls | None = None, call=None
+    ) -> tuple[jax.Array, ...]:
+        """search/pool.py `pool_search` of src [B, S] in `slots` slots: tokens [B, n, C],
+        scores [B, n], met [B, n, Q], the steps run [] and each source's steps [B]."""
+        length, extra = decode_shape(self.parts, src, None)
+        return pool.pool_search(
+            self.parts, src, alpha=self.settings.alpha, rule=self.rule, slots=slots,
+            length=length, extra=extra, controls=controls, call=call or self.call,
+        )  # fmt: skip
+
     def start(
         self, src: jax.Array, room: int, controls: Controls | None, until: int
     ) -> segments.Segment | None:
@@ -184,12 +200,16 @@ class LiveSearch:
         self, rows: int, width: int, rooms: Sequence[int], controls: Controls | None = None
     ) -> None:
         """Start compiling or loading, in the background, the programs of a batch of `rows`
-        sources of width `width` (controls: as shapes): every program of its segments
-        (search/segments.py `prepare_segments`), or its whole search for a batch too small
-        to shrink."""
+        sources of width `width` (controls: as shapes): its pooled search, or every program
+        of its segments (search/segments.py `prepare_segments`), or its whole search for a
+        batch too small to shrink."""
         if not programs.enabled():
             return
         src = jax.ShapeDtypeStruct((rows, width), np.int32)
+        slots = self.slots(rows, width)
+        if slots:
+            self.pooled(src, slots, controls, call=programs.prepare)
+            return
         if not shrinks(self, rows):  # the program run_stages calls
             self._whole(src, rooms, controls, counted=True, call=programs.prepare)
             return

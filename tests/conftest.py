@@ -360,3 +360,13 @@ def base(corpus, tmp_path_factory):
     shared = session_dir(tmp_path_factory, "fault-base")
     build_once(shared, lambda building: train_and_evaluate(cfg(corpus), building))
     return pathlib.Path(shared)
+
+
+@pytest.fixture
+def segmented(monkeypatch):
+    """Live searches on this CPU batched as on a GPU (whole, or shrinking in segments:
+    search/rows.py), not pooled (search/pool.py `POOL_PLATFORMS`): test_stages,
+    test_programs and test_bench_decode_segments check the segments with it."""
+    from attention_jax.search import pool
+
+    monkeypatch.setattr(pool, "POOL_PLATFORMS", ())

@@ -81,6 +81,7 @@ def _settle():
         future.result()
 
 
+@pytest.mark.usefixtures("segmented")
 def test_every_program_a_shrinking_batch_may_run_is_prepared(model, kept, monkeypatch):
     settings = SearchSettings(beam_size=2, batch_tokens=128)  # 16 rows at width 8: they shrink
     compiled = []
@@ -121,6 +122,33 @@ def test_every_program_a_shrinking_batch_may_run_is_prepared(model, kept, monkey
     assert ("_advance", 16) in ran  # this batch's first room filled: the steps ran
     assert len(rarely) == 1 and not rarely[0].startswith("compile")
     assert len(loaded) == len(want)
+
+
+def test_a_pooled_batch_runs_one_program_prepared_ahead_and_loaded_by_the_next_job(
+    model, kept, monkeypatch
+):
+    settings = SearchSettings(beam_size=2, batch_tokens=128)  # 16 sources of width 8, 8 slots
+    compiled, ran = [], []
+    real_compile, real_obtain = programs._compile, programs._obtain
+    monkeypatch.setattr(
+        programs, "_compile", lambda fn, *a: compiled.append(fn.__name__) or real_compile(fn, *a)
+    )
+
+    def obtain(key, fn, *a):
+        program = real_obtain(key, fn, *a)
+        return lambda *args: ran.append(fn.__name__) or program(*args)
+
+    monkeypatch.setattr(programs, "_obtain", obtain)
+    lengths = np.random.default_rng(9).integers(2, 9, (2, 16))
+    translate_ids(model, sources_of(lengths[0], seed=9), settings)
+    _settle()
+    assert compiled == ["_pool"] and ran == ["_pool"] and len(kept_files(kept)) == 1
+    monkeypatch.setattr(programs, "_loaded", {})  # a new process, other sources
+    monkeypatch.setattr(programs, "_pending", {})
+    compiled.clear()
+    translate_ids(model, sources_of(lengths[1], seed=10), settings)
+    _settle()
+    assert compiled == [] and ran == ["_pool", "_pool"]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -113,6 +113,10 @@ class _Recording(LiveSearch):
         _SEEN.add(("whole", *src.shape))
         return super().whole_counted(src, rooms, controls)
 
+    def pooled(self, src, slots, controls=None, call=None):  # prepared or run
+        _SEEN.add(("pool", *src.shape, slots))
+        return super().pooled(src, slots, controls, call)
+
     def grow(self, state, room):
         _SEEN.add(("grow", *state.live_seqs.shape[::2]))
         return super().grow(state, room)
@@ -126,15 +130,25 @@ class _Recording(LiveSearch):
         return super().advance(state, until)
 
 
-def test_a_jobs_programs_do_not_depend_on_how_its_sources_are_cut(model):
-    settings = SearchSettings(beam_size=2, batch_tokens=128)  # full rows: 16 at width 8
+# A job's programs at --batch_tokens=128 (max_len 96): full batches of 16 sources at
+# width 8, a small input's of 8 (widths 8 and 16).
+# Pooled (a CPU's): a batch's one program, its slots as many sources as hold 64 tokens.
+POOLED = {("pool", 16, 8, 8), ("pool", 8, 8, 8), ("pool", 8, 16, 4)}
+# Batched (a GPU's): width 8's rooms are 24, 48, 58; its 16 rows shrink to 4 in the last
+# room; the small batches are searched whole.
+SHRINKING = {("start", 16, 24), ("grow", 16, 24), ("select", 16, 58)}
+SHRINKING |= {("advance", r, 58) for r in (16, 4)}  # as tests/test_programs.py prepares
+BATCHED_STARTS = {("start", 16, 24), ("whole", 8, 8), ("whole", 8, 16)}
+
+
+@pytest.mark.parametrize("how", ["pooled", "batched"])
+def test_a_jobs_programs_do_not_depend_on_how_its_sources_are_cut(model, how, request):
+    if how == "batched":
+        request.getfixturevalue("segmented")
+    settings = SearchSettings(beam_size=2, batch_tokens=128)
     sources = sources_of(np.random.default_rng(4).integers(2, 16, 40), seed=4)
-    # width 8: rooms 24, 48, 58 (max_len 96); 16 rows shrink to 4 in the last room; small
-    # batches of 8 rows (widths 8 and 16) are searched whole.
-    shrinking = {("start", 16, 24), ("grow", 16, 24), ("select", 16, 58)}
-    shrinking |= {("advance", r, 58) for r in (16, 4)}  # as tests/test_programs.py prepares
-    starts = {("start", 16, 24), ("whole", 8, 8), ("whole", 8, 16)}
-    allowed = shrinking | starts
+    starts = POOLED if how == "pooled" else BATCHED_STARTS
+    allowed = POOLED if how == "pooled" else SHRINKING | BATCHED_STARTS
     results = {}
     for cut, count in ((40, 40), (9, 40), (1, 10)):  # one at a time: the first 10
         search = _Recording(model, settings)
