@@ -5,7 +5,8 @@
     tokens, scores, met, counts = shrinking(search, src, rooms, beam_size=4, ...)
 
 A batch of B sources runs until all of them are finished, but most finish long
-before the slowest (on Ding, most within 16 steps past the width). So the search
+before the slowest (on Ding, most within 16 steps past the width). Where batches are
+not pooled (search/pool.py: on a GPU or TPU, or across devices), the search
 runs in segments, down a fixed ladder of row counts (`row_ladder`: halves down to
 256 rows, then quarters down to 4). The first segment has room for rooms[0] tokens;
 it ends when the unfinished sources fit the next rung, or when its room is full, and
@@ -78,7 +79,7 @@ RUNG_RATIO = 4
 # Above this many rows a rung has half the rows of the one above instead: a big batch
 # (an accelerator's) spends most of its steps with many sources left, so the rows that
 # halves save there pay for their extra programs (docs/searching.md: the beam-row steps
-# at --batch_tokens=32768). The CPU's default batches stay below it, on quarters.
+# at --batch_tokens=32768). Smaller batches go down in quarters.
 HALVE_ABOVE = 256
 # A batch of fewer rows (a request of a few lines) runs its whole search in one program
 # (search/stages.py): it has too few rows to gain back what more programs cost to compile.

@@ -104,7 +104,8 @@ class SearchSettings:
     constraint_tokens: int = _setting(8, "--constraints: the most tokens a phrase.")
     batch_tokens: int | None = _setting(
         None,
-        "Padded source tokens per batch (x beam in memory; default: "
+        "Padded source tokens per batch, a CPU's searched a few sources at a time (x beam "
+        "in memory; default: "
         f"{BATCH_TOKENS['cpu']} on a CPU, {BATCH_TOKENS['gpu']} on a GPU or TPU; --ct2: "
         f"{CT2_BATCH_TOKENS['cpu']} on a CPU, {CT2_BATCH_TOKENS['cuda']} on CUDA).",
     )

@@ -10,9 +10,10 @@ A `Backend` is what decode.py (and the library's `Translator`) translates with: 
 live model of a workdir (`LiveTranslator`), an exported one (backends/stablehlo.py)
 or a CTranslate2 model (backends/ct2.py). The JAX ones share one batch loop
 (search/stages.py): sources of any lengths in batches of one static shape per
-width (data/plans.py `plan_translation`), each searched in one program that
-grows its room in stages (search/beam.py; greedy search for beam 1), so a job's
-programs depend on its settings and widths, never on its size.
+width (data/plans.py `plan_translation`), each searched in one program: on a CPU as
+a queue that a few slots work through (search/pool.py), elsewhere all at once,
+shrinking as its sources finish (search/rows.py); so a job's programs depend on its
+settings and widths, never on its size.
 
 With a `sharding` of the rows (e.g. training's batch sharding over its mesh),
 each batch's rows are spread over the devices. Every process passes *all*
