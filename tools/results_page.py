@@ -68,9 +68,9 @@ GONE = {
 
 # The README's table: (what, file stem, the run's fields to match, result index, format).
 HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
-    ("`make train` (tiny on Ding), then `make decode`", "cpu-zen5-20261129-9df134c-make-train",
+    ("`make train` (tiny on Ding), then `make decode`", "cpu-zen5-20261129-9b2eceb-make-train",
      {"benchmark": "make train"}, None, "{wall_s} s; dev BLEU {dev_bleu}, test BLEU {test_bleu}"),
-    ("`make decode`, first run after `make train`", "cpu-zen5-20261129-9df134c-make-train",
+    ("`make decode`, first run after `make train`", "cpu-zen5-20261129-9b2eceb-make-train",
      {"benchmark": "make decode", "run": "first after make train"}, None,
      "{wall_s} s for {lines} lines"),
     ("`make decode`, again", "cpu-zen5-20261129-03b80fd-decode",
@@ -113,7 +113,7 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
      {"benchmark": "ding_base_decode", "split": "test"}, None, "BLEU {bleu}, chrF {chrf}"),
     ("importing an OPUS-MT-sized model", "cpu-xeon-20261128-64a0a45-marian",
      {"benchmark": "marian_import", "commit": "64a0a45"}, 2, "{load_s} s"),
-    ("`make test` (the fast suite), empty caches", "cpu-zen5-20261129-f1e5482-make-test",
+    ("`make test` (the fast suite), empty caches", "cpu-zen5-20261129-9b2eceb-make-test",
      {"benchmark": "make test"}, None, "{test_s} s: {tests}"),
     ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261129-bbe3052-ci",
      {"benchmark": ".ci/run"}, None, "{wall_s} s"),
