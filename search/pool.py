@@ -109,10 +109,9 @@ def pool_state(
     (pure; `pool_search` runs it as one compiled program)."""
     n_src, k = src.shape[0], rule.beam_size
     controls = Controls.none(n_src) if controls is None else controls
-    # The first sources are encoded twice (their slots' cache, and the queue's): a few.
     queue = Queue(model.init_cache(src, 1), row_limits(src, length, extra), controls)
     first = lambda x: x[:slots]
-    cache = model.init_cache(src[:slots], length)
+    cache = queue.cache.select(jnp.arange(slots), 1).grow(length)  # the first sources
     s = beam.init(cache, first(queue.limits), k, length, jax.tree.map(first, controls))
     real = jnp.sum(queue.limits > 0, dtype=jnp.int32)
     who = jnp.where(jnp.arange(slots) < real, jnp.arange(slots, dtype=jnp.int32), -1)
