@@ -9,7 +9,8 @@ A batch searched whole (search/decoding.py) steps until its slowest source ends;
 rows shrink only as far as a few fixed row counts (search/rows.py). Here every step
 feeds the B*K rows of B sources still searching, until the queue runs dry. A
 source's search does not depend on its neighbours (search/beam.py), so its results
-are the batch search's: its columns are its own (`beam.columns`), and it takes over
+are the batch search's but at near-ties (a step's sums depend on the rows it holds):
+its columns are its own (`beam.columns`), and it takes over
 its slot's self-attention ring, seeing only its own tokens there (model/transformer.py
 `DecodeCache.take_over`; an ensemble's cache takes over each member's). The room is
 `length` throughout: the ring holds a source's tokens whatever step it joined at.
@@ -37,8 +38,9 @@ from attention_jax.transformer import Transformer
 # slots kept busy beat a batch that shrinks; elsewhere batches search whole or in
 # segments (search/rows.py). docs/searching.md has the measurements.
 POOL_PLATFORMS = ("cpu",)
-# A batch's slots: as many sources as hold this many source tokens (at least one). Few
-# slots keep a step's caches in the core's own cache; the batch is the queue.
+# A batch's slots: as many sources as hold this many source tokens (at least one): the
+# batch is the queue, and a step's time is then spent on a few rows with small caches
+# (docs/searching.md: fewer or more were slower).
 SLOT_TOKENS = 64
 
 
