@@ -35,7 +35,7 @@ _LAZY = {
     "DecoderLayer": "attention_jax.layers",
     "LayerNorm": "attention_jax.layers",
     "KVCache": "attention_jax.layers",
-    "DecodeCache": "attention_jax.transformer",
+    "DecodeCache": "attention_jax.decode_cache",
     "Transformer": "attention_jax.transformer",
     "Ensemble": "attention_jax.ensemble",
     "shift_right": "attention_jax.transformer",

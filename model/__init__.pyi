@@ -1,5 +1,6 @@
 # The names `attention_jax` offers, for type checkers: __init__.py loads each on first use.
 from attention_jax.config import TransformerConfig as TransformerConfig
+from attention_jax.decode_cache import DecodeCache as DecodeCache
 from attention_jax.ensemble import Ensemble as Ensemble
 from attention_jax.inference.text import ScoreResult as ScoreResult
 from attention_jax.inference.text import TranslationResult as TranslationResult
@@ -20,7 +21,6 @@ from attention_jax.tokens import EOS_ID as EOS_ID
 from attention_jax.tokens import PAD_ID as PAD_ID
 from attention_jax.tokens import UNK_ID as UNK_ID
 from attention_jax.training.loss import label_smoothed_loss as label_smoothed_loss
-from attention_jax.transformer import DecodeCache as DecodeCache
 from attention_jax.transformer import Transformer as Transformer
 from attention_jax.transformer import shift_right as shift_right
 

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from attention_jax.config import TransformerConfig
-from attention_jax.transformer import DecodeCache, Transformer
+from attention_jax.decode_cache import DecodeCache
+from attention_jax.transformer import Transformer
 
 
 @struct.dataclass

@@ -99,7 +99,7 @@ class KVCache:
     As projected (`MultiHeadAttention.project_kv`, full passes): k, v [B, L, N, H].
     As stored for incremental decoding: heads first, k, v [B, N, L, H]
     (`heads_first`), the layout `cached_attention` reads without a transpose. For
-    self-attention L is the cache's capacity (model/transformer.py `DecodeCache`
+    self-attention L is the cache's capacity (model/decode_cache.py `DecodeCache`
     says which slots a row sees); for cross-attention L = S.
     """
 

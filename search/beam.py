@@ -126,18 +126,6 @@ def columns(s: BeamState) -> jax.Array:
     return s.step - s.start
 
 
-def restart(s: BeamState, b: jax.Array, limit: jax.Array, controls: Controls) -> BeamState:
-    """Source slot b [] int32 begins a new source's search at the next step, as `init`
-    begins one: limit [] int32, controls its own (a `Controls` of one source, no batch
-    axis). Its rows' cache is the caller's to replace (search/pool.py)."""
-    k, capacity = s.live_seqs.shape[1:]
-    fresh = init(None, limit[None], k, capacity, jax.tree.map(lambda x: x[None], controls))
-    put = lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), b, 0)
-    fields = [f for f in s._fields if f not in ("step", "cache", "start")]
-    new = {f: jax.tree.map(put, getattr(s, f), getattr(fresh, f)) for f in fields}
-    return s._replace(**new, start=put(s.start, s.step[None]))
-
-
 def done(s: BeamState, alpha: jax.Array, rule: Rule) -> jax.Array:
     """[B] bool: sources whose n_best best hypotheses are final, by `rule.stop`:
 

@@ -10,10 +10,10 @@ rows shrink only as far as a few fixed row counts (search/rows.py). Here every s
 feeds the B*K rows of B sources still searching, until the queue runs dry. A
 source's search does not depend on its neighbours (search/beam.py), so its results
 are the batch search's but at near-ties (a step's sums depend on the rows it holds):
-its columns are its own (`beam.columns`), and it takes over
-its slot's self-attention ring, seeing only its own tokens there (model/transformer.py
-`DecodeCache.take_over`; an ensemble's cache takes over each member's). The room is
-`length` throughout: the ring holds a source's tokens whatever step it joined at.
+its columns are its own (`beam.columns`), and it takes over its slot's self-attention
+ring, seeing only its own tokens there (model/decode_cache.py `DecodeCache.take_over`;
+an ensemble's cache takes over each member's). The room is `length` throughout: the
+ring holds a source's tokens whatever step it joined at.
 """
 
 from __future__ import annotations
@@ -69,6 +69,20 @@ class Pool(NamedTuple):
     out: tuple[jax.Array, ...]  # tokens [N, n, C], scores [N, n], met [N, n, Q], took [N]
 
 
+def _restart(
+    s: beam.BeamState, b: jax.Array, limit: jax.Array, controls: Controls
+) -> beam.BeamState:
+    """Source slot b [] int32 begins a new source's search at the next step, as `beam.init`
+    begins one: limit [] int32, controls its own (a `Controls` of one source, no batch
+    axis). Its rows' cache is the caller's to replace."""
+    k, capacity = s.live_seqs.shape[1:]
+    fresh = beam.init(None, limit[None], k, capacity, jax.tree.map(lambda x: x[None], controls))
+    put = lambda x, v: jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), b, 0)
+    fields = [f for f in s._fields if f not in ("step", "cache", "start")]
+    new = {f: jax.tree.map(put, getattr(s, f), getattr(fresh, f)) for f in fields}
+    return s._replace(**new, start=put(s.start, s.step[None]))
+
+
 def _harvest(p: Pool, q: Queue, alpha: jax.Array, rule: Rule) -> Pool:
     """Each slot whose source is finished: its results to `out`, and the next source of
     the queue in its place (none once the queue is dry). A finished source gains nothing
@@ -89,7 +103,7 @@ def _harvest(p: Pool, q: Queue, alpha: jax.Array, rule: Rule) -> Pool:
 
         # Once the queue is dry the slot searches its last source again, for no one: that
         # costs less than a conditional, whose operands (the whole state) XLA may copy.
-        s = beam.restart(p.s, b, q.limits[i], jax.tree.map(lambda x: x[i], q.controls))
+        s = _restart(p.s, b, q.limits[i], jax.tree.map(lambda x: x[i], q.controls))
         s = s._replace(cache=s.cache.take_over(b, q.cache, i))
         who = p.who.at[b].set(jnp.where(refill, p.next, -1))
         return Pool(s, who, p.next + refill.astype(jnp.int32), out)
