@@ -163,10 +163,15 @@ class LiveSearch:
         return pool.pool_slots(rows, width)
 
     def pooled(
-        self, src: jax.Array, slots: int, controls: Controls | None = None, call=None
+        self,
+        src: jax.Array,
+        slots: int,
+        controls: Controls | None = None,
+        call: decoding.Call | None = None,
     ) -> tuple[jax.Array, ...]:
         """search/pool.py `pool_search` of src [B, S] in `slots` slots: tokens [B, n, C],
-        scores [B, n], met [B, n, Q], the steps run [] and each source's steps [B]."""
+        scores [B, n], met [B, n, Q], the steps run [] and each source's steps [B]
+        (call: how its program runs; default: this search's)."""
         length, extra = decode_shape(self.parts, src, None)
         return pool.pool_search(
             self.parts, src, alpha=self.settings.alpha, rule=self.rule, slots=slots,
