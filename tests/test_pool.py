@@ -28,9 +28,8 @@ def with_fillers(src, count):
 
 def whole_and_pooled(model, src, slots, rule, alpha=0.6, controls=None, max_decode_len=None):
     length, extra = decoding.decode_shape(model, src, max_decode_len)
+    controls = Controls.none(src.shape[0]) if controls is None else controls
     args = dict(alpha=alpha, rule=rule, length=length, extra=extra, controls=controls)
-    if controls is None:  # the whole batch's search counts its steps only with controls
-        args["controls"] = Controls.none(src.shape[0])
     whole = decoding.search_batch(model, src, counted=True, **args)
     pooled = pool.pool_search(model, src, slots=slots, **args)
     return whole, pooled, length
