@@ -135,6 +135,10 @@ class Transformer(nnx.Module):
     def project(self, y: jax.Array) -> jax.Array:
         """Final decoder states [B, T, D] (from `hidden`) -> logits [B, T, V] float32."""
         logits = self.unembed(y) if self.unembed is not None else self.tgt_embed.attend(y)
+        return self._biased(logits)
+
+    def _biased(self, logits: jax.Array) -> jax.Array:
+        """float32 logits [..., V] plus the output bias, if the model has one."""
         bias = self.output_bias()
         return logits if bias is None else logits + bias.astype(jnp.float32)
 
@@ -367,9 +371,7 @@ class Transformer(nnx.Module):
             y, cache.cross_kv, self_mask, cross_mask, cache.self_kv, i % room
         )
         logits = einsum_f32("RD,DV->RV", self._final(y)[:, 0], cache.output)  # [R, V]
-        bias = self.output_bias()
-        logits = logits if bias is None else logits + bias.astype(jnp.float32)
-        return logits, cache.replace(self_kv=self_kv, index=i + 1)
+        return self._biased(logits), cache.replace(self_kv=self_kv, index=i + 1)
 
     def cross_attention_weights(self, src: jax.Array, tgt_in: jax.Array) -> jax.Array:
         """Cross-attention weights of every decoder layer: [L_dec, B, N, T, S] float32.

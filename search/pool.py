@@ -30,6 +30,7 @@ from attention_jax.search import beam
 from attention_jax.search.constraints import Controls
 from attention_jax.search.decoding import Call, Parts, jit_call, split
 from attention_jax.search.scoring import NEG_INF, row_limits
+from attention_jax.search.segments import segment_results
 from attention_jax.search.settings import Rule
 from attention_jax.transformer import Transformer
 
@@ -58,6 +59,7 @@ class Queue(NamedTuple):
     cache: Any  # the model's cache of the N sources, room 1: what a slot takes over
     limits: jax.Array  # [N] int32
     controls: Controls  # per source
+    real: jax.Array  # [] int32, the sources before the fillers (never searched)
 
 
 class Pool(NamedTuple):
@@ -87,18 +89,15 @@ def _harvest(p: Pool, q: Queue, alpha: jax.Array, rule: Rule) -> Pool:
     """Each slot whose source is finished: its results to `out`, and the next source of
     the queue in its place (none once the queue is dry). A finished source gains nothing
     more, so its results are final (search/beam.py)."""
-    real = jnp.sum(q.limits > 0, dtype=jnp.int32)  # fillers are never searched
-    fin = beam.finished(p.s, alpha, rule) & (p.who >= 0)  # [B]
+    left, _, *ended = segment_results(p.s, alpha, rule)  # ended: as `out` holds them
+    fin = ~left & (p.who >= 0)  # [B]
     order = jnp.argsort(~fin, stable=True)  # the finished slots first
-    tokens, scores = beam.results(p.s)  # [B, K, C], [B, K]
-    n = rule.n_best
-    ended = (tokens[:, :n], scores[:, :n], p.s.fin_met[:, :n], beam.steps_taken(p.s))
 
     def one(j: jax.Array, p: Pool) -> Pool:
         b = order[j]
         put = lambda o, x: jax.lax.dynamic_update_index_in_dim(o, x[b], p.who[b], 0)
         out = tuple(put(o, x) for o, x in zip(p.out, ended, strict=True))
-        refill = p.next < real
+        refill = p.next < q.real
         i = jnp.minimum(p.next, q.limits.shape[0] - 1)
 
         # Once the queue is dry the slot searches its last source again, for no one: that
@@ -125,11 +124,12 @@ def pool_state(
     (pure; `pool_search` runs it as one compiled program)."""
     n_src, k = src.shape[0], rule.beam_size
     controls = Controls.none(n_src) if controls is None else controls
-    queue = Queue(model.init_cache(src, 1), row_limits(src, length, extra), controls)
+    limits = row_limits(src, length, extra)  # [N]
+    real = jnp.sum(limits > 0, dtype=jnp.int32)
+    queue = Queue(model.init_cache(src, 1), limits, controls, real)
     first = lambda x: x[:slots]
     cache = queue.cache.select(jnp.arange(slots), 1).grow(length)  # the first sources
-    s = beam.init(cache, first(queue.limits), k, length, jax.tree.map(first, controls))
-    real = jnp.sum(queue.limits > 0, dtype=jnp.int32)
+    s = beam.init(cache, first(limits), k, length, jax.tree.map(first, controls))
     who = jnp.where(jnp.arange(slots) < real, jnp.arange(slots, dtype=jnp.int32), -1)
     n = rule.n_best
     out = (
