@@ -33,9 +33,11 @@ class DecodeCache:
       that takes over a finished one's rows (search/pool.py) starts later. A row
       attends over its own source's tokens alone, at positions index - start, so at
       most L of them.
-    output: the output projection [D, V] in the compute dtype, laid out once per search
-      (a tied embedding is [V, D]): every step's few rows are multiplied by it, and
-      XLA:CPU's dot reads [D, V] faster at a few rows.
+    output: the output projection [D, V] in the compute dtype (a tied embedding is
+      [V, D]), laid out once per search or once for a job's searches
+      (`Transformer.decode_output`): every step's few rows are multiplied by it, and
+      XLA:CPU's dot reads [D, V] faster at a few rows. Searches running side by side
+      that share one copy leave more of the processor's cache to the rest.
 
     R = B, or B*K when each source has K beams (`repeat`): rows b*K .. b*K + K-1
     are source b's, and share its cross-attention keys/values.

@@ -88,9 +88,18 @@ class Ensemble(nnx.Module):
         """src [B, S], tgt_in [B, T] int32 -> the mean of the members' logits [B, T, V]."""
         return _mean([m(src, tgt_in, deterministic=deterministic) for m in self.members])
 
-    def init_cache(self, src: jax.Array, max_decode_len: int) -> EnsembleCache:
-        """Each member's cache of src [B, S], room for `max_decode_len` tokens."""
-        return EnsembleCache(tuple(m.init_cache(src, max_decode_len) for m in self.members))
+    def decode_output(self) -> tuple[jax.Array, ...]:
+        """Each member's output projection as decoding reads it (`Transformer.decode_output`)."""
+        return tuple(m.decode_output() for m in self.members)
+
+    def init_cache(
+        self, src: jax.Array, max_decode_len: int, *, output: tuple[jax.Array, ...] | None = None
+    ) -> EnsembleCache:
+        """Each member's cache of src [B, S], room for `max_decode_len` tokens (output:
+        `decode_output()`, made once for many searches; default: made here)."""
+        outputs = output or (None,) * len(self.members)
+        pairs = zip(self.members, outputs, strict=True)
+        return EnsembleCache(tuple(m.init_cache(src, max_decode_len, output=o) for m, o in pairs))
 
     def decode_step(
         self, tokens: jax.Array, cache: EnsembleCache

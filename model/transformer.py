@@ -322,12 +322,23 @@ class Transformer(nnx.Module):
 
     # --- incremental decoding ---------------------------------------------
 
+    def decode_output(self) -> jax.Array:
+        """The output projection as decoding reads it (`DecodeCache.output`): [D, V] in the
+        compute dtype."""
+        return self.output_matrix().T.astype(self.config.dtype)  # [V, D] -> [D, V]
+
     def init_cache(
-        self, src: jax.Array, max_decode_len: int, *, encoded: jax.Array | None = None
+        self,
+        src: jax.Array,
+        max_decode_len: int,
+        *,
+        encoded: jax.Array | None = None,
+        output: jax.Array | None = None,
     ) -> DecodeCache:
         """Encode src [B, S] once and precompute every layer's cross-attention keys/values.
 
         Returns a cache with room for `max_decode_len` target tokens (BOS included).
+        output: `decode_output()`, made once for many searches (default: made here).
         """
         cfg = self.config
         if max_decode_len > cfg.max_len:
@@ -343,7 +354,7 @@ class Transformer(nnx.Module):
             src_valid=src != PAD_ID,
             index=jnp.zeros((), jnp.int32),
             start=jnp.zeros((src.shape[0],), jnp.int32),
-            output=self.output_matrix().T.astype(cfg.dtype),  # [V, D] -> [D, V]
+            output=self.decode_output() if output is None else output,
         )
 
     def decode_step(self, tokens: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:

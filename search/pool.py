@@ -119,14 +119,16 @@ def pool_state(
     length: int,
     extra: int | None,
     controls: Controls | None = None,
+    output: Any = None,
 ) -> Pool:
     """src [N, S]'s searches (fillers last), `slots` at a time, once every one has ended
-    (pure; `pool_search` runs it as one compiled program)."""
+    (pure; `pool_search` runs it as one compiled program). output: the model's
+    `decode_output()`, or None to make it here."""
     n_src, k = src.shape[0], rule.beam_size
     controls = Controls.none(n_src) if controls is None else controls
     limits = row_limits(src, length, extra)  # [N]
     real = jnp.sum(limits > 0, dtype=jnp.int32)
-    queue = Queue(model.init_cache(src, 1), limits, controls, real)
+    queue = Queue(model.init_cache(src, 1, output=output), limits, controls, real)
     first = lambda x: x[:slots]
     cache = queue.cache.select(jnp.arange(slots), 1).grow(length)  # the first sources
     s = beam.init(cache, first(limits), k, length, jax.tree.map(first, controls))
@@ -147,10 +149,22 @@ def pool_state(
     return jax.lax.while_loop(lambda p: jnp.any(p.who >= 0), body, p)
 
 
+def decode_output(model: Transformer | Ensemble | Parts) -> Any:
+    """The model's output projection as its searches read it (`Transformer.decode_output`),
+    made once, to be passed to each `pool_search`."""
+    graphdef, state = split(model)
+    return _decode_output(graphdef, state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _decode_output(graphdef, state):
+    return nnx.merge(graphdef, state).decode_output()
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule", "slots", "length", "extra"))
-def _pool(graphdef, state, src, alpha, controls, *, rule, slots, length, extra):
+def _pool(graphdef, state, src, alpha, controls, output, *, rule, slots, length, extra):
     model = nnx.merge(graphdef, state)
-    p = pool_state(model, src, alpha, rule, slots, length, extra, controls)
+    p = pool_state(model, src, alpha, rule, slots, length, extra, controls, output)
     return *p.out[:3], p.s.step, p.out[3]
 
 
@@ -164,6 +178,7 @@ def pool_search(
     length: int,
     extra: int | None,
     controls: Controls | None = None,
+    output: Any = None,
     call: Call = jit_call,
 ) -> tuple[jax.Array, ...]:
     """The beam searches of src [N, S], `slots` sources at a time, in one program.
@@ -174,6 +189,10 @@ def pool_search(
       length, extra: as search/decoding.py `decode_shape` gives them; C = length is
         also the room.
       controls: each source's prefix and phrases (search/constraints.py `Controls`).
+      output: the model's `decode_output()` (`decode_output` here makes it once for
+        many calls), or None: made in the program. Searches running side by side then
+        read one copy of the output layer, which leaves more of the processor's
+        cache to the rest of their steps.
       call: runs the compiled program, as search/decoding.py `search_batch`'s.
     Returns:
       tokens [N, n, C] and scores [N, n] as `search_batch`'s (n = rule.n_best), met
@@ -185,5 +204,5 @@ def pool_search(
     graphdef, state = split(model)
     if not isinstance(src, jax.ShapeDtypeStruct):
         src = jnp.asarray(src, jnp.int32)
-    args = state, src, jnp.float32(alpha), controls
+    args = state, src, jnp.float32(alpha), controls, output
     return call(_pool, graphdef, args, dict(rule=rule, slots=slots, length=length, extra=extra))

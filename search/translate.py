@@ -175,8 +175,15 @@ class LiveSearch:
         length, extra = decode_shape(self.parts, src, None)
         return pool.pool_search(
             self.parts, src, alpha=self.settings.alpha, rule=self.rule, slots=slots,
-            length=length, extra=extra, controls=controls, call=call or self.call,
+            length=length, extra=extra, controls=controls, output=self.output,
+            call=call or self.call,
         )  # fmt: skip
+
+    @functools.cached_property
+    def output(self) -> Any:
+        """The model's output projection as its pooled searches read it, made once: the
+        searches running side by side share it (search/pool.py `decode_output`)."""
+        return pool.decode_output(self.parts)
 
     def start(
         self, src: jax.Array, room: int, controls: Controls | None, until: int

@@ -1,6 +1,7 @@
 """search/pool.py: sources that take over finished ones' slots get the results of a batch
 searched whole (search/decoding.py, itself checked against a textbook beam search)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,6 +74,25 @@ def test_an_ensembles_slots_take_over_each_members_cache():
     whole, pooled, _ = whole_and_pooled(ensemble, src, 2, search_rule(2))
     np.testing.assert_array_equal(pooled[0][:7], whole[0][:7])
     np.testing.assert_allclose(pooled[1][:7], whole[1][:7], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_an_output_layer_made_once_is_the_one_every_search_reads(model, members):
+    searched = model if members == 1 else Ensemble([make(0), make(1)])
+    src = with_fillers(ragged_src(3, LENGTHS[:5]), 1)
+    length, extra = decoding.decode_shape(searched, src, None)
+    args = dict(alpha=0.6, rule=search_rule(2), slots=2, length=length, extra=extra)
+    output = pool.decode_output(searched)
+    tied = [m.tgt_embed.embedding[...] for m in getattr(searched, "members", [searched])]
+    for made, embedding in zip(jax.tree.leaves(output), tied, strict=True):
+        np.testing.assert_array_equal(made, np.asarray(embedding).T)  # [V, D] -> [D, V]
+    inside = pool.pool_search(searched, src, **args)
+    given = pool.pool_search(searched, src, output=output, **args)
+    for a, b in zip(inside, given, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # ... and the search reads it: another output layer gives other scores
+    other = pool.pool_search(searched, src, output=jax.tree.map(lambda x: -x, output), **args)
+    assert not np.allclose(other[1][:5], inside[1][:5])
 
 
 def test_more_slots_than_real_sources_leaves_the_rest_empty(model):
