@@ -22,7 +22,8 @@ selection per rung, whichever of them a batch happens to reach, so `prepare` com
 them all (search/segments.py `prepare_segments`) and a warm job compiles nothing. A
 batch of fewer than `SHRINK_FROM` rows (a request of a few lines), and one whose rows
 are split over several devices (all of them must run the same programs in the same
-order), runs whole, in one program.
+order), runs whole, in one program. `pooled_slots` and `shrinks` say which way a batch
+goes (search/stages.py).
 
 Each segment's end is read by the host (which sources are left: a few bytes), so a
 batch's search holds its thread; search/stages.py runs batches on several threads,
@@ -84,6 +85,13 @@ HALVE_ABOVE = 256
 # A batch of fewer rows (a request of a few lines) runs its whole search in one program
 # (search/stages.py): it has too few rows to gain back what more programs cost to compile.
 SHRINK_FROM = 16
+
+
+def pooled_slots(search: Any, rows: int, width: int, devices: int = 1) -> int:
+    """The slots in which a batch of `rows` sources of width `width`, split over
+    `devices`, is searched as a queue with `search` (one that can: `slots` and `pooled`,
+    search/pool.py), or 0: searched whole or in segments."""
+    return search.slots(rows, width) if hasattr(search, "slots") and devices == 1 else 0
 
 
 def shrinks(search: Any, rows: int, devices: int = 1) -> bool:

@@ -38,7 +38,7 @@ from attention_jax.runtime.errors import UserError
 from attention_jax.search import timing
 from attention_jax.search.constraints import Controls
 from attention_jax.search.hypothesis import hypotheses
-from attention_jax.search.rows import Found, RowCounts, shrinking, shrinks
+from attention_jax.search.rows import Found, RowCounts, pooled_slots, shrinking, shrinks
 from attention_jax.search.scoring import FILLER, output_limit, prefix_room, rooms
 from attention_jax.search.settings import DEFAULTS, SearchSettings
 
@@ -326,7 +326,7 @@ def run_stages(
         if targets is not None:
             controls = put(targets.batch(picked, rows, width, max_len))
         rooms = stage_rooms(width, max_len)
-        slots = search.slots(rows, width) if multiple == 1 and hasattr(search, "slots") else 0
+        slots = pooled_slots(search, rows, width, multiple)
         if slots:
             with timing.search_call() as call:
                 out = search.pooled(put(src), slots, controls)
