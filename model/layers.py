@@ -208,8 +208,8 @@ class MultiHeadAttention(nnx.Module):
         q = q.reshape(b, (r // b) * t, *q.shape[2:])  # [R, T, N, H] -> [B, K*T, N, H]
         o = cached_attention(q, kv.k, kv.v, mask)  # [B, K*T, N, H]
         o = o.reshape(r, t, -1)  # [B, K*T, N, H] -> [R, T, N*H]
-        # W^O as [N*H, D], a view of its [N, H, D]: contracted over (N, H) as `_out` does,
-        # XLA on CPU would lay the weights out again at every step of a search's loop.
+        # W^O as [N*H, D], a view of its [N, H, D]. Through `_out`'s einsum, which contracts
+        # (H, N), XLA on CPU lays the weights out again at every step of a search's loop.
         w = self.out[...].astype(self.dtype)
         y = o @ w.reshape(-1, w.shape[-1])  # [R, T, D]
         return y if self.out_bias is None else y + self.out_bias[...].astype(self.dtype)
