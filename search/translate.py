@@ -173,9 +173,13 @@ class LiveSearch:
         scores [B, n], met [B, n, Q], the steps run [] and each source's steps [B]
         (call: how its program runs; default: this search's)."""
         length, extra = decode_shape(self.parts, src, None)
+        if isinstance(src, jax.ShapeDtypeStruct):  # a program prepared from shapes alone
+            output = jax.eval_shape(lambda: pool.decode_output(self.parts))
+        else:
+            output = self.output
         return pool.pool_search(
             self.parts, src, alpha=self.settings.alpha, rule=self.rule, slots=slots,
-            length=length, extra=extra, controls=controls, output=self.output,
+            length=length, extra=extra, controls=controls, output=output,
             call=call or self.call,
         )  # fmt: skip
 
