@@ -156,9 +156,21 @@ def decode_output(model: Transformer | Ensemble | Parts) -> Any:
     return _decode_output(graphdef, state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _decode_output(graphdef, state):
+def decode_output_shape(model: Transformer | Ensemble | Parts) -> Any:
+    """`decode_output`'s shapes and dtypes (`jax.ShapeDtypeStruct`s), for a program
+    prepared from shapes alone. The model's arrays enter the trace as its arguments: a
+    jitted function called on concrete arrays inside a trace, by threads at once (jobs
+    prepare their programs beside the running searches), can crash jaxlib while it
+    compares the calls' static arguments."""
+    graphdef, state = split(model)
+    return jax.eval_shape(functools.partial(_merged_output, graphdef), state)
+
+
+def _merged_output(graphdef, state):
     return nnx.merge(graphdef, state).decode_output()
+
+
+_decode_output = jax.jit(_merged_output, static_argnames=("graphdef",))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "rule", "slots", "length", "extra"))

@@ -146,10 +146,10 @@ def prepare_segments(
     start_segment(model, src, alpha=alpha, rule=rule, room=first, until=0, controls=controls,
                   call=call)  # fmt: skip
     graphdef, state = decoding.split(model)
-    shape = lambda src, controls: decoding.first_state(
+    shape = lambda state, src, controls: decoding.first_state(
         nnx.merge(graphdef, state), src, rule, first, length, extra, controls
-    )
-    s = jax.eval_shape(shape, src, controls)
+    )  # the arrays traced as arguments (search/pool.py `decode_output_shape` says why)
+    s = jax.eval_shape(shape, state, src, controls)
     if first < last:
         grow_segment(s, last, call)
         s = jax.eval_shape(functools.partial(beam.grow, capacity=last), s)

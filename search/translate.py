@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
@@ -96,6 +97,9 @@ def vocab_limit(tokenizer_size: int, config: Any) -> int | None:
 
 
 # --- Search over one batch --------------------------------------------------------------
+
+
+_OUTPUT_LOCK = threading.Lock()  # LiveSearch.output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +178,7 @@ class LiveSearch:
         (call: how its program runs; default: this search's)."""
         length, extra = decode_shape(self.parts, src, None)
         if isinstance(src, jax.ShapeDtypeStruct):  # a program prepared from shapes alone
-            output = jax.eval_shape(lambda: pool.decode_output(self.parts))
+            output = pool.decode_output_shape(self.parts)
         else:
             output = self.output
         return pool.pool_search(
@@ -183,11 +187,16 @@ class LiveSearch:
             call=call or self.call,
         )  # fmt: skip
 
-    @functools.cached_property
+    @property
     def output(self) -> Any:
         """The model's output projection as its pooled searches read it, made once: the
-        searches running side by side share it (search/pool.py `decode_output`)."""
-        return pool.decode_output(self.parts)
+        searches running side by side share it (search/pool.py `decode_output`). The
+        streams ask for it at once; a lock (which `functools.cached_property` no longer
+        takes from Python 3.12) has the first make it and the others wait for it."""
+        with _OUTPUT_LOCK:
+            if "_output" not in self.__dict__:  # a frozen dataclass: its __dict__ holds it
+                self.__dict__["_output"] = pool.decode_output(self.parts)
+            return self.__dict__["_output"]
 
     def start(
         self, src: jax.Array, room: int, controls: Controls | None, until: int

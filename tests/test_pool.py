@@ -1,6 +1,10 @@
 """search/pool.py: sources that take over finished ones' slots get the results of a batch
 searched whole (search/decoding.py, itself checked against a textbook beam search)."""
 
+import concurrent.futures
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +14,8 @@ from attention_jax import Ensemble
 from attention_jax.search import decoding, pool
 from attention_jax.search.constraints import Controls
 from attention_jax.search.scoring import FILLER
+from attention_jax.search.settings import SearchSettings
+from attention_jax.search.translate import LiveSearch
 from tests.conftest import search_rule
 from tests.models import make, ragged_src
 
@@ -93,6 +99,50 @@ def test_an_output_layer_made_once_is_the_one_every_search_reads(model, members)
     # ... and the search reads it: another output layer gives other scores
     other = pool.pool_search(searched, src, output=jax.tree.map(lambda x: -x, output), **args)
     assert not np.allclose(other[1][:5], inside[1][:5])
+
+
+@pytest.mark.parametrize("members", [1, 2])
+def test_a_program_prepared_from_shapes_gets_the_output_layers_shape_traced(
+    model, members, monkeypatch
+):
+    """Prepared beside running searches, it calls no jitted function on the model's
+    concrete arrays inside a trace (threads doing so at once can crash jaxlib)."""
+    searched = model if members == 1 else Ensemble([make(0), make(1)])
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), pool.decode_output(searched))
+
+    def refuse(*_, **__):
+        raise AssertionError("the output layer was made, not traced")
+
+    monkeypatch.setattr(pool, "_decode_output", refuse)
+    got = pool.decode_output_shape(searched)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == want
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(got))
+    prepared = []  # what LiveSearch.pooled hands a program prepared from shapes
+    search = LiveSearch(searched, SearchSettings(beam_size=2))
+    src = jax.ShapeDtypeStruct((4, 7), jnp.int32)
+    search.pooled(src, 2, call=lambda fn, graphdef, args, static: prepared.append(args))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), prepared[0][-1]) == want
+
+
+def test_the_streams_asking_at_once_share_one_output_layer(model, monkeypatch):
+    made = []
+
+    def slow_decode_output(parts):
+        made.append(parts)
+        time.sleep(0.05)  # the other streams ask meanwhile
+        return object()
+
+    monkeypatch.setattr(pool, "decode_output", slow_decode_output)
+    search = LiveSearch(model, SearchSettings(beam_size=2))
+    start = threading.Barrier(4)
+
+    def ask():
+        start.wait()
+        return search.output
+
+    with concurrent.futures.ThreadPoolExecutor(4) as streams:
+        outputs = list(streams.map(lambda _: ask(), range(4)))
+    assert len(made) == 1 and all(o is outputs[0] for o in outputs)
 
 
 def test_more_slots_than_real_sources_leaves_the_rest_empty(model):
