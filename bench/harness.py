@@ -233,6 +233,19 @@ def _has_package_dirs(checkout: str) -> bool:
     return True
 
 
+def failure(stderr: str, size: int = 3000) -> str:
+    """What of a failed process's stderr to show, at most `size` characters: after a crash
+    ("Fatal Python error", then every Python thread's stack), its first line and the
+    stack of the thread that crashed ("Current thread"), else the stacks from the start;
+    otherwise the end, where an error's message is."""
+    crash = stderr.rfind("Fatal Python error")
+    if crash < 0:
+        return stderr[-size:]
+    head = stderr[crash:].split("\n", 1)[0]
+    current = stderr.find("Current thread", crash)
+    return head + "\n" + stderr[current if current >= 0 else crash + len(head) :][: size]
+
+
 def run_decode(args: Sequence[str], *, decode_py: str = DECODE_PY) -> dict[str, Any]:
     """One decode.py process (this checkout's, or `decode_py` of another), run to its end.
 
@@ -261,7 +274,7 @@ def run_decode(args: Sequence[str], *, decode_py: str = DECODE_PY) -> dict[str, 
         stdout, stderr = (f.read().decode("utf-8", "replace") for f in (out, err))
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
-        raise SystemExit(f"decode.py {' '.join(args)} failed ({code}): {stderr[-2000:]}")
+        raise SystemExit(f"decode.py {' '.join(args)} failed ({code}): {failure(stderr)}")
     row: dict[str, Any] = {
         "wall_s": wall,
         "cpu_s": usage.ru_utime + usage.ru_stime,
