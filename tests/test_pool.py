@@ -145,6 +145,34 @@ def test_the_streams_asking_at_once_share_one_output_layer(model, monkeypatch):
     assert len(made) == 1 and all(o is outputs[0] for o in outputs)
 
 
+@pytest.mark.slow  # ~25 s: 150 rounds, each compiling the output layer afresh
+def test_programs_prepared_while_a_stream_makes_the_output_layer_never_crash(model):
+    """Threads preparing pooled programs from shapes while a stream makes the output
+    layer, each round on emptied jit caches, as at a job's start. Traces that called the
+    jitted output layer on the model's concrete arrays crashed jaxlib within a few dozen
+    rounds (a segfault comparing the calls' static arguments)."""
+    src = jax.ShapeDtypeStruct((4, 7), jnp.int32)
+    tied = np.asarray(model.tgt_embed.embedding[...]).T  # [V, D] -> [D, V]
+    handed = []
+
+    def prepare():
+        for _ in range(3):
+            search = LiveSearch(model, SearchSettings(beam_size=2))
+            search.pooled(src, 2, call=lambda fn, graphdef, args, static: handed.append(args))
+
+    for _ in range(150):
+        jax.clear_caches()
+        search = LiveSearch(model, SearchSettings(beam_size=2))
+        with concurrent.futures.ThreadPoolExecutor(5) as threads:
+            preparing = [threads.submit(prepare) for _ in range(4)]
+            made = threads.submit(getattr, search, "output")
+        for f in preparing:
+            f.result()  # raises what a thread raised
+        np.testing.assert_array_equal(made.result(), tied)
+    assert len(handed) == 150 * 4 * 3
+    assert all(isinstance(args[-1], jax.ShapeDtypeStruct) for args in handed)
+
+
 def test_more_slots_than_real_sources_leaves_the_rest_empty(model):
     src = with_fillers(ragged_src(5, [4, 6]), 3)  # two real sources, three slots
     whole, pooled, _ = whole_and_pooled(model, src, 3, search_rule(2), max_decode_len=9)
