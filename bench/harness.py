@@ -243,7 +243,7 @@ def failure(stderr: str, size: int = 3000) -> str:
         return stderr[-size:]
     head = stderr[crash:].split("\n", 1)[0]
     current = stderr.find("Current thread", crash)
-    return head + "\n" + stderr[current if current >= 0 else crash + len(head) :][: size]
+    return head + "\n" + stderr[current if current >= 0 else crash + len(head) :][:size]
 
 
 def run_decode(args: Sequence[str], *, decode_py: str = DECODE_PY) -> dict[str, Any]:
