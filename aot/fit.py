@@ -37,7 +37,7 @@ from jax.sharding import Mesh
 from attention_jax.aot import hlo
 from attention_jax.aot.hardware import Target, abstract_devices, parse_target
 from attention_jax.aot.roofline import kernel_roofline
-from attention_jax.data.plans import length_buckets, rows_per_batch
+from attention_jax.data import length_buckets, rows_per_batch
 from attention_jax.runtime.errors import UserError
 from attention_jax.search.decoding import tracing_for, translate_beams
 from attention_jax.search.settings import default_batch_tokens

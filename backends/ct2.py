@@ -45,8 +45,7 @@ from attention_jax.backends.ct2_export import (
     FORMAT_VERSION,
     import_ctranslate2,
 )
-from attention_jax.data.files import read_versioned_json
-from attention_jax.data.tokenizer import tokenizer_names
+from attention_jax.data import read_versioned_json, tokenizer_names
 from attention_jax.runtime.cpus import usable_cpus
 from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource
 from attention_jax.search.settings import CT2_BATCH_TOKENS, SearchSettings

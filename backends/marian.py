@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from attention_jax import Transformer, TransformerConfig
-from attention_jax.data.tokenizer import MarianTokenizer, read_sentencepiece_models
+from attention_jax.data import MarianTokenizer, read_sentencepiece_models
 from attention_jax.runtime.errors import UserError
 from attention_jax.tokens import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 

@@ -42,8 +42,12 @@ import numpy as np
 from flax import nnx
 
 from attention_jax import Transformer
-from attention_jax.data.files import atomic_write, atomic_write_bytes, read_versioned_json
-from attention_jax.data.plans import inference_widths
+from attention_jax.data import (
+    atomic_write,
+    atomic_write_bytes,
+    inference_widths,
+    read_versioned_json,
+)
 from attention_jax.search.decoding import tracing_for
 from attention_jax.search.hypothesis import Hypothesis, IdLists, Indices, PerSource
 from attention_jax.search.likelihood import score_pairs, token_log_probs

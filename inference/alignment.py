@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from attention_jax import BOS_ID, EOS_ID, Transformer
-from attention_jax.data.plans import inference_width, plan_static
+from attention_jax.data import inference_width, plan_static
 from attention_jax.inference.lines import Translated
 
 WORD_START = "▁"

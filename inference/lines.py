@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from attention_jax import EOS_ID
-from attention_jax.data.files import atomic_write
+from attention_jax.data import atomic_write
 from attention_jax.search import timing
 from attention_jax.search.hypothesis import Hypothesis
 from attention_jax.search.stages import Targets

@@ -41,7 +41,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-from attention_jax.data.files import atomic_write
+from attention_jax.data import atomic_write
 from attention_jax.runtime.errors import UserError
 from attention_jax.search.hypothesis import Hypothesis
 

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from attention_jax import BOS_ID, EOS_ID, Transformer
-from attention_jax.data.plans import inference_width
+from attention_jax.data import inference_width
 from attention_jax.inference.lines import Translated
 
 

@@ -18,9 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from attention_jax import Transformer
 from attention_jax.backends.stablehlo import ExportedTranslator
-from attention_jax.data import Tokenizer
-from attention_jax.data.files import files_identity
-from attention_jax.data.tokenizer import load_tokenizer
+from attention_jax.data import Tokenizer, files_identity, load_tokenizer
 from attention_jax.ensemble import Ensemble
 from attention_jax.inference.options import DecodeOptions
 from attention_jax.inference.progress import warn

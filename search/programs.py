@@ -58,7 +58,7 @@ from typing import Any
 
 import jax
 
-from attention_jax.data.files import atomic_write_bytes
+from attention_jax.data import atomic_write_bytes
 from attention_jax.runtime.cpus import usable_cpus
 from attention_jax.search import timing
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from attention_jax.data.plans import MIN_ROWS
+from attention_jax.data import MIN_ROWS
 
 # How scores are normalized by length: "gnmt" (the paper's setup: ((5 + len) / 6)^alpha)
 # or "average" (CTranslate2's and OpenNMT's: len^alpha); search/scoring.py.

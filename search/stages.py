@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from attention_jax.data.plans import plan_translation
+from attention_jax.data import plan_translation
 from attention_jax.runtime.cpus import usable_cpus
 from attention_jax.runtime.errors import UserError
 from attention_jax.search import timing

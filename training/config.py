@@ -33,7 +33,7 @@ from flax import nnx
 from attention_jax import Transformer, TransformerConfig
 from attention_jax.attention import resolve_config
 from attention_jax.configs.default import RENAMED
-from attention_jax.data.files import atomic_write
+from attention_jax.data import atomic_write
 from attention_jax.runtime.errors import UserError
 from attention_jax.search.settings import SearchSettings
 from attention_jax.training.mesh import AXES as MESH_AXES

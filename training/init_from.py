@@ -24,8 +24,13 @@ import numpy as np
 from flax import nnx
 
 from attention_jax.backends import marian
-from attention_jax.data.files import atomic_write_bytes
-from attention_jax.data.tokenizer import Tokenizer, get_tokenizer, has_tokenizer, load_tokenizer
+from attention_jax.data import (
+    Tokenizer,
+    atomic_write_bytes,
+    get_tokenizer,
+    has_tokenizer,
+    load_tokenizer,
+)
 from attention_jax.runtime import distributed
 from attention_jax.runtime.errors import UserError
 from attention_jax.training import config as config_lib

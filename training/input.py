@@ -34,8 +34,13 @@ import jax
 import numpy as np
 
 from attention_jax import data
-from attention_jax.data.pipeline import AgreeCounts, fit_widths, length_histogram, train_shard
-from attention_jax.data.tokenized import TokenizedCorpus
+from attention_jax.data import (
+    AgreeCounts,
+    TokenizedCorpus,
+    fit_widths,
+    length_histogram,
+    train_shard,
+)
 from attention_jax.runtime import distributed
 
 _log = logging.getLogger(__name__)

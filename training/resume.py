@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from attention_jax.data.files import atomic_write
+from attention_jax.data import atomic_write
 from attention_jax.runtime.errors import UserError
 from attention_jax.training import checkpoints as ckpt
 from attention_jax.training import config as config_lib

@@ -21,10 +21,10 @@ import ml_collections
 from flax import nnx
 
 from attention_jax import Transformer
-from attention_jax.data import Tokenizer
-from attention_jax.data.files import files_identity
-from attention_jax.data.tokenizer import (
+from attention_jax.data import (
     TOKENIZER_FILENAME,
+    Tokenizer,
+    files_identity,
     has_tokenizer,
     load_tokenizer,
     tokenizer_names,
