@@ -115,7 +115,7 @@ HEADLINES: list[tuple[str, str, dict[str, Any], int | None, str]] = [
      {"benchmark": "marian_import", "commit": "64a0a45"}, 2, "{load_s} s"),
     ("`make test` (the fast suite), empty caches", "cpu-zen5-20261129-9b2eceb-make-test",
      {"benchmark": "make test"}, None, "{test_s} s: {tests}"),
-    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261129-07c8b07-ci",
+    ("`bash .ci/run` (lint, fast, slow and floor tests)", "cpu-zen5-20261129-54ae08e-ci",
      {"benchmark": ".ci/run"}, None, "{wall_s} s"),
 ]  # fmt: skip
 
